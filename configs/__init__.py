@@ -1,0 +1,27 @@
+"""The registry of named model configs. `get_config(name)` is the one way to obtain a config by name."""
+
+from __future__ import annotations
+
+from k3jax.config import ConfigError, ModelConfig
+
+from configs import k3, kimi_linear, small
+
+_REGISTRY = {
+    "k3": k3.config,
+    "kimi_linear": kimi_linear.config,
+    "tiny": small.tiny,
+    "tiny_kimi_linear": small.tiny_kimi_linear,
+    "k3_gpu": small.k3_gpu,
+}
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
+    """Returns the named config with optional `key=value` overrides applied (each validated)."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(names())}")
+    cfg = _REGISTRY[name]()
+    return cfg.with_overrides(list(overrides)) if overrides else cfg

@@ -1,0 +1,1 @@
+"""Checkpoint conversion between the released HF layout and k3jax parameters."""

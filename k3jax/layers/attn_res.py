@@ -1,0 +1,61 @@
+"""Block Attention Residuals (K3_SPEC.md §3.1): a per-token softmax over the bank of block snapshots and the live
+partial sum, with one learned pseudo-query per read site.
+
+The bank has a fixed number of rows (`cfg.num_attn_res_snapshots`) so layers can be scanned; rows not yet written
+are masked out by the count of filled rows, which may be a traced value inside a scan.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.numerics import upcast
+
+from k3jax.layers import params
+from k3jax.layers.norms import rms_normalize
+
+
+def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
+    """Mixes sources [bank[:num_filled]..., live] with softmax(rmsnorm_nogain(V) · query); values stay raw.
+
+    `query_d` is the effective pseudo-query (norm gain ⊙ proj weight). Computed in f32, cast back to live's dtype.
+    """
+    num_rows = bank_nbtd.shape[0]
+    sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0)
+    sources = upcast(sources)  # [N+1, B, T, D]
+    scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sources, eps), query_d.astype(sources.dtype))
+    valid = jnp.arange(num_rows + 1) < num_filled
+    valid = valid.at[num_rows].set(True)  # the live partial sum is always a source
+    scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=0)
+    return jnp.einsum("sbt,sbtd->btd", probs, sources).astype(live_btd.dtype)
+
+
+class AttnResRead(nnx.Module):
+    """One read site: `{site}_res_norm.weight` (key gain) and `{site}_res_proj.weight` (pseudo-query, init 0)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
+        del rngs
+        self.eps = cfg.rms_norm_eps
+        pd = cfg.jnp_param_dtype
+        self.norm_weight = params.constant(1.0, (cfg.hidden_size,), ("norm",), pd)
+        self.query = params.constant(0.0, (cfg.hidden_size,), ("norm",), pd)  # report: init w = 0
+
+    def __call__(self, live_btd: jax.Array, bank_nbtd: jax.Array, num_filled) -> jax.Array:
+        query = upcast(self.norm_weight[...]) * upcast(self.query[...])
+        return attn_res_mix(live_btd, bank_nbtd, num_filled, query, self.eps)
+
+
+def snapshots_before(layer_index, block_size: int):
+    """Number of bank rows filled when layer `layer_index` starts (snapshots are taken at l % block == 0)."""
+    return (layer_index + block_size - 1) // block_size
+
+
+def push_snapshot(bank_nbtd: jax.Array, row, value_btd: jax.Array, do_push) -> jax.Array:
+    """Writes `value` into bank row `row` when `do_push` (traced or static); touches one row only."""
+    row = jnp.minimum(row, bank_nbtd.shape[0] - 1)
+    current = jax.lax.dynamic_index_in_dim(bank_nbtd, row, axis=0, keepdims=False)
+    new_row = jnp.where(do_push, value_btd.astype(bank_nbtd.dtype), current)
+    return jax.lax.dynamic_update_index_in_dim(bank_nbtd, new_row, row, axis=0)

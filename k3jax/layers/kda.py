@@ -1,0 +1,126 @@
+"""Kimi Delta Attention layer (K3_SPEC.md §3.2): projections, causal depthwise short conv + SiLU, L2 norm,
+per-channel decay gate (lower-bounded sigmoid for K3, softplus for Kimi-Linear), β, the delta-rule core
+(`k3jax.ops.kda`), per-head RMSNorm and the sigmoid output gate (full rank for K3, low rank for Kimi-Linear).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.numerics import upcast, wide
+
+from k3jax.config import ModelConfig
+from k3jax.layers import params
+from k3jax.layers.norms import l2_normalize, rms_normalize
+from k3jax.ops import kda as kda_ops
+
+
+class KDAState(NamedTuple):
+    """Decode state of one KDA layer: the last W-1 pre-conv q/k/v inputs and the f32 recurrent state."""
+
+    conv_q_bwp: jax.Array
+    conv_k_bwp: jax.Array
+    conv_v_bwp: jax.Array
+    state_bhkv: jax.Array
+
+
+def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: jax.Array | None):
+    """y_t = Σ_w kernel[w] · x_{t-(W-1)+w} (tap W-1 is the current token), in f32, then SiLU.
+
+    `history` holds the W-1 inputs before x (zeros when None). Returns (silu(y) f32, new history).
+    """
+    w = kernel_wp.shape[0]
+    b, t, p = x_btp.shape
+    if history_bwp is None:
+        history_bwp = jnp.zeros((b, w - 1, p), x_btp.dtype)
+    padded = jnp.concatenate([history_bwp.astype(x_btp.dtype), x_btp], axis=1)
+    padded = padded.astype(wide(jnp.promote_types(padded.dtype, kernel_wp.dtype)))
+    kernel = kernel_wp.astype(padded.dtype)
+    y = sum(padded[:, i:i + t, :] * kernel[i] for i in range(w))
+    return jax.nn.silu(y), padded[:, t:, :].astype(x_btp.dtype)
+
+
+class KDA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h, k, w, pd = (cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size,
+                          cfg.jnp_param_dtype)
+        p = h * k
+        f32 = wide(pd)  # tensors the checkpoint stores in f32
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(self, name, params.normal(rngs, (d, h, k), ("embed", "kda_heads", "kda_head_dim"), pd))
+        conv_std = 1.0 / math.sqrt(w)
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            setattr(self, name, params.normal(rngs, (w, p), ("conv_window", "kda_proj"), f32, std=conv_std))
+        self.f_a_proj = params.normal(rngs, (d, k), ("embed", "kda_gate_rank"), pd)
+        self.f_b_proj = params.normal(rngs, (k, h, k), ("kda_gate_rank", "kda_heads", "kda_head_dim"), pd)
+        # FLA-style init: A = U[1, 16]; dt = exp(U[log 1e-3, log 1e-1]) stored as inverse-softplus.
+        self.A_log = params.from_array(
+            jnp.log(jax.random.uniform(rngs.params(), (h,), f32, 1.0, 16.0)), ("kda_heads",))
+        dt = jnp.exp(jax.random.uniform(rngs.params(), (h, k), f32, math.log(1e-3), math.log(1e-1)))
+        self.dt_bias = params.from_array(dt + jnp.log(-jnp.expm1(-dt)), ("kda_heads", "kda_head_dim"))
+        self.b_proj = params.normal(rngs, (d, h), ("embed", "kda_heads"), pd)
+        if cfg.kda_output_gate == "full_rank":
+            self.g_proj = params.normal(rngs, (d, h, k), ("embed", "kda_heads", "kda_head_dim"), pd)
+        else:
+            self.g_a_proj = params.normal(rngs, (d, k), ("embed", "kda_gate_rank"), pd)
+            self.g_b_proj = params.normal(rngs, (k, h, k), ("kda_gate_rank", "kda_heads", "kda_head_dim"), pd)
+        self.o_norm = params.constant(1.0, (k,), ("kda_head_dim",), f32)
+        self.o_proj = params.normal(rngs, (h, k, d), ("kda_heads", "kda_head_dim", "embed"), pd, fan_in=p)
+
+    def init_state(self, batch_size: int) -> KDAState:
+        cfg = self.cfg
+        p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
+        conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
+        s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
+        return KDAState(conv, conv, conv, s)
+
+    def decay(self, x_btd: jax.Array) -> jax.Array:
+        """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt)."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        z = jnp.einsum("btr,rhk->bthk", x_btd @ self.f_a_proj[...].astype(dt), self.f_b_proj[...].astype(dt))
+        z = upcast(z) + upcast(self.dt_bias[...])
+        a_h = jnp.exp(upcast(self.A_log[...]))[:, None]
+        if cfg.kda_gate == "lower_bound":
+            return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a_h * z)
+        return -a_h * jax.nn.softplus(z)
+
+    def output_gate(self, x_btd: jax.Array) -> jax.Array:
+        dt = self.cfg.jnp_dtype
+        if self.cfg.kda_output_gate == "full_rank":
+            return jnp.einsum("btd,dhk->bthk", x_btd, self.g_proj[...].astype(dt))
+        return jnp.einsum("btr,rhk->bthk", x_btd @ self.g_a_proj[...].astype(dt), self.g_b_proj[...].astype(dt))
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        return self.forward(x_btd, None)[0]
+
+    def forward(self, x_btd: jax.Array, state: KDAState | None) -> tuple[jax.Array, KDAState]:
+        """Runs T >= 1 tokens from `state` (None: zeros); returns the output and the state after the last token."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        b, t, _ = x_btd.shape
+        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        x = x_btd.astype(dt)
+        hist = state if state is not None else KDAState(None, None, None, None)
+
+        def project_conv(name, history):
+            proj = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
+            y, new_history = causal_depthwise_conv(proj, getattr(self, f"{name}_conv1d")[...], history)
+            return y.astype(dt).reshape(b, t, h, k), new_history
+
+        q, conv_q = project_conv("q", hist.conv_q_bwp)
+        k_, conv_k = project_conv("k", hist.conv_k_bwp)
+        v, conv_v = project_conv("v", hist.conv_v_bwp)
+        g = self.decay(x)
+        beta = jax.nn.sigmoid(upcast(x @ self.b_proj[...].astype(dt)))
+        o_bthv, new_s = kda_ops.kda(
+            l2_normalize(q), l2_normalize(k_), v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
+            impl=cfg.kda_impl, chunk_size=cfg.kda_chunk_size)
+        o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
+        o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
+        y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))
+        return y, KDAState(conv_q, conv_k, conv_v, new_s)

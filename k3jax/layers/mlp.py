@@ -1,0 +1,47 @@
+"""SiTU-GLU / SiLU-GLU and the gated MLP used for the dense layer 0 and the shared experts."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.numerics import upcast
+
+from k3jax.config import ModelConfig
+from k3jax.layers import params
+
+
+def situ_glu(gate: jax.Array, up: jax.Array, beta1: float, beta2: float) -> jax.Array:
+    """SiTU(g, u) = b1·tanh(g/b1)·sigmoid(g) · b2·tanh(u/b2), in f32 (|out| < b1·b2); -> SwiGLU as b1, b2 -> inf."""
+    g = upcast(gate)
+    u = upcast(up)
+    return beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g) * (beta2 * jnp.tanh(u / beta2))
+
+
+def silu_glu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
+
+
+def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """The config's gated activation; returns the input dtype."""
+    if cfg.hidden_act == "situ":
+        return situ_glu(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta).astype(gate.dtype)
+    return silu_glu(gate, up)
+
+
+class GatedMLP(nnx.Module):
+    """down(act(gate x, up x)): the dense MLP (width `intermediate_size`) and the shared experts."""
+
+    def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, pd = cfg.hidden_size, cfg.jnp_param_dtype
+        self.gate_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
+        self.up_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
+        self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        dt = self.cfg.jnp_dtype
+        x = x_btd.astype(dt)
+        h = glu(x @ self.gate_proj[...].astype(dt), x @ self.up_proj[...].astype(dt), self.cfg)
+        return h @ self.down_proj[...].astype(dt)

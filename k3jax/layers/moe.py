@@ -1,0 +1,104 @@
+"""Stable LatentMoE (K3_SPEC.md §3.4): f32 sigmoid router with a selection-only bias, latent down-projection,
+SiTU-GLU experts on the latent, RMSNorm on the weighted sum, up-projection, plus unweighted shared experts.
+
+Without a latent (`routed_expert_hidden_size=None`, Kimi-Linear) the experts act on the full width directly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.numerics import upcast, wide
+
+from k3jax.config import ModelConfig
+from k3jax.layers import params
+from k3jax.layers.mlp import GatedMLP, glu
+from k3jax.layers.norms import rms_norm
+from k3jax.ops.gmm import gmm
+
+
+def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig):
+    """Returns (weights_nk f32, experts_nk int32, scores_ne f32).
+
+    Scores are sigmoid(x_f32 @ W_f32); the bias only selects (group-limited top-k as in DeepSeek-V3 when
+    num_expert_group > 1); combine weights are the unbiased scores, renormalised, times routed_scaling_factor.
+    """
+    x_wide = upcast(x_nd)
+    scores = jax.nn.sigmoid(x_wide @ router_de.astype(x_wide.dtype))
+    biased = scores + bias_e.astype(x_wide.dtype)
+    if cfg.num_expert_group > 1:
+        n, e = biased.shape
+        grouped = biased.reshape(n, cfg.num_expert_group, e // cfg.num_expert_group)
+        group_scores = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        group_mask = jnp.zeros_like(group_scores, dtype=bool).at[jnp.arange(n)[:, None], keep].set(True)
+        biased = jnp.where(jnp.repeat(group_mask, e // cfg.num_expert_group, axis=1), biased, -jnp.inf)
+    _, experts = jax.lax.top_k(biased, cfg.num_experts_per_token)
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if cfg.moe_renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores
+
+
+def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
+    """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, weighted scatter-add back (f32 sum)."""
+    n, k = experts_nk.shape
+    flat_expert = experts_nk.reshape(-1)
+    order = jnp.argsort(flat_expert, stable=True)
+    token_of_row = order // k
+    group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts)
+    rows = z_nl[token_of_row]
+    hidden = glu(gmm(rows, w1_elm, group_sizes), gmm(rows, w3_elm, group_sizes), cfg)
+    out_rows = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype))
+    out_rows = out_rows * weights_nk.reshape(-1)[order][:, None]
+    return jnp.zeros((n, z_nl.shape[-1]), out_rows.dtype).at[token_of_row].add(out_rows)
+
+
+def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
+    """Every expert on every token, combined with the sparse routing weights (tests and tiny runs only)."""
+    combine_ne = jnp.zeros((z_nl.shape[0], cfg.num_experts), weights_nk.dtype)
+    combine_ne = combine_ne.at[jnp.arange(z_nl.shape[0])[:, None], experts_nk].add(weights_nk)
+    hidden = glu(jnp.einsum("nl,elm->enm", z_nl, w1_elm), jnp.einsum("nl,elm->enm", z_nl, w3_elm), cfg)
+    out = jnp.einsum("enm,eml->enl", hidden, w2_eml, preferred_element_type=wide(hidden.dtype))
+    return jnp.einsum("enl,ne->nl", out, combine_ne)
+
+
+class LatentMoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, e, m, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_param_dtype
+        lat = cfg.expert_input_size
+        self.router = params.normal(rngs, (d, e), ("embed", "experts_router"), pd, std=cfg.initializer_range)
+        self.router_bias = params.router_bias(e, wide(pd))
+        if cfg.routed_expert_hidden_size is not None:
+            self.routed_expert_down_proj = params.normal(rngs, (d, lat), ("embed", "expert_latent"), pd)
+            self.routed_expert_up_proj = params.normal(rngs, (lat, d), ("expert_latent", "embed"), pd)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = params.constant(1.0, (lat,), ("expert_latent",), wide(pd))
+        self.w1 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
+        self.w3 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
+        self.w2 = params.normal(rngs, (e, m, lat), ("experts", "expert_mlp", "expert_latent"), pd, fan_in=m)
+        if cfg.num_shared_experts:
+            self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * m, rngs=rngs)
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        b, t, d = x_btd.shape
+        x_nd = x_btd.reshape(b * t, d).astype(dt)
+        weights_nk, experts_nk, _ = route(x_nd, self.router[...], self.router_bias[...], cfg)
+        latent = cfg.routed_expert_hidden_size is not None
+        z_nl = x_nd @ self.routed_expert_down_proj[...].astype(dt) if latent else x_nd
+        combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
+        u_nl = combine(z_nl, weights_nk, experts_nk, self.w1[...].astype(dt), self.w3[...].astype(dt),
+                       self.w2[...].astype(dt), cfg).astype(dt)
+        if latent:
+            if cfg.latent_moe_use_norm:
+                u_nl = rms_norm(u_nl, self.routed_expert_norm[...], cfg.rms_norm_eps).astype(dt)
+            u_nl = u_nl @ self.routed_expert_up_proj[...].astype(dt)
+        y_btd = u_nl.reshape(b, t, d)
+        if cfg.num_shared_experts:
+            y_btd = y_btd + self.shared_experts(x_btd)
+        return y_btd
+

@@ -1,0 +1,39 @@
+"""RMSNorm with the released numerics and the KDA L2 norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.numerics import upcast
+
+from k3jax.layers import params
+
+
+def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
+    """x_f32 * rsqrt(mean(x_f32^2) + eps), in (at least) float32 (no gain)."""
+    x32 = upcast(x)
+    return x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """Released RMSNorm: `w * normalize(x_f32).astype(x.dtype)` (the gain is applied after the cast back)."""
+    return weight * rms_normalize(x, eps).astype(x.dtype)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """KDA q/k norm in float32: x / sqrt(sum(x^2) + eps) (eps added to the sum of squares, not clamped)."""
+    x32 = upcast(x)
+    return x32 / jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis; `weight` stored in `param_dtype` (f32 where the checkpoint stores f32)."""
+
+    def __init__(self, size: int, *, eps: float, param_dtype, axis_name: str = "norm"):
+        self.eps = eps
+        self.weight = params.constant(1.0, (size,), (axis_name,), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return rms_norm(x, self.weight[...], self.eps)
