@@ -1,0 +1,58 @@
+"""The single table mapping logical axis names (on parameters and activations) to mesh axes.
+
+Mesh axes: `data` (FSDP + batch), `expert` (expert parallel; also FSDP for non-expert weights), `context`
+(sequence), `model` (tensor parallel). A logical name maps to a mesh axis, a tuple of mesh axes, or None
+(replicated). Every name a parameter uses must be listed here; `tests/test_sharding_rules.py` enforces it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+MESH_AXES = ("data", "expert", "context", "model")
+
+LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    # activations
+    "batch": ("data", "expert"),
+    "seq": "context",
+    # embeddings and trunk
+    "vocab": "model",
+    "embed": ("data", "expert"),  # FSDP over data and expert for non-expert weights
+    "norm": None,
+    "mlp": "model",
+    # KDA
+    "kda_heads": "model",
+    "kda_head_dim": None,
+    "kda_proj": "model",
+    "kda_gate_rank": None,
+    "conv_window": None,
+    # MLA
+    "heads": "model",
+    "head_dim": None,
+    "q_lora": None,
+    "kv_lora": None,
+    # MoE
+    "experts_router": None,
+    "experts": "expert",
+    "expert_latent": "data",
+    "expert_mlp": "model",
+    # scanned layer stacks
+    "layers": None,
+}
+
+
+class UnknownLogicalAxisError(KeyError):
+    """A parameter or activation uses a logical axis name missing from LOGICAL_AXIS_RULES."""
+
+
+def mesh_axes_for(logical: Iterable[str | None]) -> tuple[str | tuple[str, ...] | None, ...]:
+    """Resolves one tensor's logical axis names to mesh axes (a PartitionSpec's entries)."""
+    out = []
+    for name in logical:
+        if name is None:
+            out.append(None)
+            continue
+        if name not in LOGICAL_AXIS_RULES:
+            raise UnknownLogicalAxisError(f"logical axis {name!r} has no rule in sharding/rules.py")
+        out.append(LOGICAL_AXIS_RULES[name])
+    return tuple(out)

@@ -1,0 +1,26 @@
+"""Every parameter's logical axes resolve through the one rules table (no silently unknown names)."""
+
+import pytest
+from flax import nnx
+
+import configs
+from k3jax.model import K3Model
+from sharding.rules import MESH_AXES, UnknownLogicalAxisError, mesh_axes_for
+
+
+@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
+def test_every_parameter_axis_has_a_rule(name):
+    cfg = configs.get_config(name)
+    abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+    for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Variable)):
+        axes = var.get_metadata().get("out_sharding")
+        assert axes is not None, f"{'.'.join(map(str, path))} has no logical axes"
+        assert len(axes) == len(var.get_value().shape), f"{'.'.join(map(str, path))}: {axes} vs shape"
+        for mesh_axis in mesh_axes_for(axes):
+            for a in (mesh_axis if isinstance(mesh_axis, tuple) else (mesh_axis,)):
+                assert a is None or a in MESH_AXES
+
+
+def test_unknown_axis_is_an_error():
+    with pytest.raises(UnknownLogicalAxisError, match="no rule"):
+        mesh_axes_for(("embed", "not_an_axis"))

@@ -1,0 +1,33 @@
+"""The README's first command works: a short `tiny` run on the embedded corpus lowers the loss; bad input fails
+with a clear error."""
+
+import pytest
+
+import configs
+from k3jax.data.text import ByteTokenizer, stdlib_corpus
+from k3jax.training.simple import TrainOptions, train
+
+
+def test_tiny_training_loss_falls():
+    cfg = configs.get_config("tiny")
+    logs = []
+    losses = train(cfg, TrainOptions(steps=30, batch_size=4, seq_len=64, learning_rate=3e-3, log_every=10),
+                   log=logs.append)
+    assert len(losses) == 30
+    assert sum(losses[-5:]) / 5 < losses[0] - 1.0, f"loss did not fall: {losses[0]:.3f} -> {losses[-5:]}"
+    assert any("tokens/s" in line for line in logs)
+
+
+def test_byte_tokenizer_round_trip_and_corpus():
+    tok = ByteTokenizer(256, 257, 258, 384)
+    ids = tok.encode("héllo", add_bos=True, add_eos=True)
+    assert ids[0] == 256 and ids[-1] == 257 and tok.decode(ids) == "héllo"
+    assert len(stdlib_corpus(max_bytes=1 << 16)) > 0
+    with pytest.raises(ValueError, match="special ids"):
+        ByteTokenizer(10, 257, 258, 384)
+
+
+def test_small_vocab_is_rejected():
+    cfg = configs.get_config("tiny", ["vocab_size=200"])
+    with pytest.raises(ValueError, match="vocab_size=200"):
+        train(cfg, TrainOptions(steps=1))
