@@ -161,6 +161,9 @@ class ModelConfig:
         for name in ["param_dtype", "dtype"]:
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        for name in ["bos_token_id", "eos_token_id", "pad_token_id"]:
+            if not 0 <= getattr(self, name) < self.vocab_size:
+                raise ConfigError(f"{name}={getattr(self, name)} must be in [0, vocab_size={self.vocab_size})")
         if self.num_nextn_predict_layers > 1:
             raise ConfigError(f"num_nextn_predict_layers > 1 is not supported, got {self.num_nextn_predict_layers}")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:

@@ -28,6 +28,7 @@ def test_byte_tokenizer_round_trip_and_corpus():
 
 
 def test_small_vocab_is_rejected():
-    cfg = configs.get_config("tiny", ["vocab_size=200"])
     with pytest.raises(ValueError, match="vocab_size=200"):
-        train(cfg, TrainOptions(steps=1))
+        train(configs.get_config("tiny", ["vocab_size=200"]), TrainOptions(steps=1))
+    with pytest.raises(ValueError, match="vocab_size=258"):  # valid config, but bytes + specials do not fit
+        train(configs.get_config("tiny", ["vocab_size=258", "pad_token_id=0"]), TrainOptions(steps=1))

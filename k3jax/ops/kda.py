@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
 from k3jax.numerics import wide
 
 __all__ = ["SUB_CHUNK", "kda", "kda_chunked", "kda_recurrent", "kda_step"]
@@ -285,7 +286,7 @@ def _unit_lower_solve(l_bcc, rhs_bcd, block):
     Returns:
       ``[..., C, D]``.
     """
-    *lead, c, _ = l_bcc.shape
+    c = l_bcc.shape[-1]
     ns = c // block
     # Diagonal blocks [.., S, c, c] and their inverses by row-wise forward substitution:
     # inv[i] = e_i - L[i, :i] inv[:i].
