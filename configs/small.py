@@ -8,67 +8,49 @@ from configs import k3, kimi_linear
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258
 
 
+# Toy dimensions shared by both tiny variants (every head/latent width small, same layer kinds as the originals).
+_TOY = dict(
+    vocab_size=384,
+    hidden_size=64,
+    intermediate_size=128,
+    bos_token_id=BYTE_BOS,
+    eos_token_id=BYTE_EOS,
+    pad_token_id=BYTE_PAD,
+    kda_num_heads=2,
+    kda_head_dim=32,
+    kda_chunk_size=32,
+    num_attention_heads=2,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    num_experts=8,
+    num_experts_per_token=2,
+    moe_intermediate_size=32,
+    param_dtype="float32",
+    dtype="float32",
+    max_position_embeddings=8192,
+)
+
+
 def tiny() -> ModelConfig:
     """Every K3 layer kind at toy size: 13 layers = KDA x3 + MLA repeated (layer 0 dense), trailing MLA, 4 AttnRes
     blocks, latent MoE with SiTU, 2 scanned units. f32 so CPU runs are fast and tests are tight."""
     return k3.config().replace(
         name="tiny",
-        vocab_size=384,
-        hidden_size=64,
         num_hidden_layers=13,
         full_attn_layers=(4, 8, 12, 13),
-        intermediate_size=128,
-        bos_token_id=BYTE_BOS,
-        eos_token_id=BYTE_EOS,
-        pad_token_id=BYTE_PAD,
-        kda_num_heads=2,
-        kda_head_dim=32,
-        kda_chunk_size=32,
-        num_attention_heads=2,
         q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=8,
-        num_experts_per_token=2,
         num_shared_experts=1,
-        moe_intermediate_size=32,
         routed_expert_hidden_size=32,
         attn_res_block_size=4,
-        param_dtype="float32",
-        dtype="float32",
-        max_position_embeddings=8192,
+        **_TOY,
     )
 
 
 def tiny_kimi_linear() -> ModelConfig:
     """The Kimi-Linear variant at toy size (used against HF transformers' kimi_linear)."""
-    return kimi_linear.config().replace(
-        name="tiny_kimi_linear",
-        vocab_size=384,
-        hidden_size=64,
-        num_hidden_layers=8,
-        full_attn_layers=(4, 8),
-        intermediate_size=128,
-        bos_token_id=BYTE_BOS,
-        eos_token_id=BYTE_EOS,
-        pad_token_id=BYTE_PAD,
-        kda_num_heads=2,
-        kda_head_dim=32,
-        kda_chunk_size=32,
-        num_attention_heads=2,
-        kv_lora_rank=32,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=8,
-        num_experts_per_token=2,
-        moe_intermediate_size=32,
-        param_dtype="float32",
-        dtype="float32",
-        max_position_embeddings=8192,
-    )
+    return kimi_linear.config().replace(name="tiny_kimi_linear", num_hidden_layers=8, full_attn_layers=(4, 8), **_TOY)
 
 
 def k3_gpu() -> ModelConfig:
