@@ -99,6 +99,8 @@ def _to_hf(arr: np.ndarray, kind: str, name: str) -> np.ndarray:
         return np.ascontiguousarray(arr.T)[:, None, :]
     if name.endswith("_res_proj.weight"):
         return arr.reshape(1, -1)
+    if name.endswith("dt_bias"):
+        return arr.reshape(-1)  # ours [H, K], released [P]
     return arr
 
 

@@ -1,0 +1,59 @@
+"""HF safetensors <-> k3jax Orbax checkpoints.
+
+  python -m k3jax.convert --hf_dir DIR --out DIR [--config NAME] [--dtype bf16|f32] [--experts bf16|mxfp4]
+  python -m k3jax.convert --to_hf --checkpoint DIR --out DIR [--shard_size_gb 4]
+
+Every input check (config.json, every safetensors header, tensor names/shapes/dtypes) runs before anything is
+written; the output appears atomically (written as OUT.tmp-<pid>, renamed when complete); an existing OUT is
+replaced only with --overwrite.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from absl import app, flags
+
+flags.DEFINE_string("hf_dir", None, "HF directory: config.json + *.safetensors (+ model.safetensors.index.json)")
+flags.DEFINE_string("out", None, "output directory (must not exist unless --overwrite)")
+flags.DEFINE_string("config", None, "registry config name to check config.json against (and to use)")
+flags.DEFINE_enum("dtype", None, ["bf16", "f32"], "parameter dtype (default: config.json torch_dtype, or --config's)")
+flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
+                  "bf16: decode MXFP4 experts to the parameter dtype; mxfp4: keep them packed (decoded on load)")
+flags.DEFINE_bool("to_hf", False, "convert a k3jax checkpoint (--checkpoint) back to HF safetensors")
+flags.DEFINE_string("checkpoint", None, "k3jax checkpoint directory (with --to_hf)")
+flags.DEFINE_float("shard_size_gb", 4.0, "maximum safetensors shard size with --to_hf")
+flags.DEFINE_bool("overwrite", False, "replace an existing --out")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+    del argv
+    from k3jax.config import ConfigError
+    from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+    from k3jax.convert.safetensors_io import CheckpointError
+
+    if not FLAGS.out:
+        raise app.UsageError("--out is required")
+    start = time.time()
+    log = lambda msg: print(msg, flush=True)  # noqa: E731
+    try:
+        if FLAGS.to_hf:
+            if not FLAGS.checkpoint:
+                raise app.UsageError("--to_hf needs --checkpoint")
+            out = orbax_to_hf(FLAGS.checkpoint, FLAGS.out, overwrite=FLAGS.overwrite,
+                              max_shard_bytes=int(FLAGS.shard_size_gb * (1 << 30)), log=log)
+        else:
+            if not FLAGS.hf_dir:
+                raise app.UsageError("--hf_dir is required (or --to_hf --checkpoint)")
+            out = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, config=FLAGS.config, dtype=FLAGS.dtype,
+                              experts=FLAGS.experts, overwrite=FLAGS.overwrite, log=log)
+    except (CheckpointError, ConfigError, FileExistsError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"wrote {out} in {time.time() - start:.1f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)

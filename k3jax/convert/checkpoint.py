@@ -1,0 +1,588 @@
+"""Streaming HF safetensors <-> k3jax Orbax checkpoint conversion.
+
+Checkpoint layout (`FORMAT`), written atomically (`OUT.tmp-<pid>`, renamed when complete):
+
+    OUT/manifest.json      format, items (name -> {key: [dtype, shape]}), expert format, HF export info; written last
+    OUT/config.json        ModelConfig.to_dict()
+    OUT/hf_config.json     the source HF config.json (when converted from HF), used by --to_hf
+    OUT/tokenizer/         tiktoken.model / tokenizer_config.json copied from the HF directory, when present
+    OUT/params/<item>/     one Orbax PyTree checkpoint per item: `global.<param>` or `layer_NNNN`
+
+An item holds one decoder layer's parameters in OUR layout (`[in..., out...]`, heads split, experts stacked
+`[E, in, out]`) but unstacked over the scan axis, keyed by the parameter's local name (`self_attn.q_proj`), so the
+converter only ever holds one layer (the largest tensor group: one layer's routed experts) in host memory. Kept
+MXFP4 experts are stored as `<local>.packed` u8 [E, out, in/2] and `<local>.scale` u8 [E, out, in/32] in the HF
+orientation; loading decodes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+from collections import OrderedDict
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from k3jax.config import ConfigError, ModelConfig
+from k3jax.convert import mxfp4
+from k3jax.convert.hf_config import check_config, config_from_hf, config_to_hf, is_k3_format
+from k3jax.convert.hf_names import _to_hf, _to_ours, param_entries
+from k3jax.convert.safetensors_io import (DTYPES, CheckpointError, TensorInfo, index_directory, plan_shards,
+                                          read_tensor, write_shard)
+
+FORMAT = "k3jax-orbax-v1"
+K3_PREFIX = "language_model."
+IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+_FLOATS = {"BF16", "F16", "F32"}
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_DTYPE_FLAGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
+
+
+def dtype_from_flag(flag: str | None) -> str | None:
+    if flag is None:
+        return None
+    if str(flag) not in _DTYPE_FLAGS:
+        raise ConfigError(f"dtype must be one of bf16, f32 (got {flag!r})")
+    return _DTYPE_FLAGS[str(flag)]
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+
+
+@dataclasses.dataclass
+class Slot:
+    """One per-layer tensor of our parameter tree and where it comes from in the HF checkpoint."""
+
+    local: str  # key inside the item
+    path: tuple[str, ...]  # full parameter path in the model
+    index: int | None  # position on the scan axis (None: not stacked)
+    kind: str  # hf_names layout kind
+    hf_name: str  # release name, without prefix (experts: template with {e})
+    shape: tuple[int, ...]  # our per-layer shape
+    dtype: np.dtype  # our parameter dtype
+
+
+@dataclasses.dataclass
+class Plan:
+    cfg: ModelConfig
+    items: "OrderedDict[str, list[Slot]]"  # item name -> slots
+    params: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]  # full path -> (full shape, dtype)
+
+
+def _abstract_model(cfg: ModelConfig):
+    from flax import nnx
+
+    from k3jax.model import K3Model
+
+    return nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+
+
+def make_plan(cfg: ModelConfig) -> Plan:
+    """Items and slots for `cfg`, from `hf_names.param_entries` on an abstract (never allocated) model."""
+    from flax import nnx
+
+    model = _abstract_model(cfg)
+    dtypes = {tuple(str(p) for p in path): np.dtype(var.get_value().dtype)
+              for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
+    layers: dict[int, list[Slot]] = {}
+    globals_: list[tuple[str, list[Slot]]] = []
+    params = {}
+    for path, hf_names, kind, shape, stacked in param_entries(model):
+        dtype = dtypes[tuple(path)]
+        params[tuple(path)] = ((len(hf_names),) + tuple(shape) if stacked else tuple(shape), dtype)
+        if path[0] != "groups":
+            key = ".".join(path)
+            globals_.append((f"global.{key}", [Slot(key, tuple(path), None, kind, hf_names[0], shape, dtype)]))
+            continue
+        local = ".".join(path[5:] if path[2] == "units" else path[4:])
+        for r, name in enumerate(hf_names):
+            layer = int(_LAYER.match(name).group(1))
+            layers.setdefault(layer, []).append(
+                Slot(local, tuple(path), r if stacked else None, kind, name, shape, dtype))
+    items: OrderedDict[str, list[Slot]] = OrderedDict()
+    first = [g for g in globals_ if g[0] == "global.embed_tokens"]
+    for name, slots in first:
+        items[name] = slots
+    for layer in sorted(layers):
+        items[f"layer_{layer:04d}"] = layers[layer]
+    for name, slots in globals_:
+        if name not in items:
+            items[name] = slots
+    return Plan(cfg, items, params)
+
+
+def hf_shape(slot: Slot) -> tuple[int, ...]:
+    """The release shape of a slot's HF tensor (experts: one expert's [out, in])."""
+    s = slot.shape
+    if slot.kind == "linear":
+        n_in = 2 if slot.hf_name.endswith("self_attn.o_proj.weight") else 1
+        return (int(np.prod(s[n_in:])), int(np.prod(s[:n_in])))
+    if slot.kind == "conv":
+        return (s[1], 1, s[0])
+    if slot.kind == "experts":
+        return (s[2], s[1])
+    if slot.hf_name.endswith("_res_proj.weight"):
+        return (1,) + tuple(s)
+    if slot.hf_name.endswith("dt_bias"):
+        return (int(np.prod(s)),)
+    return tuple(s)
+
+
+def _candidates(name: str) -> list[str]:
+    """Spellings of a release name found in other writers' files (transformers' save_pretrained)."""
+    out = [name]
+    m = re.match(r"^(model\.layers\.\d+\.)mlp\.(gate_proj|up_proj|down_proj)\.weight$", name)
+    if m:
+        out.append(f"{m.group(1)}block_sparse_moe.{m.group(2)}.weight")
+    m = re.match(r"^(model\.layers\.\d+\.self_attn\.)(A_log|dt_bias|f_a_proj\.weight|f_b_proj\.weight)$", name)
+    if m:
+        out.append(f"{m.group(1)}forget_gate.{m.group(2)}")
+    return out
+
+
+@dataclasses.dataclass
+class Source:
+    """A validated HF directory: every tensor the plan needs, resolved to a file and byte range."""
+
+    hf_dir: str
+    hf_config: dict
+    cfg: ModelConfig
+    plan: Plan
+    prefix: str
+    experts: str  # "mxfp4" or "dense" (as stored in the HF files)
+    a_log_shape: tuple[int, ...] | None
+    resolved: dict[str, TensorInfo]  # release name (no prefix; experts expanded, .weight_packed/.weight_scale)
+
+    def read(self, name: str) -> np.ndarray:
+        return read_tensor(self.resolved[name])
+
+
+def _expert_names(template: str, e: int, experts: str) -> list[str]:
+    name = template.format(e=e)
+    if experts == "mxfp4":
+        return [name + "_packed", name + "_scale"]
+    return [name]
+
+
+def open_hf(hf_dir: str, *, config: ModelConfig | str | None = None, dtype: str | None = None) -> Source:
+    """Reads and validates an HF directory (config.json and every safetensors header; A_log tails are read) and
+    returns the plan for converting it. Raises CheckpointError / ConfigError listing every problem found, naming
+    tensors and files, before anything is written."""
+    cfg_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise CheckpointError(f"HF directory {hf_dir} does not exist")
+    try:
+        with open(cfg_path) as f:
+            hf_config = json.load(f)
+    except FileNotFoundError:
+        raise CheckpointError(f"missing {cfg_path}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
+    cfg = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(hf_dir)) or "hf")
+    if config is not None:
+        if isinstance(config, str):
+            import configs
+
+            config = configs.get_config(config)
+        check_config(cfg, config)
+        cfg = config
+    dtype = dtype_from_flag(dtype)
+    if dtype is None and not isinstance(config, ModelConfig):
+        text = hf_config.get("text_config", hf_config)
+        src = str(text.get("torch_dtype") or text.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
+        dtype = "float32" if src in ("float32", "torch.float32") else "bfloat16"
+    if dtype is not None:
+        cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
+    plan = make_plan(cfg)
+    tensors = index_directory(hf_dir)
+
+    prefix = K3_PREFIX if any(k.startswith(K3_PREFIX) for k in tensors) or is_k3_format(hf_config) else ""
+    experts_kind = "dense"
+    if any(k.endswith(".weight_packed") and ".experts." in k for k in tensors):
+        experts_kind = "mxfp4"
+    missing, bad, used = [], [], set()
+    resolved: dict[str, TensorInfo] = {}
+
+    def resolve(name: str) -> TensorInfo | None:
+        for cand in _candidates(name):
+            info = tensors.get(prefix + cand)
+            if info is not None:
+                used.add(prefix + cand)
+                resolved[name] = info
+                return info
+        missing.append(prefix + name)
+        return None
+
+    def where(info: TensorInfo) -> str:
+        return f"{info.name!r} in {os.path.basename(info.file)}"
+
+    a_log_infos = []
+    for item, slots in plan.items.items():
+        for slot in slots:
+            want = hf_shape(slot)
+            if slot.kind == "experts":
+                out_f, in_f = want
+                for e in range(cfg.num_experts):
+                    infos = [resolve(n) for n in _expert_names(slot.hf_name, e, experts_kind)]
+                    if None in infos:
+                        continue
+                    if experts_kind == "mxfp4":
+                        p, s = infos
+                        if p.dtype != "U8" or s.dtype != "U8":
+                            bad.append(f"{where(p)}: MXFP4 tensors must be U8, got {p.dtype} / {s.dtype}")
+                        problem = mxfp4.check_shapes(p.shape, s.shape, out_f, in_f)
+                        if problem:
+                            bad.append(f"{where(p)} {list(p.shape)} / scale {list(s.shape)}: {problem} "
+                                       f"(config: {_dims(cfg)})")
+                    else:
+                        _check(infos[0], want, bad, cfg)
+                continue
+            info = resolve(slot.hf_name)
+            if info is None:
+                continue
+            if slot.kind == "a_log":
+                n = int(np.prod(info.shape))
+                if info.dtype not in _FLOATS or sum(d != 1 for d in info.shape) > 1 or n < want[0]:
+                    bad.append(f"{where(info)} has {info.dtype}{list(info.shape)}; expected a float vector of at "
+                               f"least kda_num_heads={cfg.kda_num_heads} entries")
+                else:
+                    a_log_infos.append(info)
+                continue
+            _check(info, want, bad, cfg)
+    unexpected = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing tensor(s): {_few(missing)}")
+    if unexpected:
+        problems.append(f"{len(unexpected)} unexpected tensor(s) for this config: "
+                        f"{_few([where(tensors[k]) for k in unexpected])}")
+    if bad:
+        problems.append(f"{len(bad)} tensor(s) with a wrong shape or dtype: {_few(bad)}")
+    if problems:
+        raise CheckpointError(f"{hf_dir}: " + "; ".join(problems))
+    a_log_shape = None
+    for info in a_log_infos:  # small: read them all now, so a disagreeing tail fails before writing
+        arr = read_tensor(info).reshape(-1)
+        if np.any(arr[cfg.kda_num_heads:] != 0):
+            raise CheckpointError(f"{where(info)}: non-zero entries beyond kda_num_heads={cfg.kda_num_heads} (the "
+                                  f"stored tail must be zero); config.json and the tensors disagree on the KDA heads")
+        a_log_shape = a_log_shape or tuple(info.shape)
+    return Source(hf_dir, hf_config, cfg, plan, prefix, experts_kind, a_log_shape, resolved)
+
+
+def _dims(cfg: ModelConfig) -> str:
+    return (f"hidden_size={cfg.hidden_size}, moe_intermediate_size={cfg.moe_intermediate_size}, "
+            f"expert width={cfg.expert_input_size}")
+
+
+def _check(info: TensorInfo, want, bad: list, cfg: ModelConfig) -> None:
+    if info.dtype not in _FLOATS:
+        bad.append(f"{info.name!r} in {os.path.basename(info.file)} has dtype {info.dtype}; expected BF16/F16/F32")
+    if tuple(info.shape) != tuple(want):
+        bad.append(f"{info.name!r} in {os.path.basename(info.file)} has shape {list(info.shape)}; config.json "
+                   f"implies {list(want)}")
+
+
+def _few(items: list, n: int = 8) -> str:
+    return ", ".join(str(i) for i in items[:n]) + (f", ... ({len(items) - n} more)" if len(items) > n else "")
+
+
+# ------------------------------------------------------------------------------------------------ HF -> ours
+
+
+def convert_item(src: Source, slots: list[Slot], experts: str = "bf16") -> dict[str, np.ndarray]:
+    """One item's arrays in our layout, read one tensor at a time. `experts="mxfp4"` keeps MXFP4 experts packed
+    (only when the source stores them packed)."""
+    out: dict[str, np.ndarray] = {}
+    for slot in slots:
+        if slot.kind != "experts":
+            out[slot.local] = _to_ours(src.read(slot.hf_name), slot.kind, slot.shape).astype(slot.dtype, copy=False)
+            continue
+        e_count, in_f, out_f = slot.shape
+        if experts == "mxfp4" and src.experts == "mxfp4":
+            packed = np.empty((e_count, out_f, in_f // 2), np.uint8)
+            scale = np.empty((e_count, out_f, in_f // mxfp4.GROUP), np.uint8)
+            for e in range(e_count):
+                p, s = _expert_names(slot.hf_name, e, "mxfp4")
+                packed[e], scale[e] = src.read(p), src.read(s)
+            out[slot.local + ".packed"], out[slot.local + ".scale"] = packed, scale
+            continue
+        stacked = np.empty(slot.shape, slot.dtype)
+        for e in range(e_count):
+            if src.experts == "mxfp4":
+                p, s = _expert_names(slot.hf_name, e, "mxfp4")
+                mat = mxfp4.decode(src.read(p), src.read(s), slot.dtype)  # exact in bf16 and f32
+            else:
+                mat = src.read(slot.hf_name.format(e=e))
+            stacked[e] = mat.T  # casts to the parameter dtype
+        out[slot.local] = stacked
+    return out
+
+
+def _item_meta(arrays: dict[str, np.ndarray]) -> dict[str, list]:
+    return {k: [str(v.dtype), list(v.shape)] for k, v in arrays.items()}
+
+
+# ------------------------------------------------------------------------------------------------ atomic output
+
+
+class AtomicDir:
+    """`with AtomicDir(out, overwrite) as tmp:` writes into `out.tmp-<pid>` and renames it to `out` on success;
+    on any exception the temporary directory is removed and `out` is untouched."""
+
+    def __init__(self, out: str, overwrite: bool = False):
+        self.out = os.path.abspath(out)
+        self.overwrite = overwrite
+        self.tmp = f"{self.out}.tmp-{os.getpid()}"
+
+    def check(self) -> None:
+        if os.path.exists(self.out) and not self.overwrite:
+            raise FileExistsError(f"output {self.out} already exists (pass --overwrite to replace it)")
+
+    def __enter__(self) -> str:
+        self.check()
+        if os.path.exists(self.tmp):
+            shutil.rmtree(self.tmp)
+        os.makedirs(self.tmp)
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        old = None
+        if os.path.exists(self.out):
+            old = f"{self.out}.old-{os.getpid()}"
+            os.rename(self.out, old)
+        os.rename(self.tmp, self.out)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        return False
+
+
+def _save_item(path: str, arrays: dict[str, np.ndarray]) -> None:
+    import orbax.checkpoint as ocp
+
+    ocp.PyTreeCheckpointer().save(path, dict(arrays))
+
+
+def _restore_item(path: str) -> dict[str, np.ndarray]:
+    import orbax.checkpoint as ocp
+
+    return dict(ocp.PyTreeCheckpointer().restore(path))
+
+
+def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = None, dtype: str | None = None,
+                experts: str = "bf16", overwrite: bool = False, log: Callable[[str], None] | None = None) -> str:
+    """Converts an HF directory to a k3jax Orbax checkpoint at `out` (streaming: one layer in memory)."""
+    if experts not in ("bf16", "mxfp4"):
+        raise ConfigError(f"experts must be bf16 or mxfp4, got {experts!r}")
+    atomic = AtomicDir(out, overwrite)
+    atomic.check()
+    src = open_hf(hf_dir, config=config, dtype=dtype)  # every check happens before anything is written
+    kept = "mxfp4" if experts == "mxfp4" and src.experts == "mxfp4" else "dense"
+    with atomic as tmp:
+        os.makedirs(os.path.join(tmp, "params"))
+        items = OrderedDict()
+        for i, (name, slots) in enumerate(src.plan.items.items()):
+            arrays = convert_item(src, slots, experts)
+            _save_item(os.path.join(tmp, "params", name), arrays)
+            items[name] = _item_meta(arrays)
+            del arrays
+            if log:
+                log(f"[{i + 1}/{len(src.plan.items)}] {name}")
+        with open(os.path.join(tmp, "hf_config.json"), "w") as f:
+            json.dump(src.hf_config, f, indent=1)
+        _copy_tokenizer(hf_dir, os.path.join(tmp, "tokenizer"))
+        _write_meta(tmp, src.plan.cfg, items, kept, {
+            "prefix": src.prefix, "a_log_shape": list(src.a_log_shape) if src.a_log_shape else None,
+            "source_experts": src.experts})
+    return atomic.out
+
+
+def _copy_tokenizer(src_dir: str, dst: str) -> None:
+    present = [f for f in TOKENIZER_FILES if os.path.exists(os.path.join(src_dir, f))]
+    if present:
+        os.makedirs(dst, exist_ok=True)
+        for f in present:
+            shutil.copyfile(os.path.join(src_dir, f), os.path.join(dst, f))
+
+
+def _write_meta(tmp: str, cfg: ModelConfig, items, experts: str, hf: dict) -> None:
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(cfg.to_dict(), f, indent=1)
+    manifest = {"format": FORMAT, "complete": True, "experts": experts, "hf": hf, "items": items}
+    with open(os.path.join(tmp, "manifest.json"), "w") as f:  # last: its presence marks a complete checkpoint
+        json.dump(manifest, f, indent=1)
+
+
+def save_checkpoint(model, out: str, *, overwrite: bool = False) -> str:
+    """Writes a live K3Model as a k3jax Orbax checkpoint (same layout as `hf_to_orbax`, one item at a time)."""
+    from flax import nnx
+
+    cfg = model.cfg
+    plan = make_plan(cfg)
+    flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
+    with AtomicDir(out, overwrite) as tmp:
+        os.makedirs(os.path.join(tmp, "params"))
+        items = OrderedDict()
+        for name, slots in plan.items.items():
+            arrays = {}
+            for slot in slots:
+                value = np.asarray(flat[slot.path].get_value())
+                arrays[slot.local] = value if slot.index is None else value[slot.index]
+            _save_item(os.path.join(tmp, "params", name), arrays)
+            items[name] = _item_meta(arrays)
+        _write_meta(tmp, cfg, items, "dense", {"prefix": K3_PREFIX if cfg.uses_attn_res else "",
+                                                "a_log_shape": None, "source_experts": "dense"})
+    return os.path.abspath(out)
+
+
+# ------------------------------------------------------------------------------------------------ reading ours
+
+
+def read_manifest(ckpt: str) -> tuple[dict, ModelConfig]:
+    path = os.path.join(ckpt, "manifest.json")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{ckpt} is not a complete k3jax checkpoint (no manifest.json)")
+    with open(path) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT or not manifest.get("complete"):
+        raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
+    with open(os.path.join(ckpt, "config.json")) as f:
+        cfg = ModelConfig.from_dict({k: tuple(v) if k == "full_attn_layers" else v for k, v in json.load(f).items()})
+    return manifest, cfg
+
+
+def _decode_stack(packed: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
+    """[E, out, in/2] + [E, out, in/32] -> our [E, in, out] in `dtype`."""
+    e_count, out_f, half = packed.shape
+    res = np.empty((e_count, 2 * half, out_f), dtype)
+    for e in range(e_count):
+        res[e] = mxfp4.decode(packed[e], scale[e], dtype).T
+    return res
+
+
+def load_params(ckpt: str, dtype: str | None = None, adjust: Callable[[ModelConfig], ModelConfig] | None = None
+                ) -> tuple[ModelConfig, dict[tuple[str, ...], np.ndarray]]:
+    """Every parameter of a checkpoint as full (stacked) NumPy arrays keyed by model path; MXFP4 items decoded.
+    `adjust` may change runtime config fields (e.g. scan_layers) before the parameter tree is planned."""
+    manifest, cfg = read_manifest(ckpt)
+    dtype = dtype_from_flag(dtype)
+    if dtype is not None:
+        cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
+    if adjust is not None:
+        cfg = adjust(cfg)
+    plan = make_plan(cfg)
+    if set(plan.items) != set(manifest["items"]):
+        raise CheckpointError(f"{ckpt}: items {sorted(set(manifest['items']) ^ set(plan.items))[:5]} do not fit "
+                              f"its config.json")
+    full = {path: np.empty(shape, dt) for path, (shape, dt) in plan.params.items()}
+    for name, slots in plan.items.items():
+        item = _restore_item(os.path.join(ckpt, "params", name))
+        for slot in slots:
+            if slot.local + ".packed" in item:
+                value = _decode_stack(item[slot.local + ".packed"], item[slot.local + ".scale"], slot.dtype)
+            else:
+                value = item[slot.local]
+            if tuple(value.shape) != tuple(slot.shape):
+                raise CheckpointError(f"{ckpt}: {name}/{slot.local} has shape {list(value.shape)}; expected "
+                                      f"{list(slot.shape)}")
+            if slot.index is None:
+                full[slot.path][...] = value
+            else:
+                full[slot.path][slot.index] = value
+        del item
+    return cfg, full
+
+
+# ------------------------------------------------------------------------------------------------ ours -> HF
+
+
+def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30,
+                log: Callable[[str], None] | None = None) -> str:
+    """Writes a k3jax checkpoint as sharded HF safetensors + index + config.json (one item in memory at a time).
+    Release names (with `language_model.` for K3-format sources), A_log re-padded to its source shape, MXFP4
+    experts re-packed bit-exactly when the checkpoint kept them packed, otherwise `experts.{e}.wN.weight` in the
+    checkpoint dtype."""
+    manifest, cfg = read_manifest(ckpt)
+    plan = make_plan(cfg)
+    hf = manifest.get("hf", {})
+    prefix = hf.get("prefix", "")
+    a_log_shape = tuple(hf["a_log_shape"]) if hf.get("a_log_shape") else None
+    entries = []  # (hf name, dtype, shape, item, producer)
+    for name, slots in plan.items.items():
+        meta = manifest["items"][name]
+        for slot in slots:
+            if slot.kind == "experts" and slot.local + ".packed" in meta:
+                for part, suffix in (("packed", "_packed"), ("scale", "_scale")):
+                    dt, shape = meta[f"{slot.local}.{part}"]
+                    for e in range(shape[0]):
+                        entries.append((slot.hf_name.format(e=e) + suffix, np.dtype(dt), tuple(shape[1:]), name,
+                                        (f"{slot.local}.{part}", e, "raw")))
+                continue
+            dt, shape = meta[slot.local]
+            dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
+            if slot.kind == "experts":
+                for e in range(shape[0]):
+                    entries.append((slot.hf_name.format(e=e), dt, (shape[2], shape[1]), name,
+                                    (slot.local, e, "expert")))
+            elif slot.kind == "a_log":
+                entries.append((slot.hf_name, dt, a_log_shape or tuple(shape), name, (slot.local, None, "a_log")))
+            else:
+                entries.append((slot.hf_name, dt, hf_shape(slot), name, (slot.local, None, slot.kind)))
+
+    shards = plan_shards([(prefix + e[0], e[1], e[2]) for e in entries], max_shard_bytes)
+    by_name = {prefix + e[0]: e for e in entries}
+    cache: dict[str, Any] = {"name": None, "item": None}
+
+    def produce(full_name: str) -> np.ndarray:
+        hf_name, dt, shape, item_name, (key, e, how) = by_name[full_name]
+        if cache["name"] != item_name:
+            cache["item"], cache["name"] = None, None
+            cache["item"], cache["name"] = _restore_item(os.path.join(ckpt, "params", item_name)), item_name
+        arr = cache["item"][key]
+        if how == "raw":
+            return arr[e]
+        if how == "expert":
+            return np.ascontiguousarray(arr[e].T)
+        if how == "a_log":
+            padded = np.zeros(int(np.prod(shape)), arr.dtype)
+            padded[:arr.size] = arr.reshape(-1)
+            return padded.reshape(shape)
+        return _to_hf(arr, how, hf_name).reshape(shape)
+
+    atomic = AtomicDir(out, overwrite)
+    with atomic as tmp:
+        n = len(shards)
+        weight_map, total = {}, 0
+        for i, shard in enumerate(shards):
+            file = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            write_shard(os.path.join(tmp, file), shard, (produce(name) for name, _, _ in shard))
+            for name, dt, shape in shard:
+                weight_map[name] = file
+                total += int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+            if log:
+                log(f"wrote {file}")
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        hf_config = None
+        if os.path.exists(os.path.join(ckpt, "hf_config.json")):
+            with open(os.path.join(ckpt, "hf_config.json")) as f:
+                hf_config = json.load(f)
+        kept_packed = manifest.get("experts") == "mxfp4"
+        if hf_config is None:
+            torch_dtype = "float32" if cfg.param_dtype == "float32" else "bfloat16"
+            hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype)
+        elif not kept_packed:
+            hf_config.pop("quantization_config", None)
+            hf_config.get("text_config", {}).pop("quantization_config", None)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(hf_config, f, indent=1)
+        _copy_tokenizer(os.path.join(ckpt, "tokenizer"), tmp)
+    return atomic.out
