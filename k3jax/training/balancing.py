@@ -1,0 +1,127 @@
+"""Quantile Balancing of the MoE router bias (spec §4, report Eq 13–14).
+
+Per MoE layer per step, on the tokens just routed (m tokens, n experts, top-k), with unbiased sigmoid scores s and
+the bias b that routed them:
+
+1. `biased = s + b`; per token the top-(k+1) biased values; the (k+1)-th is the cutoff α_i;
+2. margins `r_ij = s_ij − α_i` (raw score minus the biased cutoff): under a bias b', token i would keep expert j
+   roughly iff s_ij + b'_j > α_i, i.e. iff r_ij > −b'_j;
+3. `b̂_j = −quantile_{1−k/n}(r_:,j)`: then a fraction k/n of the tokens — the target load k·m/n — clears expert j's
+   threshold;
+4. `b_next = b̂ − mean(b̂)` (top-k is shift invariant), used from the next step on.
+
+Two estimators of the quantile:
+
+- `quantile_balancing_bias`: exact, sort-based (`jnp.quantile`, linear interpolation), for one device's tokens.
+- `quantile_balancing_bias_histogram`: scalable: a fixed-bin histogram of each expert's margins over a fixed range
+  (`num_bins` bins), the counts summed over `axis_name` with `jax.lax.psum` (one all-reduce of [n, num_bins]
+  int32), the quantile by linear interpolation inside the bin holding the target rank. The estimate lies in the
+  same bin as that order statistic (so within one bin width of it) as long as it falls inside the range; margins
+  outside the range are clamped into the end bins.
+
+Everything here is a pure, jittable function of arrays (no LAPACK ops). Scores with leading batch dimensions are
+flattened to tokens; for scan-stacked layers (`router_bias` of shape [layers, n]) `jax.vmap` over the layer axis.
+Group-limited routing (`num_expert_group > 1`) is not modelled: the cutoff is the plain top-(k+1) over all experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_NUM_BINS = 256
+DEFAULT_MARGIN_RANGE = (-1.0, 1.0)  # sigmoid scores are in (0, 1): with a small bias the margins are in (-1, 1)
+
+
+def routing_margins(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
+    """r_ij = s_ij − α_i with α_i the (k+1)-th largest biased score of token i; f32 [m, n]."""
+    s = _tokens(scores)
+    n = s.shape[-1]
+    if not 0 < k < n:
+        raise ValueError(f"top-k needs 0 < k < n_experts, got k={k}, n={n}")
+    biased = s + bias.astype(jnp.float32)
+    alpha = jax.lax.top_k(biased, k + 1)[0][:, k]
+    return s - alpha[:, None]
+
+
+def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
+    """Next router bias from this step's scores (exact quantile: sort-based, linear interpolation). f32 [n]."""
+    r = routing_margins(scores, bias, k)
+    q = 1.0 - k / r.shape[-1]
+    b_hat = -jnp.quantile(r, q, axis=0, method="linear")
+    return b_hat - b_hat.mean()
+
+
+def margin_histogram(margins: jax.Array, *, num_bins: int = DEFAULT_NUM_BINS,
+                     margin_range: tuple[float, float] = DEFAULT_MARGIN_RANGE,
+                     axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+    """Per-expert counts of margins in `num_bins` equal bins over `margin_range`; int32 [n, num_bins].
+
+    Values outside the range land in the first / last bin. With `axis_name` the counts are summed over that mapped
+    axis (`shard_map` / `vmap` / `pmap`), so every participant gets the histogram of all tokens.
+    """
+    lo, hi = margin_range
+    r = margins.astype(jnp.float32)
+    n = r.shape[-1]
+    width = (hi - lo) / num_bins
+    idx = jnp.clip(jnp.floor((r - lo) / width), 0, num_bins - 1).astype(jnp.int32)  # [m, n]
+    flat = (idx + jnp.arange(n, dtype=jnp.int32)[None, :] * num_bins).reshape(-1)
+    counts = jnp.zeros((n * num_bins,), jnp.int32).at[flat].add(1).reshape(n, num_bins)
+    if axis_name is not None:
+        counts = jax.lax.psum(counts, axis_name)
+    return counts
+
+
+def histogram_quantile(counts: jax.Array, q: float | jax.Array, *,
+                       margin_range: tuple[float, float] = DEFAULT_MARGIN_RANGE) -> jax.Array:
+    """The q-quantile of each row of a histogram [n, num_bins]; f32 [n].
+
+    Uses the same rank as `jnp.quantile(..., method='linear')`: the (1-based, fractional) rank c = q·(M−1) + 1 of
+    the M counted values. The bin b with cum[b−1] < c ≤ cum[b] holds that order statistic; inside it the values are
+    taken as evenly spread, so the estimate is `lo_b + width·(c − cum[b−1]) / counts[b]`.
+    """
+    lo, hi = margin_range
+    num_bins = counts.shape[-1]
+    width = (hi - lo) / num_bins
+    counts = counts.astype(jnp.float32)
+    cum = jnp.cumsum(counts, axis=-1)
+    total = cum[:, -1]
+    c = q * jnp.maximum(total - 1.0, 0.0) + 1.0  # [n]
+    b = jnp.clip(jnp.sum(cum < c[:, None], axis=-1), 0, num_bins - 1)  # first bin with cum >= c
+    below = jnp.take_along_axis(cum, b[:, None], axis=-1)[:, 0] - jnp.take_along_axis(counts, b[:, None], axis=-1)[:, 0]
+    in_bin = jnp.take_along_axis(counts, b[:, None], axis=-1)[:, 0]
+    frac = jnp.clip((c - below) / jnp.maximum(in_bin, 1.0), 0.0, 1.0)
+    return lo + width * (b.astype(jnp.float32) + frac)
+
+
+def quantile_balancing_bias_histogram(scores: jax.Array, bias: jax.Array, k: int, *,
+                                      num_bins: int = DEFAULT_NUM_BINS,
+                                      margin_range: tuple[float, float] = DEFAULT_MARGIN_RANGE,
+                                      axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
+    """Next router bias from this step's scores, quantile from a histogram of margins (summed over `axis_name`
+    when given: call it inside `shard_map` / `vmap(axis_name=...)` over token shards). f32 [n]."""
+    r = routing_margins(scores, bias, k)
+    counts = margin_histogram(r, num_bins=num_bins, margin_range=margin_range, axis_name=axis_name)
+    b_hat = -histogram_quantile(counts, 1.0 - k / r.shape[-1], margin_range=margin_range)
+    return b_hat - b_hat.mean()
+
+
+def route_top_k(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
+    """Selected experts per token, int32 [m, k]: top-k of the biased scores (the bias only selects)."""
+    return jax.lax.top_k(_tokens(scores) + bias.astype(jnp.float32), k)[1]
+
+
+def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
+    """Load statistics of a routing: experts_nk int [N, k] (or any shape) of selected expert ids, n experts.
+
+    `max_load` / `mean_load` (= N·k/n) / `max_over_mean` (1 = perfectly balanced), plus `loads` [n].
+    """
+    ids = experts_nk.reshape(-1).astype(jnp.int32)
+    loads = jnp.zeros((n,), jnp.float32).at[ids].add(1.0)
+    mean = jnp.float32(ids.shape[0]) / n
+    max_load = loads.max()
+    return {"max_load": max_load, "mean_load": mean, "max_over_mean": max_load / mean, "loads": loads}
+
+
+def _tokens(scores: jax.Array) -> jax.Array:
+    return scores.reshape(-1, scores.shape[-1]).astype(jnp.float32)

@@ -1,0 +1,294 @@
+"""K3's optimizer (spec §4 "Per-head Muon"): Muon for matrices, AdamW for everything else, one cosine schedule.
+
+Muon: momentum 0.95 with Nesterov, Newton–Schulz quintic (3.4445, −4.7750, 2.0315) for 5 steps, applied per
+*block*:
+
+- q/k/v/g projections of KDA and MLA (`q_proj`, `k_proj`, `v_proj`, `g_proj`, and the LoRA B halves `q_b_proj`,
+  `kv_b_proj`, `g_b_proj`), stored `[in..., heads, head_dim]`: each head's `[in, head_dim]` block on its own
+  (reduction axes = the input axes, output axis = head_dim, the heads axis is a batch axis);
+- routed experts `w1, w3 [E, L, M]`, `w2 [E, M, L]`: each expert's matrix on its own (experts axis = batch axis);
+- every other matrix whole; a heads axis *leading* the layout (`o_proj [H, K, D]`) is an input axis, so `o_proj`
+  is one `[H·K, D]` matrix; a heads axis after the input (`f_b_proj [r, H, K]`) makes `(H, K)` the output axes;
+- a leading scan-stacking axis ('layers') is always a batch axis: scanned layers are independent matrices.
+
+Each block's orthogonalised update is multiplied by `0.2·√max(fan_in, fan_out)` of that block (Moonlight's
+AdamW-RMS matching, arXiv:2502.16982), so one learning rate serves both Muon and AdamW. With optax this is
+`optax.contrib.muon(..., consistent_rms=0.2)`: its `scale_by_shape` multiplies each update by
+`sqrt(max(fan_in, fan_out)) * consistent_rms`, where fan_in / fan_out are the products of the sizes of the
+`MuonDimensionNumbers` reduction / output axes — batch axes (heads, experts, layers) excluded, i.e. exactly the
+block's fan-in and fan-out. (`adaptive=True` is something else — a dual-norm rescaling ⟨G, O⟩·O — and stays off;
+`consistent_rms=None` would give Keller Jordan's `sqrt(max(1, fan_out/fan_in))` instead.)
+
+optax's Muon keeps an EMA momentum `μ ← βμ + (1−β)g` and feeds Newton–Schulz the bias-corrected Nesterov mix
+`β·μ̂ + (1−β)·ĝ`; Newton–Schulz first divides each block by its Frobenius norm, so the overall scale of the
+momentum does not matter.
+
+AdamW (β = (0.9, 0.95), eps 1e-8): embeddings and `lm_head` (a 'vocab' axis), norm gains ('norm' axis, and any
+parameter with fewer than two non-stacking axes: `A_log`, `o_norm`, `routed_expert_norm`, AttnRes pseudo-queries,
+…), biases (`dt_bias`), short-conv kernels ('conv_window' axis). Weight decay (decoupled, multiplied by the
+learning rate) is 0.1 on both. Schedule: linear warmup over the first 1% of steps, then cosine decay.
+
+Composition: `optax.partition({'muon': optax.contrib.muon(...), 'adamw': optax.adamw(...)}, labels)`. The outer
+partition is there because `optax.contrib.muon`'s own fallback for non-Muon leaves is an Adam with the Muon
+`nesterov` flag (NAdam-style), not plain AdamW; inside the 'muon' partition every leaf has dimension numbers, so
+that internal fallback receives nothing.
+
+Labels come from each `nnx.Param`'s logical axis names (`out_sharding` metadata) and the last path component; see
+`muon_dimension_numbers` and `label_table`. The router bias (`RouterBias`) is not an `nnx.Param`: Quantile
+Balancing (`k3jax.training.balancing`) updates it, not the optimizer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import optax
+from flax import nnx
+from optax.contrib import MuonDimensionNumbers
+
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+NS_STEPS = 5
+MUON_MOMENTUM = 0.95
+MUON_RMS_SCALE = 0.2  # Moonlight: update scale 0.2·sqrt(max(fan_in, fan_out)) per block
+
+MUON = "muon"
+ADAMW = "adamw"
+
+# Projections whose `[in..., heads, head_dim]` weight is orthogonalised one head block at a time.
+PER_HEAD_PROJECTIONS = frozenset({"q_proj", "k_proj", "v_proj", "g_proj", "q_b_proj", "kv_b_proj", "g_b_proj"})
+HEADS_AXES = frozenset({"heads", "kda_heads"})
+HEAD_DIM_AXES = frozenset({"head_dim", "kda_head_dim"})
+STACKING_AXES = frozenset({"layers"})  # nnx.scan stacking: always a batch axis
+EXPERT_AXES = frozenset({"experts"})  # routed experts: one block per expert
+ADAMW_AXES = frozenset({"vocab", "norm", "conv_window"})  # embeddings / lm_head, norm gains, conv kernels
+
+
+def muon_dimension_numbers(path: Sequence[Any] | str, axes: Sequence[str | None], shape: Sequence[int], *,
+                           per_head_names: Iterable[str] = PER_HEAD_PROJECTIONS) -> MuonDimensionNumbers | None:
+    """Muon block layout of one parameter, or None when it is trained with AdamW.
+
+    `path`: the parameter's path (its last string component is the attribute name, e.g. 'q_proj'); `axes`: its
+    logical axis names (`out_sharding` metadata); `shape`: its shape. Axes that are neither reduction nor output
+    axes are batch axes: every index along them is a separate matrix.
+    """
+    shape = tuple(shape)
+    axes = tuple(axes)
+    if len(axes) != len(shape):
+        raise ValueError(f"{_path_str(path)}: {len(axes)} axis names {axes} for shape {shape}")
+    name = _param_name(path)
+    core = [i for i, a in enumerate(axes) if a not in STACKING_AXES and a not in EXPERT_AXES]
+    if len(core) < 2 or any(a in ADAMW_AXES for a in axes) or "bias" in name.lower():
+        return None
+    heads = [i for i in core if axes[i] in HEADS_AXES]
+    if not heads:
+        if len(core) == 2:
+            return MuonDimensionNumbers(reduction_axis=(core[0],), output_axis=(core[1],))
+        raise ValueError(f"{_path_str(path)}: no Muon rule for axes {axes} (shape {shape})")
+    (h,) = heads
+    if h == core[0]:  # heads lead: an input axis (o_proj [H, K, D] is one [H*K, D] matrix)
+        return MuonDimensionNumbers(reduction_axis=tuple(core[:-1]), output_axis=(core[-1],))
+    inputs = tuple(i for i in core if i < h)
+    outputs = tuple(i for i in core if i >= h)
+    if name in frozenset(per_head_names):
+        if len(outputs) != 2 or axes[outputs[1]] not in HEAD_DIM_AXES:
+            raise ValueError(f"{_path_str(path)}: per-head projection needs [in..., heads, head_dim] axes, got "
+                             f"{axes}")
+        return MuonDimensionNumbers(reduction_axis=inputs, output_axis=(outputs[1],))
+    # a whole matrix with the heads axis on the output side: KDA f_b_proj [r, H, K] → [r, H*K], b_proj [D, H]
+    return MuonDimensionNumbers(reduction_axis=inputs, output_axis=outputs)
+
+
+def block_shape(shape: Sequence[int], dim_nums: MuonDimensionNumbers) -> tuple[int, int, int]:
+    """(number of blocks, fan_in, fan_out) of a Muon parameter."""
+    red = _as_tuple(dim_nums.reduction_axis)
+    out = _as_tuple(dim_nums.output_axis)
+    n = len(shape)
+    red = tuple(a % n for a in red)
+    out = tuple(a % n for a in out)
+    fan_in = math.prod(shape[a] for a in red)
+    fan_out = math.prod(shape[a] for a in out)
+    return math.prod(shape) // (fan_in * fan_out), fan_in, fan_out
+
+
+def muon_update_scale(shape: Sequence[int], dim_nums: MuonDimensionNumbers,
+                      rms_scale: float = MUON_RMS_SCALE) -> float:
+    """The factor applied to each orthogonalised block: rms_scale·sqrt(max(fan_in, fan_out))."""
+    _, fan_in, fan_out = block_shape(shape, dim_nums)
+    return rms_scale * math.sqrt(max(fan_in, fan_out))
+
+
+class ParamLabel(NamedTuple):
+    path: str
+    shape: tuple[int, ...]
+    axes: tuple[str | None, ...]
+    label: str  # MUON or ADAMW
+    dimension_numbers: MuonDimensionNumbers | None
+    num_blocks: int  # Muon: number of independently orthogonalised blocks; AdamW: 0
+    block: tuple[int, int] | None  # Muon: (fan_in, fan_out) of each block
+    update_scale: float | None  # Muon: rms_scale·sqrt(max(fan_in, fan_out))
+
+
+def label_table(model_or_params: Any, *, per_head_names: Iterable[str] = PER_HEAD_PROJECTIONS,
+                rms_scale: float = MUON_RMS_SCALE) -> list[ParamLabel]:
+    """One row per nnx.Param: path → label, block layout, update scale (for inspection and tests)."""
+    rows = []
+    for path, shape, axes in _param_specs(model_or_params):
+        dn = muon_dimension_numbers(path, axes, shape, per_head_names=per_head_names)
+        if dn is None:
+            rows.append(ParamLabel(path, shape, axes, ADAMW, None, 0, None, None))
+        else:
+            nb, fi, fo = block_shape(shape, dn)
+            rows.append(ParamLabel(path, shape, axes, MUON, dn, nb, (fi, fo), muon_update_scale(shape, dn, rms_scale)))
+    return rows
+
+
+def format_label_table(rows: Sequence[ParamLabel]) -> str:
+    """The label table as aligned text."""
+    lines = []
+    width = max((len(r.path) for r in rows), default=4)
+    for r in rows:
+        if r.label == MUON:
+            red = _as_tuple(r.dimension_numbers.reduction_axis)
+            out = _as_tuple(r.dimension_numbers.output_axis)
+            detail = (f"{r.num_blocks:>4} x [{r.block[0]:>4}, {r.block[1]:>4}]  red={red} out={out}  "
+                      f"scale={r.update_scale:.3f}")
+        else:
+            detail = ""
+        lines.append(f"{r.path:<{width}}  {r.shape!s:<18} {r.label:<5}  {detail}".rstrip())
+    return "\n".join(lines)
+
+
+def lr_schedule(peak_learning_rate: float, total_steps: int, *, warmup_fraction: float = 0.01,
+                end_fraction: float = 0.0) -> optax.Schedule:
+    """Linear warmup from 0 over `warmup_fraction` of the steps (at least one), then cosine decay to
+    `end_fraction·peak` at `total_steps`."""
+    total_steps = max(int(total_steps), 2)
+    warmup = min(max(1, round(warmup_fraction * total_steps)), total_steps - 1)
+    return optax.warmup_cosine_decay_schedule(0.0, peak_learning_rate, warmup, total_steps,
+                                              end_value=end_fraction * peak_learning_rate)
+
+
+def make_optimizer(model_or_params: Any, *, learning_rate: float | optax.Schedule,
+                   total_steps: int | None = None, warmup_fraction: float = 0.01, end_fraction: float = 0.0,
+                   weight_decay: float = 0.1, momentum: float = MUON_MOMENTUM, nesterov: bool = True,
+                   ns_coeffs: tuple[float, float, float] = NS_COEFFS, ns_steps: int = NS_STEPS,
+                   rms_scale: float = MUON_RMS_SCALE, adamw_b1: float = 0.9, adamw_b2: float = 0.95,
+                   eps: float = 1e-8, mu_dtype: Any = None, max_grad_norm: float | None = None,
+                   per_head_names: Iterable[str] = PER_HEAD_PROJECTIONS) -> optax.GradientTransformation:
+    """Per-head Muon + AdamW for a K3 model.
+
+    `model_or_params`: an nnx.Module, or an nnx.State of its nnx.Param variables (the labels need each Param's
+    `out_sharding` axis names; an `nnx.eval_shape` model works). The returned transformation expects params /
+    updates with the same paths (an nnx.State of Params or its pure-array form), as `nnx.Optimizer(model, tx,
+    wrt=nnx.Param)` passes them.
+
+    `learning_rate`: a schedule, or the peak learning rate; with `total_steps` the peak becomes
+    `lr_schedule(peak, total_steps)` (1% linear warmup, cosine decay), without it a constant. Muon and AdamW share
+    it (the 0.2·√max(fan_in, fan_out) scale matches Muon's update RMS to AdamW's). `max_grad_norm` optionally clips
+    the global gradient norm first.
+    """
+    if callable(learning_rate):
+        schedule = learning_rate
+    elif total_steps is not None:
+        schedule = lr_schedule(learning_rate, total_steps, warmup_fraction=warmup_fraction, end_fraction=end_fraction)
+    else:
+        schedule = learning_rate
+    table = {r.path: r.dimension_numbers
+             for r in label_table(model_or_params, per_head_names=per_head_names, rms_scale=rms_scale)}
+
+    def lookup(path) -> MuonDimensionNumbers | None:
+        key = _path_str(_normalize_path(path))
+        if key not in table:
+            raise KeyError(f"optimizer: no label for parameter {key!r} (was the optimizer built for this model?)")
+        return table[key]
+
+    def labels(tree):
+        return jax.tree_util.tree_map_with_path(lambda p, _: ADAMW if lookup(p) is None else MUON, tree)
+
+    def dimension_numbers(tree):  # only ever sees Muon leaves (the rest are masked out by the partition)
+        return jax.tree_util.tree_map_with_path(lambda p, _: lookup(p), tree)
+
+    muon = optax.contrib.muon(
+        learning_rate=schedule, ns_coeffs=tuple(ns_coeffs), ns_steps=ns_steps, beta=momentum, eps=eps,
+        weight_decay=weight_decay, mu_dtype=mu_dtype, nesterov=nesterov, adaptive=False,
+        preconditioning="frobenius", muon_weight_dimension_numbers=dimension_numbers, consistent_rms=rms_scale)
+    adamw = optax.adamw(schedule, b1=adamw_b1, b2=adamw_b2, eps=eps, weight_decay=weight_decay, mu_dtype=mu_dtype)
+    tx = optax.partition({MUON: muon, ADAMW: adamw}, labels)
+    if max_grad_norm is not None:
+        tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), tx)
+    return tx
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _as_tuple(axis: Sequence[int] | int) -> tuple[int, ...]:
+    return (axis,) if isinstance(axis, int) else tuple(axis)
+
+
+def _key_part(k) -> Any:
+    if isinstance(k, jax.tree_util.DictKey):
+        return k.key
+    if isinstance(k, jax.tree_util.GetAttrKey):
+        return k.name
+    if isinstance(k, jax.tree_util.SequenceKey):
+        return k.idx
+    if isinstance(k, jax.tree_util.FlattenedIndexKey):
+        return k.key
+    return k
+
+
+def _normalize_path(path) -> tuple:
+    """A pytree key path (DictKey/GetAttrKey/...) or a plain tuple → plain tuple, without the trailing `.value`
+    that an nnx.Variable leaf adds."""
+    if isinstance(path, str):
+        return tuple(path.split("/"))
+    parts = list(path)
+    if parts and isinstance(parts[-1], jax.tree_util.GetAttrKey) and parts[-1].name == "value":
+        parts = parts[:-1]
+    return tuple(_key_part(k) for k in parts)
+
+
+def _path_str(path) -> str:
+    return path if isinstance(path, str) else "/".join(str(p) for p in path)
+
+
+def _param_name(path) -> str:
+    parts = path.split("/") if isinstance(path, str) else list(path)
+    for p in reversed(parts):
+        p = _key_part(p)
+        if isinstance(p, str):
+            return p
+    return ""
+
+
+def _param_specs(model_or_params: Any) -> list[tuple[str, tuple[int, ...], tuple[str | None, ...]]]:
+    """(path, shape, logical axes) of every nnx.Param."""
+    if isinstance(model_or_params, nnx.Module):
+        state = nnx.state(model_or_params, nnx.Param)
+    elif isinstance(model_or_params, nnx.State):
+        state = model_or_params
+    elif isinstance(model_or_params, Mapping):
+        state = nnx.State(model_or_params)
+    else:
+        raise TypeError(f"make_optimizer needs an nnx.Module or an nnx.State of Params, got "
+                        f"{type(model_or_params).__name__}")
+    specs = []
+    for path, var in nnx.to_flat_state(state):
+        if not isinstance(var, nnx.Variable):
+            raise TypeError(f"{_path_str(path)}: needs nnx.Param variables (with out_sharding axis names), got "
+                            f"{type(var).__name__}; pass the model or nnx.state(model, nnx.Param)")
+        if not isinstance(var, nnx.Param):
+            continue
+        axes = var.get_metadata().get("out_sharding")
+        shape = tuple(var.shape)
+        if axes is None:
+            if len(shape) >= 2:
+                raise ValueError(f"{_path_str(path)}: Param of shape {shape} has no out_sharding axis names")
+            axes = (None,) * len(shape)
+        specs.append((_path_str(_normalize_path(path)), shape, tuple(axes)))
+    return specs
