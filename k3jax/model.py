@@ -6,6 +6,8 @@ The residual stream is a carry `(h_btd, bank_nbtd)`: with Block AttnRes (K3) the
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -15,13 +17,54 @@ from k3jax.numerics import wide
 from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
 from k3jax.layers.attn_res import AttnResRead, push_snapshot, snapshots_before
-from k3jax.layers.kda import KDA
-from k3jax.layers.mla import MLA
+from k3jax.layers.kda import KDA, KDAState
+from k3jax.layers.mla import MLA, init_latent_cache
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
+
+
+class DecodeCache(NamedTuple):
+    """Every layer's incremental state plus the number of tokens each sequence has consumed.
+
+    `layers[g][j]` is the state of layer j of group g's unit: a `KDAState` for KDA layers, the latent buffer
+    [B, max_len, kv_lora_rank + qk_rope_head_dim] for MLA layers. Scanned groups hold their states stacked
+    with a leading [num_repeats] axis, like their parameters. `lengths` int32[B]: tokens already in the cache
+    (the position of each sequence's next token). AttnRes needs no entry: it mixes depth per token.
+    """
+
+    layers: tuple
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        for group in self.layers:
+            for state in group:
+                if not isinstance(state, KDAState):
+                    return state.shape[-2]
+        return -1  # no MLA layer: the cache has no length limit
+
+
+def _layer_state(cfg: ModelConfig, attn: str, batch_size: int, max_len: int):
+    if attn == "kda":
+        p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
+        conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
+        s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
+        return KDAState(conv, conv, conv, s)
+    return init_latent_cache(cfg, batch_size, max_len)
+
+
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> DecodeCache:
+    """An empty `DecodeCache` for `batch_size` sequences of up to `max_len` tokens (prompt + generated)."""
+    layers = []
+    for group in cfg.layer_groups():
+        unit = tuple(_layer_state(cfg, attn, batch_size, max_len) for attn, _ in group.pattern)
+        if group.num_repeats > 1:
+            unit = jax.tree.map(lambda x: jnp.broadcast_to(x, (group.num_repeats,) + x.shape), unit)
+        layers.append(unit)
+    return DecodeCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32))
 
 
 class DecoderLayer(nnx.Module):
@@ -39,9 +82,26 @@ class DecoderLayer(nnx.Module):
             self.mlp_res = AttnResRead(cfg)
 
     def __call__(self, carry: Carry, layer_index) -> Carry:
+        return self._run(carry, layer_index, self.self_attn)
+
+    def forward_cached(self, carry: Carry, layer_index, state, start_b, valid_b):
+        """The layer over new tokens with its attention state (see `K3Model.forward_cached`)."""
+        out = {}
+
+        def attn(x):
+            if isinstance(self.self_attn, KDA):
+                y, out["state"] = self.self_attn.forward_cached(x, state, valid_b)
+            else:
+                y, out["state"] = self.self_attn.forward_cached(x, state, start_b, valid_b)
+            return y
+
+        carry = self._run(carry, layer_index, attn)
+        return carry, out["state"]
+
+    def _run(self, carry: Carry, layer_index, attn) -> Carry:
         h, bank = carry
         if not self.cfg.uses_attn_res:
-            h = h + self.self_attn(self.input_layernorm(h)).astype(h.dtype)
+            h = h + attn(self.input_layernorm(h)).astype(h.dtype)
             h = h + self.mlp(self.post_attention_layernorm(h)).astype(h.dtype)
             return h, bank
         block = self.cfg.attn_res_block_size
@@ -50,7 +110,7 @@ class DecoderLayer(nnx.Module):
         is_snapshot = layer_index % block == 0
         bank = push_snapshot(bank, filled, h, is_snapshot)  # snapshot BEFORE this layer's attention
         partial = jnp.where(is_snapshot, jnp.zeros_like(h), h)
-        partial = partial + self.self_attn(self.input_layernorm(x)).astype(h.dtype)
+        partial = partial + attn(self.input_layernorm(x)).astype(h.dtype)
         x = self.mlp_res(partial, bank, filled + is_snapshot)
         partial = partial + self.mlp(self.post_attention_layernorm(x)).astype(h.dtype)
         return partial, bank
@@ -66,6 +126,13 @@ class DecoderUnit(nnx.Module):
         for j, layer in enumerate(self.layers):
             carry = layer(carry, first_layer_index + j)
         return carry
+
+    def forward_cached(self, carry: Carry, first_layer_index, states, start_b, valid_b):
+        new_states = []
+        for j, layer in enumerate(self.layers):
+            carry, st = layer.forward_cached(carry, first_layer_index + j, states[j], start_b, valid_b)
+            new_states.append(st)
+        return carry, tuple(new_states)
 
 
 class ScannedUnits(nnx.Module):
@@ -98,6 +165,18 @@ class ScannedUnits(nnx.Module):
             return body(carry, unit, start)
 
         return run(carry, self.units, starts)
+
+    def forward_cached(self, carry: Carry, states, start_b, valid_b):
+        """Scans the units with their stacked states as scanned input and the updated states as scanned output."""
+        unit_len = len(self.group.pattern)
+        starts = self.group.start + unit_len * jnp.arange(self.group.num_repeats, dtype=jnp.int32)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
+                  transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def run(carry, unit, start, unit_states):
+            return unit.forward_cached(carry, start, unit_states, start_b, valid_b)
+
+        return run(carry, self.units, starts, states)
 
 
 class K3Model(nnx.Module):
@@ -137,6 +216,46 @@ class K3Model(nnx.Module):
         if cfg.uses_attn_res:
             h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
         return self.norm(h)
+
+    def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
+        return init_cache(self.cfg, batch_size, max_len)
+
+    def hidden_states_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
+                             valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
+        """`hidden_states` for T new tokens per sequence continuing `cache` (see `forward_cached`)."""
+        cfg = self.cfg
+        h = self.embed(input_ids_bt)
+        b, t, d = h.shape
+        if valid_len_b is None:
+            valid_len_b = jnp.full((b,), t, jnp.int32)
+        valid_len_b = jnp.clip(jnp.asarray(valid_len_b, jnp.int32), 0, t)
+        start_b = cache.lengths
+        bank = jnp.zeros((cfg.num_attn_res_snapshots, b, t, d), h.dtype)
+        carry = (h, bank)
+        new_layers = []
+        for start, group, states in zip(self.group_starts, self.groups, cache.layers):
+            if isinstance(group, ScannedUnits):
+                carry, states = group.forward_cached(carry, states, start_b, valid_len_b)
+            else:
+                carry, states = group.forward_cached(carry, start, states, start_b, valid_len_b)
+            new_layers.append(states)
+        h, bank = carry
+        if cfg.uses_attn_res:
+            h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
+        return self.norm(h), DecodeCache(tuple(new_layers), start_b + valid_len_b)
+
+    def forward_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
+                       valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
+        """Incremental forward: `(logits [B, T, V], new_cache)` for T new tokens per sequence.
+
+        Token t of sequence b is at position `cache.lengths[b] + t`. Only its first `valid_len_b[b]` tokens are
+        real (right padding; default all T): padded tokens leave every cache untouched (KDA: β = g = 0 and conv
+        history at the true end; MLA: their latent rows are not written), and `lengths` advances by `valid_len_b`.
+        Logits at padded positions are meaningless. The caller keeps `lengths + T <= max_len` for valid tokens.
+        Jittable: shapes are static given (B, T, max_len).
+        """
+        h, cache = self.hidden_states_cached(input_ids_bt, cache, valid_len_b)
+        return self.logits(h), cache
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         dt = self.cfg.jnp_dtype

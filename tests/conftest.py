@@ -5,6 +5,11 @@ from __future__ import annotations
 import os
 import sys
 
+# 8 emulated CPU devices for the sharding tests; set before anything imports jax (appended to any XLA_FLAGS given).
+_DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
+
 import numpy as np
 import pytest
 
@@ -36,3 +41,10 @@ def build_model(cfg, weights=None, seed: int = 0):
 
 def random_ids(cfg, batch: int, length: int, seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, cfg.vocab_size, (batch, length)).astype(np.int32)
+
+
+def jit_call(module, *args):
+    """Calls `module(*args)` under `nnx.jit` (one compile instead of slow op-by-op eager dispatch)."""
+    from flax import nnx
+
+    return nnx.jit(lambda m, *a: m(*a))(module, *args)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import configs
-from tests.conftest import build_model, random_ids
+from tests.conftest import build_model, jit_call, random_ids
 from tests.reference import numpy_k3 as ref
 
 
@@ -30,7 +30,7 @@ def test_whole_model_float64_matches_reference(x64, name):
     cfg = configs.get_config(name, ["param_dtype=float64", "dtype=float64"])
     model, weights = build_model(cfg)
     ids = random_ids(cfg, 2, 37)
-    ours = np.asarray(model(jnp.asarray(ids)))
+    ours = np.asarray(jit_call(model, jnp.asarray(ids)))
     want = ref.forward(weights, cfg, ids)
     np.testing.assert_allclose(ours, want, rtol=0, atol=1e-8 * np.abs(want).max())
 
@@ -44,7 +44,7 @@ def test_whole_model_float32_matches_reference(name, rel_tol):
     weights = _separate_routing(ref.make_random_weights(cfg, seed=1), cfg)
     model, _ = build_model(cfg, weights)
     ids = random_ids(cfg, 2, 37, seed=1)
-    ours = np.asarray(model(jnp.asarray(ids)))
+    ours = np.asarray(jit_call(model, jnp.asarray(ids)))
     want = ref.forward(weights, cfg, ids)
     np.testing.assert_allclose(ours, want, rtol=0, atol=rel_tol * np.abs(want).max())
 
@@ -55,7 +55,7 @@ def test_unscanned_equals_scanned(x64):
     assert any(g.num_repeats > 1 for g in cfg.layer_groups()), "tiny must exercise the layer scan"
     flat, _ = build_model(cfg.replace(scan_layers=False), weights)
     ids = jnp.asarray(random_ids(cfg, 1, 20))
-    np.testing.assert_allclose(np.asarray(scanned(ids)), np.asarray(flat(ids)), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(jit_call(scanned, ids)), np.asarray(jit_call(flat, ids)), rtol=1e-12, atol=1e-12)
 
 
 def test_chunked_and_recurrent_kda_give_same_model(x64):
@@ -63,7 +63,7 @@ def test_chunked_and_recurrent_kda_give_same_model(x64):
     chunked, weights = build_model(cfg)
     recurrent, _ = build_model(cfg.replace(kda_impl="recurrent"), weights)
     ids = jnp.asarray(random_ids(cfg, 1, 45))
-    np.testing.assert_allclose(np.asarray(chunked(ids)), np.asarray(recurrent(ids)), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(jit_call(chunked, ids)), np.asarray(jit_call(recurrent, ids)), rtol=0, atol=1e-9)
 
 
 def test_dense_and_dropless_moe_give_same_model(x64):
@@ -71,7 +71,7 @@ def test_dense_and_dropless_moe_give_same_model(x64):
     dropless, weights = build_model(cfg)
     dense, _ = build_model(cfg.replace(moe_impl="dense"), weights)
     ids = jnp.asarray(random_ids(cfg, 2, 17))
-    np.testing.assert_allclose(np.asarray(dropless(ids)), np.asarray(dense(ids)), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(jit_call(dropless, ids)), np.asarray(jit_call(dense, ids)), rtol=0, atol=1e-10)
 
 
 def test_bf16_model_stays_close_to_float32():
@@ -91,8 +91,8 @@ def test_bf16_model_stays_close_to_float32():
         nnx.update(model, jax.tree.map(lambda b: jnp.broadcast_to(jnp.arange(b.shape[-1]) * 10.0, b.shape), biases))
         return model
 
-    logits32 = np.asarray(fixed_routing(K3Model(cfg32, rngs=nnx.Rngs(0)))(ids))
-    logits16 = np.asarray(fixed_routing(K3Model(cfg16, rngs=nnx.Rngs(0)))(ids), np.float32)
+    logits32 = np.asarray(jit_call(fixed_routing(K3Model(cfg32, rngs=nnx.Rngs(0))), ids))
+    logits16 = np.asarray(jit_call(fixed_routing(K3Model(cfg16, rngs=nnx.Rngs(0))), ids), np.float32)
     assert logits16.dtype == np.float32 and np.isfinite(logits16).all()
     rel = np.linalg.norm(logits16 - logits32) / np.linalg.norm(logits32)
     assert rel < 0.06, f"bf16 logits relative error {rel:.3g}"  # measured 0.036 (13 layers of bf16 rounding)

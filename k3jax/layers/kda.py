@@ -101,6 +101,19 @@ class KDA(nnx.Module):
 
     def forward(self, x_btd: jax.Array, state: KDAState | None) -> tuple[jax.Array, KDAState]:
         """Runs T >= 1 tokens from `state` (None: zeros); returns the output and the state after the last token."""
+        return self._forward(x_btd, state, None)
+
+    def forward_cached(self, x_btd: jax.Array, state: KDAState, valid_len_b: jax.Array) -> tuple[jax.Array, KDAState]:
+        """Like `forward`, but only the first `valid_len_b[b]` tokens of sequence b are real (right padding).
+
+        Padded tokens are no-ops for the state: β = 0 and g = 0 there (the delta-rule write vanishes and nothing
+        decays), and the conv history is the W-1 pre-conv inputs before each sequence's true end. A sequence with
+        `valid_len == 0` keeps its state unchanged. Outputs at padded positions are meaningless. T == 1 (decode)
+        uses the recurrent step; longer inputs the configured core.
+        """
+        return self._forward(x_btd, state, valid_len_b)
+
+    def _forward(self, x_btd, state, valid_len_b):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b, t, _ = x_btd.shape
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
@@ -110,6 +123,8 @@ class KDA(nnx.Module):
         def project_conv(name, history):
             proj = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
             y, new_history = causal_depthwise_conv(proj, getattr(self, f"{name}_conv1d")[...], history)
+            if valid_len_b is not None:
+                new_history = history_at(history, proj, valid_len_b)
             return y.astype(dt).reshape(b, t, h, k), new_history
 
         q, conv_q = project_conv("q", hist.conv_q_bwp)
@@ -117,10 +132,30 @@ class KDA(nnx.Module):
         v, conv_v = project_conv("v", hist.conv_v_bwp)
         g = self.decay(x)
         beta = jax.nn.sigmoid(upcast(x @ self.b_proj[...].astype(dt)))
+        impl = cfg.kda_impl
+        if valid_len_b is not None:
+            valid_bt = jnp.arange(t)[None, :] < valid_len_b[:, None]
+            g = jnp.where(valid_bt[:, :, None, None], g, 0.0)
+            beta = jnp.where(valid_bt[:, :, None], beta, 0.0)
+            if t == 1:
+                impl = "recurrent"
         o_bthv, new_s = kda_ops.kda(
             l2_normalize(q), l2_normalize(k_), v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
-            impl=cfg.kda_impl, chunk_size=cfg.kda_chunk_size)
+            impl=impl, chunk_size=cfg.kda_chunk_size)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
         y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))
         return y, KDAState(conv_q, conv_k, conv_v, new_s)
+
+
+def history_at(history_bwp: jax.Array | None, x_btp: jax.Array, end_b: jax.Array) -> jax.Array:
+    """The W-1 inputs before position `end_b[b]` of x (continuing `history`): rows end-(W-1) .. end-1 of
+    [history, x]. With end == T this is the usual new history; with end == 0 it is the old history."""
+    b, t, p = x_btp.shape
+    if history_bwp is None:
+        raise ValueError("history_at needs an explicit conv history (use KDA.init_state)")
+    wm1 = history_bwp.shape[1]
+    padded = jnp.concatenate([history_bwp.astype(x_btp.dtype), x_btp], axis=1)  # [B, W-1+T, P]
+    end_b = jnp.clip(end_b.astype(jnp.int32), 0, t)
+    idx_bw = end_b[:, None] + jnp.arange(wm1, dtype=jnp.int32)[None, :]
+    return jnp.take_along_axis(padded, idx_bw[:, :, None], axis=1)

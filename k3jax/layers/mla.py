@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import upcast
+from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
@@ -63,7 +63,87 @@ class MLA(nnx.Module):
         k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
         k_bthk = jnp.concatenate([k_nope, k_rope], axis=-1)
         o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5)  # f32
+        return self._output(x_btd, o_bthv)
+
+    def _output(self, x_btd: jax.Array, o_bthv: jax.Array) -> jax.Array:
+        """Sigmoid output gate (K3) and o_proj on the f32 attention output."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         if cfg.mla_use_output_gate:
             gate = jnp.einsum("btd,dhv->bthv", x_btd.astype(dt), self.g_proj[...].astype(dt))
             o_bthv = o_bthv * jax.nn.sigmoid(upcast(gate))
         return jnp.einsum("bthv,hvd->btd", o_bthv.astype(dt), self.o_proj[...].astype(dt))
+
+    # ---------------------------------------------------------------------------------------------
+    # Incremental decoding over a latent cache
+    # ---------------------------------------------------------------------------------------------
+
+    def init_cache(self, batch_size: int, max_len: int) -> jax.Array:
+        """An empty latent cache [B, max_len, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
+        return init_latent_cache(self.cfg, batch_size, max_len)
+
+    def forward_cached(self, x_btd: jax.Array, cache_bsc: jax.Array, start_b: jax.Array,
+                       valid_len_b: jax.Array | None = None, *,
+                       absorb: bool | None = None) -> tuple[jax.Array, jax.Array]:
+        """Runs T new tokens per sequence against the latent cache.
+
+        Token t of sequence b sits at position `start_b[b] + t`: its latent row is written there (rows that fall
+        past the buffer are dropped) and its query attends causally to cache positions <= its own. With
+        `valid_len_b`, only the first valid_len_b[b] tokens are written (right padding: padded tokens leave the
+        cache untouched; their outputs are meaningless).
+        `absorb` (static): attend in the MQA-over-latent form (kv_b_proj folded into q and the output);
+        None picks it for decode (T == 1) and the expanded form otherwise. Returns (y [B,T,D], new cache).
+        """
+        cfg = self.cfg
+        b, t, _ = x_btd.shape
+        s = cache_bsc.shape[1]
+        rows_btc = self.latent(x_btd)
+        pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        write_bt = pos_bt
+        if valid_len_b is not None:
+            write_bt = jnp.where(jnp.arange(t)[None, :] < valid_len_b[:, None], pos_bt, s)  # s: out of bounds
+        cache_bsc = cache_bsc.at[jnp.arange(b)[:, None], write_bt].set(rows_btc.astype(cache_bsc.dtype), mode="drop")
+        mask_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
+        q_bthk = self.queries(x_btd)
+        if absorb is None:
+            absorb = t == 1
+        attend = self._attend_absorbed if absorb else self._attend_expanded
+        o_bthv = attend(q_bthk, cache_bsc, mask_bts)
+        return self._output(x_btd, o_bthv), cache_bsc
+
+    def _attend_expanded(self, q_bthk, cache_bsc, mask_bts):
+        """Standard MLA over cached latents: expand every cached row to per-head k_nope / v with kv_b_proj."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        h, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        lat, k_r = cache_bsc[..., :r].astype(dt), cache_bsc[..., r:].astype(dt)
+        kv_bshe = jnp.einsum("bsr,rhe->bshe", lat, self.kv_b_proj[...].astype(dt))
+        k_nope, v_bshv = kv_bshe[..., :nope], kv_bshe[..., nope:]
+        k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
+        k_bshk = jnp.concatenate([k_nope, k_rope], axis=-1)
+        logits = jnp.einsum("bthk,bshk->bhts", q_bthk, k_bshk, preferred_element_type=wide(q_bthk.dtype))
+        probs = _masked_softmax(logits * cfg.qk_head_dim ** -0.5, mask_bts)
+        return jnp.einsum("bhts,bshv->bthv", probs, v_bshv.astype(probs.dtype))
+
+    def _attend_absorbed(self, q_bthk, cache_bsc, mask_bts):
+        """MQA over the latent: q_nope·W_k gives a kv_lora-wide query per head, attention reads the cached rows
+        directly (one shared 'head' of width kv_lora + rope), and W_v maps the attended latent to each head."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        w_kv = self.kv_b_proj[...].astype(dt)
+        w_k, w_v = w_kv[..., :nope], w_kv[..., nope:]
+        acc = wide(q_bthk.dtype)
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_bthk[..., :nope], w_k, preferred_element_type=acc).astype(dt)
+        q_abs = jnp.concatenate([q_lat, q_bthk[..., nope:].astype(dt)], axis=-1)  # [B,T,H,r+rope]
+        logits = jnp.einsum("bthc,bsc->bhts", q_abs, cache_bsc.astype(dt), preferred_element_type=acc)
+        probs = _masked_softmax(logits * cfg.qk_head_dim ** -0.5, mask_bts)
+        o_lat = jnp.einsum("bhts,bsr->bthr", probs, cache_bsc[..., :r].astype(probs.dtype))
+        return jnp.einsum("bthr,rhv->bthv", o_lat, w_v.astype(o_lat.dtype))
+
+
+def init_latent_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> jax.Array:
+    """Zeros [B, max_len, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
+    return jnp.zeros((batch_size, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.jnp_dtype)
+
+
+def _masked_softmax(logits_bhts: jax.Array, mask_bts: jax.Array) -> jax.Array:
+    logits = jnp.where(mask_bts[:, None], logits_bhts, -jnp.inf)
+    return jax.nn.softmax(logits, axis=-1)

@@ -1,0 +1,229 @@
+"""Batched generation: jitted prefill (bucketed prompt lengths) + a jitted decode step that never recompiles.
+
+Caches (`k3jax.model.DecodeCache`): each KDA layer keeps its fixed-size state (conv history + f32 recurrent state),
+each MLA layer a latent buffer [B, max_len, kv_lora_rank + rope] (the 576-wide row for K3), plus per-sequence
+lengths. Prefill uses the chunked KDA core and the expanded MLA form; decode the recurrent KDA step and the absorbed
+(MQA-over-latent) MLA form.
+
+Padding: prompts are RIGHT-padded to a power-of-two bucket and prefilled in one call with per-sequence valid
+lengths. Padded tokens are exact no-ops for KDA (β = 0 and g = 0 there, conv history taken at each prompt's true end);
+their MLA latent rows are not written (and valid queries only look at positions <= their own); AttnRes and the MoE
+are per token. So each sequence's state after prefill is the state of that prompt alone.
+During decode, finished sequences run with valid length 0: their caches freeze.
+
+    engine = Engine(model)
+    results = engine.generate([[256, 72, 105], [256, 65]], max_new_tokens=32,
+                              sampling=SamplingParams(temperature=0.8, top_p=0.95), eos_id=257,
+                              key=jax.random.key(0))
+    results[0].tokens, results[0].finish_reason     # generated ids (EOS excluded), "stop" | "length"
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.inference import sampling as sampling_lib
+from k3jax.model import DecodeCache, K3Model, init_cache
+
+MIN_PROMPT_BUCKET = 16
+MIN_CACHE_BUCKET = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k <= 0 and top_p >= 1 disable those filters."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def validate(self) -> "SamplingParams":
+        if not (np.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if int(self.top_k) != self.top_k:
+            raise ValueError(f"top_k must be an integer, got {self.top_k}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        return self
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    tokens: list[int]  # generated ids, EOS excluded
+    finish_reason: str  # "stop" (EOS) or "length" (max_new_tokens reached)
+    prompt_length: int
+
+
+class DecodeState(NamedTuple):
+    """Per-sequence decode bookkeeping, all on device."""
+
+    last_b: jax.Array  # int32[B]: the token to feed next
+    done_b: jax.Array  # bool[B]
+    num_generated_b: jax.Array  # int32[B]
+    out_bn: jax.Array  # int32[B, N]: generated tokens (pad after the end)
+
+
+def bucket(n: int, minimum: int) -> int:
+    """The smallest power of two >= max(n, minimum)."""
+    n = max(int(n), int(minimum), 1)
+    return 1 << (n - 1).bit_length()
+
+
+class Engine:
+    """Holds the model's split state and the jitted prefill / decode functions (one compile per shape bucket).
+
+    `trace_counts["prefill"|"decode"]` counts traces (= compilations) of each function, for tests and logs.
+    `max_len`: fixed cache capacity (tokens per sequence, prompt + generated); None sizes it per call to a power of
+    two >= the longest prompt + max_new_tokens.
+    """
+
+    def __init__(self, model: K3Model, *, max_len: int | None = None, steps_per_sync: int = 8):
+        self.cfg = model.cfg
+        self.graphdef, self.params = nnx.split(model)
+        self.max_len = max_len
+        self.steps_per_sync = steps_per_sync
+        self.trace_counts: collections.Counter = collections.Counter()
+        self._prefill = jax.jit(self._prefill_impl, static_argnames=("greedy_only", "out_len"))
+        self._decode = jax.jit(self._decode_impl, static_argnames=("greedy_only",), donate_argnums=(1, 2))
+
+    # ------------------------------------------------------------------ jitted pieces
+
+    def _model(self, params) -> K3Model:
+        return nnx.merge(self.graphdef, params)
+
+    def _sample(self, logits_bv, keys_b, count_b, sp, greedy_only):
+        if greedy_only:
+            return sampling_lib.greedy(logits_bv)
+        step_keys = jax.vmap(jax.random.fold_in)(keys_b, count_b)
+        return sampling_lib.sample(logits_bv, step_keys, *sp)
+
+    def _prefill_impl(self, params, ids_bt, lengths_b, cache, keys_b, sp, max_new_b, eos_e, *, greedy_only, out_len):
+        self.trace_counts["prefill"] += 1
+        model = self._model(params)
+        h_btd, cache = model.hidden_states_cached(ids_bt, cache, lengths_b)
+        last = jnp.take_along_axis(h_btd, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)  # [B,1,D]
+        logits_bv = model.logits(last)[:, 0]
+        b = ids_bt.shape[0]
+        tok = self._sample(logits_bv, keys_b, jnp.zeros((b,), jnp.int32), sp, greedy_only)
+        out = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(tok)
+        done = jnp.isin(tok, eos_e) | (max_new_b <= 1)
+        return DecodeState(tok, done, jnp.ones((b,), jnp.int32), out), cache, logits_bv
+
+    def _decode_impl(self, params, cache: DecodeCache, state: DecodeState, keys_b, sp, max_new_b, eos_e, *,
+                     greedy_only):
+        self.trace_counts["decode"] += 1
+        model = self._model(params)
+        active = ~state.done_b
+        logits, cache = model.forward_cached(state.last_b[:, None], cache, active.astype(jnp.int32))
+        tok = self._sample(logits[:, 0], keys_b, state.num_generated_b, sp, greedy_only)
+        n = state.out_bn.shape[1]
+        b = tok.shape[0]
+        col = jnp.where(active, state.num_generated_b, n)  # inactive rows write out of bounds: dropped
+        out = state.out_bn.at[jnp.arange(b), col].set(tok, mode="drop")
+        count = state.num_generated_b + active.astype(jnp.int32)
+        done = state.done_b | (active & jnp.isin(tok, eos_e)) | (count >= max_new_b)
+        last = jnp.where(active, tok, state.last_b)
+        return cache, DecodeState(last, done, count, out)
+
+    # ------------------------------------------------------------------ API
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
+                 sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 eos_id: int | Sequence[int] | None = None, key: jax.Array | None = None,
+                 pad_id: int | None = None) -> list[GenerationResult]:
+        """Generates for a batch of token-id prompts (different lengths allowed).
+
+        `max_new_tokens` and `sampling`: one for all or one per prompt. `eos_id`: id(s) that end a sequence (None:
+        the config's eos_token_id). `key`: PRNG key (required unless every sequence is greedy); sequence i draws
+        from fold_in(fold_in(key, i), token_index), so its samples do not depend on the rest of the batch.
+        """
+        cfg = self.cfg
+        prompts = [list(map(int, p)) for p in prompts]
+        b = len(prompts)
+        if b == 0:
+            return []
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        for p in prompts:
+            if min(p) < 0 or max(p) >= cfg.vocab_size:
+                raise ValueError(f"prompt token ids must be in [0, {cfg.vocab_size})")
+        max_new = _per_seq(max_new_tokens, b, "max_new_tokens")
+        if any(int(m) < 1 for m in max_new):
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        sps = [s.validate() for s in _per_seq(sampling, b, "sampling")]
+        greedy_only = all(s.temperature == 0 for s in sps)
+        if key is None:
+            if not greedy_only:
+                raise ValueError("sampling with temperature > 0 needs an explicit PRNG key")
+            key = jax.random.key(0)
+        if isinstance(key, (list, tuple)):  # one key per sequence
+            if len(key) != b:
+                raise ValueError(f"key: got {len(key)} keys for {b} prompts")
+            keys = jnp.stack([_typed_key(k) for k in key])
+        else:
+            key = _typed_key(key)
+            keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.arange(b, dtype=jnp.uint32))
+        eos = [cfg.eos_token_id] if eos_id is None else ([eos_id] if np.isscalar(eos_id) else list(eos_id))
+        pad = cfg.pad_token_id if pad_id is None else pad_id
+        pad = 0 if pad is None else int(pad)
+
+        lens = np.array([len(p) for p in prompts], np.int32)
+        need = int(max(lens + np.asarray(max_new)))  # last position written: prompt + generated - 1
+        max_len = self.max_len or bucket(need, MIN_CACHE_BUCKET)
+        if need - 1 > max_len:
+            raise ValueError(f"prompt + max_new_tokens ({need}) exceeds the cache capacity max_len={max_len}")
+        t = min(bucket(int(lens.max()), MIN_PROMPT_BUCKET), max(max_len, int(lens.max())))
+        ids = np.full((b, t), pad, np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, :len(p)] = p
+
+        sp = (jnp.asarray([s.temperature for s in sps], jnp.float32), jnp.asarray([s.top_k for s in sps], jnp.int32),
+              jnp.asarray([s.top_p for s in sps], jnp.float32))
+        max_new_b = jnp.asarray(max_new, jnp.int32)
+        eos_e = jnp.asarray(eos, jnp.int32)
+        cache = init_cache(cfg, b, max_len)
+        state, cache, _ = self._prefill(self.params, jnp.asarray(ids), jnp.asarray(lens), cache, keys, sp,
+                                        max_new_b, eos_e, greedy_only=greedy_only, out_len=bucket(max(max_new), 16))
+        steps = max(max_new) - 1
+        for i in range(steps):
+            cache, state = self._decode(self.params, cache, state, keys, sp, max_new_b, eos_e,
+                                        greedy_only=greedy_only)
+            if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.done_b)):
+                break
+        out = np.asarray(state.out_bn)
+        counts = np.asarray(state.num_generated_b)
+        results = []
+        for i in range(b):
+            toks = out[i, :counts[i]].tolist()
+            if toks and toks[-1] in eos:
+                results.append(GenerationResult(toks[:-1], "stop", int(lens[i])))
+            else:
+                results.append(GenerationResult(toks, "length", int(lens[i])))
+        return results
+
+
+def _typed_key(key) -> jax.Array:
+    if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
+        return key
+    return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
+
+
+def _per_seq(value, b: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != b:
+            raise ValueError(f"{name}: got {len(value)} values for {b} prompts")
+        return list(value)
+    return [value] * b
+
+
+def generate(model: K3Model, prompts: Sequence[Sequence[int]], max_new_tokens, sampling=SamplingParams(),
+             eos_id=None, key=None, *, max_len: int | None = None) -> list[GenerationResult]:
+    """One-shot `Engine(model).generate(...)` (builds and compiles a fresh engine; keep an Engine to reuse)."""
+    return Engine(model, max_len=max_len).generate(prompts, max_new_tokens, sampling, eos_id, key)
