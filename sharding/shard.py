@@ -1,0 +1,231 @@
+"""Logical axis names on variables -> `NamedSharding`s on a mesh; placing a model; a sharded jitted train step.
+
+Every `nnx.Variable` carries `out_sharding` metadata: a tuple of logical axis names, one per dimension
+(`k3jax/layers/params.py`). `plan_shardings` resolves them through the one table in `sharding/rules.py`:
+
+1. every name must have a rule (`rules.mesh_axes_for` raises `UnknownLogicalAxisError` otherwise);
+2. per dimension, mesh axes whose size does not divide the dimension are dropped (greedily, in rule order:
+   `embed: ('data', 'expert')` on a dim of 4 with data=2, expert=4 keeps `data` only);
+3. no mesh axis is used twice in one spec: flax's `logical_to_mesh_axes` assigns rules in the table's order and
+   leaves a later dimension whose rule wants an already-used mesh axis replicated (e.g. the latent down-projection
+   `('embed', 'expert_latent')` -> `(('data', 'expert'), None)`).
+
+Every dropped mesh axis of size > 1 is recorded as a `Fallback` (path, dim, size, what was dropped, why) in the
+returned `ShardingPlan` and logged once at INFO level as a summary, so a too-small or odd-sized config (like `tiny`
+on 8 devices) shards what it can instead of failing. Variables without `out_sharding` (e.g. an optimizer's step
+count) are replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Sequence
+
+import flax.linen as nn
+import jax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sharding.rules import LOGICAL_AXIS_RULES, mesh_axes_for
+
+log = logging.getLogger(__name__)
+
+MeshAxes = str | tuple[str, ...] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Fallback:
+    """A mesh axis the rules asked for on one dimension but that could not be used there."""
+
+    path: str
+    dim: int
+    size: int
+    logical: str | None
+    dropped: tuple[str, ...]
+    reason: str  # "indivisible": size % mesh-axis size != 0; "reused": the mesh axis already shards another dim
+
+    def __str__(self) -> str:
+        return (f"{self.path}[dim {self.dim}={self.size}, {self.logical!r}]: dropped {'+'.join(self.dropped)} "
+                f"({self.reason})")
+
+
+@dataclasses.dataclass
+class ShardingPlan:
+    """The resolved shardings of one state tree (an `nnx.State` of Variables holding `NamedSharding`s)."""
+
+    mesh: Mesh
+    shardings: Any
+    specs: dict[str, PartitionSpec]
+    fallbacks: list[Fallback]
+
+    def summary(self) -> str:
+        sharded = sum(1 for s in self.specs.values() if any(e is not None for e in s))
+        lines = [f"{sharded}/{len(self.specs)} variables sharded, {len(self.fallbacks)} fallbacks"]
+        lines += [f"  {f}" for f in self.fallbacks]
+        return "\n".join(lines)
+
+
+def rules_as_pairs(rules: dict[str, MeshAxes] = LOGICAL_AXIS_RULES) -> list[tuple[str, MeshAxes]]:
+    """The rules table as flax's ordered `(logical, mesh_axes)` pairs (order = priority)."""
+    return list(rules.items())
+
+
+def _as_tuple(axes: MeshAxes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def resolve_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh, *, path: str = "",
+                 rules: dict[str, MeshAxes] = LOGICAL_AXIS_RULES) -> tuple[PartitionSpec, list[Fallback]]:
+    """One tensor: logical axis names + shape -> a PartitionSpec valid on `mesh`, and the fallbacks taken."""
+    logical = tuple(logical)
+    if len(logical) != len(shape):
+        raise ValueError(f"{path}: logical axes {logical} do not match shape {tuple(shape)}")
+    wanted = mesh_axes_for(logical) if rules is LOGICAL_AXIS_RULES else tuple(rules.get(n) for n in logical)
+    fallbacks: list[Fallback] = []
+    # Step 2: per-dimension divisibility (mesh axes absent from the mesh are an error, not a fallback).
+    divisible: dict[str, MeshAxes] = {}
+    for dim, (name, axes, size) in enumerate(zip(logical, wanted, shape)):
+        kept: list[str] = []
+        dropped: list[str] = []
+        for a in _as_tuple(axes):
+            if a not in mesh.shape:
+                raise ValueError(f"{path}: rule for {name!r} names mesh axis {a!r}, not in mesh {mesh.axis_names}")
+            if size % (math.prod(mesh.shape[k] for k in kept) * mesh.shape[a]) == 0:
+                kept.append(a)
+            else:
+                dropped.append(a)
+        if any(mesh.shape[a] > 1 for a in dropped):
+            fallbacks.append(Fallback(path, dim, size, name, tuple(dropped), "indivisible"))
+        if name is not None:
+            divisible[name] = tuple(kept) if len(kept) > 1 else (kept[0] if kept else None)
+    # Step 3: one use per mesh axis, by rule priority (flax's resolver; a name with no rule stays replicated).
+    pairs = [(n, divisible[n]) for n in rules if n in divisible]
+    spec = nn.logical_to_mesh_axes(logical, pairs)
+    for dim, (name, got) in enumerate(zip(logical, spec)):
+        lost = tuple(a for a in _as_tuple(divisible.get(name)) if a not in _as_tuple(got))
+        if lost and any(mesh.shape[a] > 1 for a in lost):
+            fallbacks.append(Fallback(path, dim, shape[dim], name, lost, "reused"))
+    return spec, fallbacks
+
+
+def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True) -> ShardingPlan:
+    """`NamedSharding`s for every Variable in `state` (an `nnx.State`, concrete or abstract, or a module)."""
+    if isinstance(state, nnx.Module):
+        state = nnx.state(state)
+    logical_specs = nnx.get_partition_spec(state)  # Variables holding PartitionSpec(*out_sharding), or P()
+    flat_vars = dict(nnx.to_flat_state(state))
+    specs: dict[str, PartitionSpec] = {}
+    fallbacks: list[Fallback] = []
+    out = []
+    for key, spec_var in nnx.to_flat_state(logical_specs):
+        var = flat_vars[key]
+        path = ".".join(map(str, key))
+        shape = var.get_value().shape if isinstance(var, nnx.Variable) else var.shape
+        logical = tuple(spec_var.get_value()) if isinstance(spec_var, nnx.Variable) else tuple(spec_var)
+        if not logical:
+            logical = (None,) * len(shape)
+        spec, fb = resolve_spec(logical, shape, mesh, path=path)
+        specs[path] = spec
+        fallbacks += fb
+        sharding = NamedSharding(mesh, spec)
+        out.append((key, spec_var.replace(sharding) if isinstance(spec_var, nnx.Variable) else sharding))
+    if log_fallbacks and fallbacks:
+        log.info("sharding fallbacks on mesh %s (%d):\n%s", dict(mesh.shape), len(fallbacks),
+                 "\n".join(f"  {f}" for f in fallbacks))
+    return ShardingPlan(mesh, nnx.from_flat_state(out), specs, fallbacks)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> ShardingPlan:
+    """Places every Variable of `model` on `mesh` per the rules (in place) and returns the plan used."""
+    state = nnx.state(model)
+    plan = plan_shardings(state, mesh)
+    nnx.update(model, jax.device_put(state, plan.shardings))
+    return plan
+
+
+def batch_spec(ndim: int = 2) -> PartitionSpec:
+    """Input batches: the leading (batch) axis over the 'batch' rule's mesh axes, the rest replicated."""
+    return PartitionSpec(LOGICAL_AXIS_RULES["batch"], *([None] * (ndim - 1)))
+
+
+def shard_batch(batch: jax.Array, mesh: Mesh) -> jax.Array:
+    """Puts a [B, ...] batch on `mesh` sharded over ('data', 'expert') on B (which must divide evenly)."""
+    ways = math.prod(mesh.shape[a] for a in _as_tuple(LOGICAL_AXIS_RULES["batch"]))
+    if batch.shape[0] % ways:
+        raise ValueError(f"batch size {batch.shape[0]} is not divisible by data*expert = {ways} "
+                         f"(mesh {dict(mesh.shape)})")
+    return jax.device_put(batch, NamedSharding(mesh, batch_spec(batch.ndim)))
+
+
+def next_token_loss_fn(model: nnx.Module, batch_bt: jax.Array) -> jax.Array:
+    """The default objective: next-token cross-entropy on `batch[:, :-1] -> batch[:, 1:]`."""
+    from k3jax.training.loss import next_token_loss
+
+    return next_token_loss(model(batch_bt[:, :-1]), batch_bt[:, 1:])
+
+
+def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable = next_token_loss_fn, *,
+                               wrt=nnx.Param, batch_ndim: int = 2, compiler_options: dict | None = None):
+    """`fn(model, batch) -> (loss, grads)`, jitted with explicit shardings: the model's Variables as
+    `plan_shardings` places them, the batch over ('data', 'expert') on its leading axis, the loss replicated and
+    the gradients (an `nnx.State` of the `wrt` Variables) in their parameters' shardings.
+
+    `model` fixes the graph structure; call `fn` with that model (or one of the same structure) after `shard_model`.
+    """
+    graphdef, params, rest = nnx.split(model, wrt, ...)
+    param_plan = plan_shardings(params, mesh, log_fallbacks=False)
+    rest_plan = plan_shardings(rest, mesh, log_fallbacks=False)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch = NamedSharding(mesh, batch_spec(batch_ndim))
+
+    def pure(params, rest, batch_bt):
+        model = nnx.merge(graphdef, params, rest)
+        return nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
+
+    jitted = jax.jit(pure, in_shardings=(param_plan.shardings, rest_plan.shardings, batch),
+                     out_shardings=(replicated, param_plan.shardings), compiler_options=compiler_options)
+
+    def loss_and_grad(model: nnx.Module, batch_bt: jax.Array):
+        _, params, rest = nnx.split(model, wrt, ...)
+        return jitted(params, rest, batch_bt)
+
+    loss_and_grad.jitted = jitted
+    return loss_and_grad
+
+
+def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: Mesh,
+                            loss_fn: Callable = next_token_loss_fn, *, wrt=nnx.Param, batch_ndim: int = 2,
+                            donate: bool = True, compiler_options: dict | None = None):
+    """`step(model, optimizer, batch) -> loss`: one optimizer step, updating `model` and `optimizer` in place.
+
+    Jitted with explicit shardings: parameters and optimizer state enter and leave in the shardings
+    `plan_shardings` gives them (so the partitioner cannot drift them between steps), the batch is sharded over
+    ('data', 'expert') on its leading axis (pass it through `shard_batch`, or any array: jit reshards it), the
+    loss is replicated. With `donate`, the old state buffers are donated to the new ones.
+    """
+    graphdef, state = nnx.split((model, optimizer))
+    plan = plan_shardings(state, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    batch = NamedSharding(mesh, batch_spec(batch_ndim))
+
+    def pure(state, batch_bt):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    jitted = jax.jit(pure, in_shardings=(plan.shardings, batch), out_shardings=(plan.shardings, replicated),
+                     donate_argnums=(0,) if donate else (), compiler_options=compiler_options)
+
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch_bt: jax.Array) -> jax.Array:
+        new_state, loss = jitted(nnx.state((model, optimizer)), batch_bt)
+        nnx.update((model, optimizer), new_state)
+        return loss
+
+    step.jitted = jitted
+    step.plan = plan
+    return step
