@@ -12,16 +12,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import wide
-
 from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
 from k3jax.layers.attn_res import AttnResRead, push_snapshot, snapshots_before
-from k3jax.layers.kda import KDA, KDAState
+from k3jax.layers.kda import KDA, KDAState, init_kda_state
 from k3jax.layers.mla import MLA, init_latent_cache
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
+from k3jax.numerics import wide
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
 
@@ -49,10 +48,7 @@ class DecodeCache(NamedTuple):
 
 def _layer_state(cfg: ModelConfig, attn: str, batch_size: int, max_len: int):
     if attn == "kda":
-        p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
-        conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
-        s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
-        return KDAState(conv, conv, conv, s)
+        return init_kda_state(cfg, batch_size)
     return init_latent_cache(cfg, batch_size, max_len)
 
 

@@ -8,7 +8,6 @@ equal to the defaults by tests/test_model_matches_numpy_reference.py.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -17,7 +17,6 @@ from safetensors import safe_open
 
 import configs
 import k3jax
-from k3jax.convert import mxfp4
 from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
 from tests.test_convert_fixtures import write_hf_dir
 

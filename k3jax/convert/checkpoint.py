@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 from collections import OrderedDict
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 

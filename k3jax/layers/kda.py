@@ -45,6 +45,14 @@ def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: j
     return jax.nn.silu(y), padded[:, t:, :].astype(x_btp.dtype)
 
 
+def init_kda_state(cfg: ModelConfig, batch_size: int) -> KDAState:
+    """Zero decode state: empty conv history (dtype of activations) and a zero recurrent state (at least f32)."""
+    p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
+    conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
+    s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
+    return KDAState(conv, conv, conv, s)
+
+
 class KDA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -74,11 +82,7 @@ class KDA(nnx.Module):
         self.o_proj = params.normal(rngs, (h, k, d), ("kda_heads", "kda_head_dim", "embed"), pd, fan_in=p)
 
     def init_state(self, batch_size: int) -> KDAState:
-        cfg = self.cfg
-        p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
-        conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
-        s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
-        return KDAState(conv, conv, conv, s)
+        return init_kda_state(self.cfg, batch_size)
 
     def decay(self, x_btd: jax.Array) -> jax.Array:
         """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt)."""

@@ -93,7 +93,6 @@ class MLA(nnx.Module):
         `absorb` (static): attend in the MQA-over-latent form (kv_b_proj folded into q and the output);
         None picks it for decode (T == 1) and the expanded form otherwise. Returns (y [B,T,D], new cache).
         """
-        cfg = self.cfg
         b, t, _ = x_btd.shape
         s = cache_bsc.shape[1]
         rows_btc = self.latent(x_btd)
