@@ -21,7 +21,7 @@ from flax import nnx
 import configs
 from k3jax.model import K3Model
 from k3jax.param_count import count_params
-from k3jax.training.loss import next_token_loss
+from k3jax.training.simple import make_train_step
 
 
 def main():
@@ -38,11 +38,7 @@ def main():
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     optimizer = nnx.Optimizer(model, optax.adamw(1e-4), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(lambda m: next_token_loss(m(batch[:, :-1]), batch[:, 1:]))(model)
-        optimizer.update(model, grads)
-        return loss
+    step = make_train_step()
 
     batch = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (args.batch_size, args.seq_len + 1)),
                         jnp.int32)

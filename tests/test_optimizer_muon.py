@@ -14,7 +14,7 @@ from flax import nnx
 import configs
 from k3jax.model import K3Model
 from k3jax.training import optimizer as opt_lib
-from k3jax.training.loss import next_token_loss
+from k3jax.training.simple import make_train_step
 
 A, B, C = 3.4445, -4.7750, 2.0315
 BETA = 0.95
@@ -278,14 +278,7 @@ def test_tiny_model_training_steps_lower_the_loss():
                               wrt=nnx.Param)
     batch = jnp.asarray(np.random.RandomState(0).randint(0, cfg.vocab_size, (2, 17)), jnp.int32)
 
-    @nnx.jit
-    def step(model, optimizer, batch):
-        def loss_fn(model):
-            return next_token_loss(model(batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
+    step = make_train_step()
 
     losses = [float(step(model, optimizer, batch)) for _ in range(steps)]
     assert all(np.isfinite(losses))

@@ -41,6 +41,21 @@ def make_optimizer(opts: TrainOptions) -> optax.GradientTransformation:
     return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=opts.weight_decay))
 
 
+def make_train_step():
+    """A jitted `step(model, optimizer, batch [B, T+1]) -> loss`: next-token loss, gradients, optimizer update."""
+
+    @nnx.jit
+    def step(model, optimizer, batch):
+        def loss_fn(model):
+            return next_token_loss(model(batch[:, :-1]), batch[:, 1:])
+
+        loss, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return loss
+
+    return step
+
+
 def train(cfg: ModelConfig, opts: TrainOptions, log=print) -> list[float]:
     """Trains on the embedded byte-level corpus; returns the per-step losses."""
     if cfg.vocab_size < 259:
@@ -54,15 +69,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, log=print) -> list[float]:
         f"groups={[(g.start, len(g.pattern), g.num_repeats) for g in cfg.layer_groups()]}")
     optimizer = nnx.Optimizer(model, make_optimizer(opts), wrt=nnx.Param)
 
-    @nnx.jit
-    def step(model, optimizer, batch):
-        def loss_fn(model):
-            return next_token_loss(model(batch[:, :-1]), batch[:, 1:])
-
-        loss, grads = nnx.value_and_grad(loss_fn)(model)
-        optimizer.update(model, grads)
-        return loss
-
+    step = make_train_step()
     batches = random_windows(tokens, opts.batch_size, opts.seq_len, opts.seed)
     losses: list[float] = []
     tokens_per_step = opts.batch_size * opts.seq_len
