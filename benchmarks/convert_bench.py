@@ -5,7 +5,8 @@
 Generates a K3-layout HF directory (`language_model.` prefix, MXFP4 routed experts, bf16/f32 as released, A_log
 with a zero tail, nested config.json, one shard per layer) for a K3-shaped config scaled down in depth but with
 large tensors (~3.8 GB on disk), then runs `python -m k3jax.convert` in a fresh subprocess for `--experts bf16`
-(decode) and `--experts mxfp4` (keep packed), and `--to_hf` back. Reports GB/s (input bytes / wall time) and
+(decode) and `--experts mxfp4` (keep packed), `k3jax.load_checkpoint(..., mesh=)` onto 8 emulated CPU devices,
+and `--to_hf` back. Reports GB/s (input bytes / wall time) and
 the subprocess's peak RSS (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) next to the largest tensor group (one
 layer's converted tensors) and the whole checkpoint size.
 """
@@ -110,6 +111,29 @@ def run_convert(args: list[str]) -> tuple[float, float]:
     return wall, kb / (1 << 20)
 
 
+def run_load(ckpt: str) -> tuple[float, float, float]:
+    """`k3jax.load_checkpoint(ckpt, mesh=2x2x1x2)` on 8 emulated CPU devices in a fresh process; returns
+    (wall seconds, peak RSS GiB, resident parameter GiB). On CPU the devices' shards live in host memory, so the
+    loader's own overhead is peak RSS minus the resident parameters."""
+    code = ("import resource, sys, jax\n"
+            f"sys.path.insert(0, {ROOT!r})\n"
+            "import k3jax\nfrom sharding.mesh import make_mesh\nfrom flax import nnx\n"
+            f"cfg, model = k3jax.load_checkpoint({ckpt!r}, mesh=make_mesh(data=2, expert=2, model=2))\n"
+            "n = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))\n"
+            "print('PARAM_BYTES', n)\n"
+            "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
+    start = time.time()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=env)
+    wall = time.time() - start
+    if res.returncode != 0:
+        raise RuntimeError(res.stderr[-3000:])
+    lines = res.stdout.splitlines()
+    kb = int([ln for ln in lines if ln.startswith("MAXRSS_KB")][0].split()[1])
+    nbytes = int([ln for ln in lines if ln.startswith("PARAM_BYTES")][0].split()[1])
+    return wall, kb / (1 << 20), nbytes / 2**30
+
+
 def dir_bytes(d: str) -> int:
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs)
 
@@ -135,6 +159,11 @@ def main():
         wall, rss = run_convert(["--hf_dir", hf_dir, "--out", out, "--dtype", "bf16", "--experts", experts])
         print(f"HF->Orbax --experts {experts}: {wall:.1f}s, {total / 1e9 / wall:.3f} GB/s of input, "
               f"output {dir_bytes(out) / 1e9:.2f} GB, peak RSS {rss:.2f} GiB")
+    for experts in ("bf16", "mxfp4"):
+        wall, rss, resident = run_load(os.path.join(args.workdir, f"orbax_{experts}"))
+        print(f"load_checkpoint onto a 2x2x1x2 mesh (8 CPU devices), --experts {experts} checkpoint: {wall:.1f}s, "
+              f"peak RSS {rss:.2f} GiB with {resident:.2f} GiB of parameters resident on the devices "
+              f"(loader overhead {rss - resident:.2f} GiB)")
     back = os.path.join(args.workdir, "hf_back")
     wall, rss = run_convert(["--to_hf", "--checkpoint", os.path.join(args.workdir, "orbax_mxfp4"), "--out", back])
     print(f"Orbax->HF (packed experts): {wall:.1f}s, {dir_bytes(back) / 1e9 / wall:.3f} GB/s written, "

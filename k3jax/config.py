@@ -100,6 +100,9 @@ class ModelConfig:
     attn_res_block_size: int | None = 12  # None: plain residual stream (Kimi-Linear)
     # --- MTP
     num_nextn_predict_layers: int = 0
+    # --- training-time state
+    quantile_balancing: bool = False  # MoE layers record routing-margin histograms for Quantile Balancing
+    quantile_balancing_bins: int = 256
     # --- numerics and compilation
     param_dtype: str = "bfloat16"
     dtype: str = "bfloat16"
@@ -118,7 +121,7 @@ class ModelConfig:
             "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kda_num_heads", "kda_head_dim",
             "kda_short_conv_kernel_size", "kda_chunk_size", "num_attention_heads", "kv_lora_rank",
             "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
-            "num_expert_group", "topk_group", "max_position_embeddings",
+            "num_expert_group", "topk_group", "max_position_embeddings", "quantile_balancing_bins",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

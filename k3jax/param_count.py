@@ -39,17 +39,15 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
             "embedding_params": embedding}
 
 
-_CONFIG = flags.DEFINE_string("config", "k3", "Named config (see configs/).")
-
-
 def main(argv):
     del argv
     import configs
 
-    counts = count_params(configs.get_config(_CONFIG.value))
+    counts = count_params(configs.get_config(flags.FLAGS.config))
     for key, value in counts.items():
         print(f"{key}: {value} ({value / 1e9:.4f}B)")
 
 
 if __name__ == "__main__":
+    flags.DEFINE_string("config", "k3", "Named config (see configs/).")  # here: importing the module defines no flag
     app.run(main)

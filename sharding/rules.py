@@ -36,6 +36,8 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "experts": "expert",
     "expert_latent": "data",
     "expert_mlp": "model",
+    # MTP: the [hidden; embedding] concatenation axis of eh_proj (FSDP like embed)
+    "mtp_concat": ("data", "expert"),
     # scanned layer stacks
     "layers": None,
 }

@@ -124,7 +124,11 @@ def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True) -> Sha
     for key, spec_var in nnx.to_flat_state(logical_specs):
         var = flat_vars[key]
         path = ".".join(map(str, key))
-        shape = var.get_value().shape if isinstance(var, nnx.Variable) else var.shape
+        value = var.get_value() if isinstance(var, nnx.Variable) else var
+        if not hasattr(value, "shape"):  # an empty pytree node (e.g. optax.partition's MaskedNode): kept as is
+            out.append((key, spec_var.replace(value) if isinstance(spec_var, nnx.Variable) else value))
+            continue
+        shape = value.shape
         logical = tuple(spec_var.get_value()) if isinstance(spec_var, nnx.Variable) else tuple(spec_var)
         if not logical:
             logical = (None,) * len(shape)
@@ -199,32 +203,42 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
 
 def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: Mesh,
                             loss_fn: Callable = next_token_loss_fn, *, wrt=nnx.Param, batch_ndim: int = 2,
-                            donate: bool = True, compiler_options: dict | None = None):
+                            donate: bool = True, compiler_options: dict | None = None, has_aux: bool = False,
+                            after_update: Callable | None = None):
     """`step(model, optimizer, batch) -> loss`: one optimizer step, updating `model` and `optimizer` in place.
 
     Jitted with explicit shardings: parameters and optimizer state enter and leave in the shardings
-    `plan_shardings` gives them (so the partitioner cannot drift them between steps), the batch is sharded over
-    ('data', 'expert') on its leading axis (pass it through `shard_batch`, or any array: jit reshards it), the
-    loss is replicated. With `donate`, the old state buffers are donated to the new ones.
+    `plan_shardings` gives them (so the partitioner cannot drift them between steps), the batch (an array or a
+    dict of arrays, all [B, ...] with `batch_ndim` dims) is sharded over ('data', 'expert') on its leading axis
+    (pass it through `shard_batch`, or any array: jit reshards it), the loss is replicated. With `donate`, the old
+    state buffers are donated to the new ones.
+
+    With `has_aux`, `loss_fn` returns `(loss, metrics dict)` and the step returns `(loss, metrics)`.
+    `after_update(model, grads) -> dict` runs inside the jitted step after the optimizer update (e.g. Quantile
+    Balancing's bias update); its dict is merged into the metrics (and the step returns `(loss, metrics)`).
     """
     graphdef, state = nnx.split((model, optimizer))
     plan = plan_shardings(state, mesh)
     replicated = NamedSharding(mesh, PartitionSpec())
     batch = NamedSharding(mesh, batch_spec(batch_ndim))
+    with_metrics = has_aux or after_update is not None
 
     def pure(state, batch_bt):
         model, optimizer = nnx.merge(graphdef, state)
-        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
+        out, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)(model, batch_bt)
+        loss, metrics = out if has_aux else (out, {})
         optimizer.update(model, grads)
-        return nnx.state((model, optimizer)), loss
+        if after_update is not None:
+            metrics = {**metrics, **after_update(model, grads)}
+        return nnx.state((model, optimizer)), ((loss, metrics) if with_metrics else loss)
 
     jitted = jax.jit(pure, in_shardings=(plan.shardings, batch), out_shardings=(plan.shardings, replicated),
                      donate_argnums=(0,) if donate else (), compiler_options=compiler_options)
 
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch_bt: jax.Array) -> jax.Array:
-        new_state, loss = jitted(nnx.state((model, optimizer)), batch_bt)
+    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch_bt):
+        new_state, out = jitted(nnx.state((model, optimizer)), batch_bt)
         nnx.update((model, optimizer), new_state)
-        return loss
+        return out
 
     step.jitted = jitted
     step.plan = plan

@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -468,10 +468,11 @@ def _decode_stack(packed: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
     return res
 
 
-def load_params(ckpt: str, dtype: str | None = None, adjust: Callable[[ModelConfig], ModelConfig] | None = None
-                ) -> tuple[ModelConfig, dict[tuple[str, ...], np.ndarray]]:
-    """Every parameter of a checkpoint as full (stacked) NumPy arrays keyed by model path; MXFP4 items decoded.
-    `adjust` may change runtime config fields (e.g. scan_layers) before the parameter tree is planned."""
+def checkpoint_values(ckpt: str, dtype: str | None = None,
+                      adjust: Callable[[ModelConfig], ModelConfig] | None = None) -> tuple[Plan, Iterator]:
+    """The plan of a checkpoint and an iterator of `(slot, value)` over every per-layer tensor, one item (layer)
+    in host memory at a time; MXFP4 items decoded. `adjust` may change runtime config fields (e.g. scan_layers)
+    before the parameter tree is planned."""
     manifest, cfg = read_manifest(ckpt)
     dtype = dtype_from_flag(dtype)
     if dtype is not None:
@@ -482,23 +483,31 @@ def load_params(ckpt: str, dtype: str | None = None, adjust: Callable[[ModelConf
     if set(plan.items) != set(manifest["items"]):
         raise CheckpointError(f"{ckpt}: items {sorted(set(manifest['items']) ^ set(plan.items))[:5]} do not fit "
                               f"its config.json")
-    full = {path: np.empty(shape, dt) for path, (shape, dt) in plan.params.items()}
-    for name, slots in plan.items.items():
-        item = _restore_item(os.path.join(ckpt, "params", name))
+
+    def values():
+        for name, slots in plan.items.items():
+            item = _restore_item(os.path.join(ckpt, "params", name))
+            for slot in slots:
+                if slot.local + ".packed" in item:
+                    value = _decode_stack(item[slot.local + ".packed"], item[slot.local + ".scale"], slot.dtype)
+                else:
+                    value = item[slot.local]
+                if tuple(value.shape) != tuple(slot.shape):
+                    raise CheckpointError(f"{ckpt}: {name}/{slot.local} has shape {list(value.shape)}; expected "
+                                          f"{list(slot.shape)}")
+                yield slot, value
+            del item
+
+    return plan, values()
+
+
+def hf_values(src: Source) -> Iterator:
+    """`(slot, value)` over every per-layer tensor of an opened HF directory, one layer in memory at a time."""
+    for slots in src.plan.items.values():
+        item = convert_item(src, slots, "bf16")
         for slot in slots:
-            if slot.local + ".packed" in item:
-                value = _decode_stack(item[slot.local + ".packed"], item[slot.local + ".scale"], slot.dtype)
-            else:
-                value = item[slot.local]
-            if tuple(value.shape) != tuple(slot.shape):
-                raise CheckpointError(f"{ckpt}: {name}/{slot.local} has shape {list(value.shape)}; expected "
-                                      f"{list(slot.shape)}")
-            if slot.index is None:
-                full[slot.path][...] = value
-            else:
-                full[slot.path][slot.index] = value
+            yield slot, item.pop(slot.local)
         del item
-    return cfg, full
 
 
 # ------------------------------------------------------------------------------------------------ ours -> HF

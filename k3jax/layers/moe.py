@@ -17,6 +17,7 @@ from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.gmm import gmm
+from k3jax.training.balancing import margin_histogram, routing_margins
 
 
 def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig):
@@ -82,12 +83,18 @@ class LatentMoE(nnx.Module):
         self.w2 = params.normal(rngs, (e, m, lat), ("experts", "expert_mlp", "expert_latent"), pd, fan_in=m)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * m, rngs=rngs)
+        if cfg.quantile_balancing:  # this step's routing statistics, overwritten by every forward pass
+            self.margin_counts = params.routing_stats((e, cfg.quantile_balancing_bins), ("experts_router", None),
+                                                      jnp.int32)
+            self.expert_loads = params.routing_stats((e,), ("experts_router",), jnp.float32)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d).astype(dt)
-        weights_nk, experts_nk, _ = route(x_nd, self.router[...], self.router_bias[...], cfg)
+        weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
+        if cfg.quantile_balancing:
+            self._record_routing(scores_ne, experts_nk)
         latent = cfg.routed_expert_hidden_size is not None
         z_nl = x_nd @ self.routed_expert_down_proj[...].astype(dt) if latent else x_nd
         combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
@@ -101,4 +108,12 @@ class LatentMoE(nnx.Module):
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
         return y_btd
+
+    def _record_routing(self, scores_ne: jax.Array, experts_nk: jax.Array) -> None:
+        """Histogram of this batch's routing margins (for Quantile Balancing) and the expert loads (metrics)."""
+        cfg = self.cfg
+        margins_ne = routing_margins(jax.lax.stop_gradient(scores_ne), self.router_bias[...],
+                                     cfg.num_experts_per_token)
+        self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.quantile_balancing_bins)
+        self.expert_loads[...] = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_nk.reshape(-1)].add(1.0)
 

@@ -15,6 +15,11 @@ class RouterBias(nnx.Variable):
     gradient parameter."""
 
 
+class RoutingStats(nnx.Variable):
+    """Per-step routing statistics a MoE layer records during its forward pass (margin histogram, expert loads):
+    read by Quantile Balancing and the training metrics; neither a parameter nor part of the released weights."""
+
+
 def normal(rngs: nnx.Rngs, shape: Sequence[int], axes: Sequence[str | None], dtype, *, fan_in: int | None = None,
            std: float | None = None) -> nnx.Param:
     """Truncation-free normal init: std = `std` if given, else 1/sqrt(fan_in) (fan_in defaults to shape[0])."""
@@ -35,3 +40,7 @@ def from_array(value: jax.Array, axes: Sequence[str | None]) -> nnx.Param:
 def router_bias(num_experts: int, dtype=jnp.float32) -> RouterBias:
     """Zero-initialised f32 selection bias, one per expert."""
     return RouterBias(jnp.zeros((num_experts,), dtype), out_sharding=("experts_router",), eager_sharding=False)
+
+
+def routing_stats(shape: Sequence[int], axes: Sequence[str | None], dtype) -> RoutingStats:
+    return RoutingStats(jnp.zeros(tuple(shape), dtype), out_sharding=tuple(axes), eager_sharding=False)

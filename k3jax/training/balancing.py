@@ -125,3 +125,44 @@ def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
 
 def _tokens(scores: jax.Array) -> jax.Array:
     return scores.reshape(-1, scores.shape[-1]).astype(jnp.float32)
+
+
+def next_bias_from_counts(counts_ne: jax.Array, k: int) -> jax.Array:
+    """Quantile Balancing's next bias from a margin histogram [..., n, num_bins] (leading axes: stacked layers)."""
+    n, num_bins = counts_ne.shape[-2:]
+    flat = counts_ne.reshape(-1, n, num_bins)
+    b_hat = -jax.vmap(lambda c: histogram_quantile(c, 1.0 - k / n))(flat)
+    b_next = b_hat - b_hat.mean(axis=-1, keepdims=True)
+    return b_next.reshape(counts_ne.shape[:-1])
+
+
+def moe_layers(model) -> list:
+    """Every MoE layer module of `model` that records routing statistics (stacked scan copies count once)."""
+    from flax import nnx
+
+    from k3jax.layers.moe import LatentMoE
+
+    return [m for _, m in nnx.iter_graph(model)
+            if isinstance(m, LatentMoE) and hasattr(m, "margin_counts")]
+
+
+def apply_quantile_balancing(model) -> None:
+    """Sets every MoE layer's router bias from the margin histogram its last forward pass recorded (in place;
+    call after the optimizer step inside the jitted train step, so the new bias routes the next step's tokens).
+    The histogram was computed over the whole global batch: under a mesh, GSPMD sums the per-shard counts."""
+    for moe in moe_layers(model):
+        k = moe.cfg.num_experts_per_token
+        moe.router_bias[...] = next_bias_from_counts(moe.margin_counts[...], k).astype(moe.router_bias.dtype)
+
+
+def routing_load_metrics(model) -> dict[str, jax.Array]:
+    """max/mean expert load over all MoE layers of the last forward pass: the worst layer and the average."""
+    ratios = []
+    for moe in moe_layers(model):
+        loads = moe.expert_loads[...]
+        loads = loads.reshape(-1, loads.shape[-1])
+        ratios.append(loads.max(-1) / jnp.maximum(loads.mean(-1), 1e-9))
+    if not ratios:
+        return {}
+    r = jnp.concatenate(ratios)
+    return {"expert_load_max_over_mean": r.max(), "expert_load_max_over_mean_avg": r.mean()}

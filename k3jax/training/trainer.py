@@ -1,0 +1,387 @@
+"""The pretraining loop behind `train.py`: per-head Muon + AdamW, Quantile Balancing, MTP, packed Grain data, an
+explicit mesh, Orbax checkpoints with exact resume, metrics (loss, grad norm, lr, tokens/s, MFU, expert load).
+
+One jitted step (`sharding.shard.make_sharded_train_step`) does: forward (main model + MTP layer) with document
+packing (segment ids), loss = LM loss + mtp_weight · MTP loss, gradients, optimizer update, then Quantile Balancing
+sets every MoE layer's router bias from the margin histogram the forward recorded (used from the next step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.model import K3Model
+from k3jax.mtp import MTPLayer, mtp_loss
+from k3jax.training import checkpointing
+from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
+from k3jax.training.loss import next_token_loss
+from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
+from k3jax.training.optimizer import lr_schedule, make_optimizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainOptions:
+    workdir: str | None = None  # checkpoints + metrics.jsonl; None: nothing is written
+    steps: int = 300
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    warmup_fraction: float = 0.01
+    weight_decay: float = 0.1
+    optimizer: str = "muon"  # "muon" (per-head Muon + AdamW) or "adamw"
+    max_grad_norm: float | None = 1.0
+    quantile_balancing: bool = True
+    mtp: bool = True
+    mtp_weight: float = 0.3
+    data: str | None = None  # prepared data dir (python -m k3jax.data.prepare); None: the embedded corpus
+    seed: int = 0
+    log_every: int = 20
+    checkpoint_every: int = 100  # also saved at the end and on SIGTERM
+    keep_checkpoints: int = 3
+    resume: bool = True
+    mesh: str | None = None  # "data,expert,context,model"; None: every device on 'data'
+    halt_at_step: int | None = None  # stop (and save) after this step, as a preemption would
+    context_stages: tuple[tuple[int, int], ...] = ()  # ((after_step, seq_len), ...): the context curriculum
+    init_from: str | None = None  # a k3jax checkpoint (python -m k3jax.convert) to start from instead of random init
+
+    def __post_init__(self):
+        if self.optimizer not in ("muon", "adamw"):
+            raise ValueError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+        for name in ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+
+    def resume_keys(self) -> dict[str, Any]:
+        """Options a resumed run must share with the checkpoint (the rest may change, e.g. --steps)."""
+        return {k: getattr(self, k) for k in ("batch_size", "seq_len", "optimizer", "quantile_balancing", "mtp",
+                                              "data", "seed", "context_stages")}
+
+
+class NonFiniteLossError(FloatingPointError):
+    """The loss became NaN or infinite (nothing is saved from that step on)."""
+
+
+class Trainable(nnx.Module):
+    """What the optimizer trains: the model and (optionally) its MTP layer."""
+
+    def __init__(self, cfg: ModelConfig, *, mtp: bool, rngs: nnx.Rngs):
+        self.model = K3Model(cfg, rngs=rngs)
+        self.mtp = MTPLayer(cfg, rngs=rngs) if mtp else None
+
+
+def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
+    """LM loss (+ mtp_weight · MTP loss) over the unmasked positions of a packed batch."""
+    model = trainable.model
+    segment_ids = batch.get("segment_ids")
+    h = model.hidden_states(batch["input_ids"], segment_ids)
+    lm = next_token_loss(model.logits(h), batch["targets"], batch["loss_mask"])
+    metrics = {"lm_loss": lm}
+    loss = lm
+    if trainable.mtp is not None:
+        extra = mtp_loss(model, trainable.mtp, h, batch["targets"], batch["loss_mask"], segment_ids)
+        metrics["mtp_loss"] = extra
+        loss = lm + mtp_weight * extra
+    return loss, metrics
+
+
+def after_update(trainable: Trainable, grads, *, balance: bool) -> dict:
+    metrics = {"grad_norm": optax.global_norm(grads),
+               "param_norm": optax.global_norm(nnx.state(trainable, nnx.Param)),  # finite => safe to save
+               **routing_load_metrics(trainable)}
+    if balance:
+        apply_quantile_balancing(trainable)
+    return metrics
+
+
+def build(cfg: ModelConfig, opts: TrainOptions, mesh):
+    """(trainable, optimizer, step function, lr schedule), placed on `mesh`."""
+    from sharding.shard import make_sharded_train_step, shard_model
+
+    if opts.quantile_balancing and not cfg.quantile_balancing:
+        cfg = cfg.replace(quantile_balancing=True)
+    trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed))
+    schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
+    if opts.optimizer == "muon":
+        tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
+                            max_grad_norm=opts.max_grad_norm)
+    else:
+        tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
+        if opts.max_grad_norm is not None:
+            tx = optax.chain(optax.clip_by_global_norm(opts.max_grad_norm), tx)
+    optimizer = nnx.Optimizer(trainable, tx, wrt=nnx.Param)
+    shard_model(trainable, mesh)
+    shard_model(optimizer, mesh)
+    step = make_sharded_train_step(
+        trainable, optimizer, mesh, lambda t, b: loss_fn(t, b, opts.mtp_weight), has_aux=True,
+        after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing))
+    return trainable, optimizer, step, schedule
+
+
+def make_mesh_from_option(text: str | None):
+    from sharding.mesh import make_mesh, parse_mesh
+
+    if text is None:
+        return make_mesh(data=jax.device_count())
+    sizes = parse_mesh(text)
+    n = math.prod(sizes.values())
+    if n < jax.device_count():  # an explicitly smaller mesh runs on the first n devices
+        log.warning("mesh %s uses %d of %d devices", text, n, jax.device_count())
+        return make_mesh(**sizes, devices=jax.devices()[:n])
+    return make_mesh(**sizes)
+
+
+def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], *, seq_len: int, stage: int = 0):
+    """The Grain iterator over `opts.data` (prepared with `python -m k3jax.data.prepare`), or over the embedded
+    corpus prepared on the fly (byte tokens) when no data is given. Context stage s reads with seed + s."""
+    from k3jax.data import pipeline, prepare
+
+    if opts.data is None:
+        if cfg.vocab_size < 259:
+            raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
+                             f"needs >= 259 (256 bytes + BOS/EOS/PAD); pass --data with a matching tokenizer")
+        data_dir = pipeline.default_data_dir(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
+                                             pad_id=cfg.pad_token_id)
+    else:
+        data_dir = opts.data
+    meta = prepare.read_metadata(data_dir)
+    if int(meta["vocab_size"]) > cfg.vocab_size:
+        raise ValueError(f"data in {data_dir} was tokenized with vocab_size={meta['vocab_size']}, larger than "
+                         f"config {cfg.name!r}'s vocab_size={cfg.vocab_size}")
+    log_fn(f"data: {data_dir} ({meta.get('num_documents', '?')} documents, {meta.get('num_tokens', '?')} tokens), "
+           f"seq_len {seq_len}")
+    procs = jax.process_count()
+    if opts.batch_size % procs:
+        raise ValueError(f"--batch_size={opts.batch_size} must be divisible by the number of processes ({procs})")
+    return pipeline.make_dataset(data_dir, batch_size=opts.batch_size // procs, seq_len=seq_len,
+                                 seed=opts.seed + stage)
+
+
+def parse_context_stages(text: str | None) -> tuple[tuple[int, int], ...]:
+    """'1000:65536,5000:262144' -> ((1000, 65536), (5000, 262144)): after step 1000 sequences are 65536 long, ...
+    (before the first stage, --seq_len). NoPE: nothing positional changes, only the packing length."""
+    if not text:
+        return ()
+    stages = []
+    for part in text.split(","):
+        try:
+            after, length = (int(x) for x in part.split(":"))
+        except ValueError:
+            raise ValueError(f"context stage {part!r} is not AFTER_STEP:SEQ_LEN (in {text!r})") from None
+        if after < 0 or length < 1:
+            raise ValueError(f"context stage {part!r}: step must be >= 0 and seq_len >= 1")
+        stages.append((after, length))
+    if [a for a, _ in stages] != sorted({a for a, _ in stages}):
+        raise ValueError(f"context stages must have increasing steps: {text!r}")
+    return tuple(stages)
+
+
+def stage_at(opts: TrainOptions, step: int) -> tuple[int, int]:
+    """(stage index, seq_len) used by training step `step` (1-based); stage 0 is --seq_len."""
+    index, length = 0, opts.seq_len
+    for j, (after, stage_len) in enumerate(opts.context_stages, start=1):
+        if step > after:
+            index, length = j, stage_len
+    return index, length
+
+
+def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[str], None] = print) -> list[float]:
+    """Trains for `opts.steps` steps (resuming from `opts.workdir` when it has a checkpoint); returns this run's
+    per-step losses. `data`: a Grain iterator of packed numpy batches (default: `open_data`, one per context
+    stage)."""
+    if data is not None and opts.context_stages:
+        raise ValueError("context stages need the trainer to open each stage's data itself (pass data=None)")
+    mesh = make_mesh_from_option(opts.mesh)
+    trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
+    cfg = trainable.model.cfg
+    counts = _param_counts(trainable)
+    log_fn(f"model: config={cfg.name} params={counts['total']:,} (mtp {counts['mtp']:,}) "
+           f"mesh={dict(mesh.shape)} optimizer={opts.optimizer} quantile_balancing={opts.quantile_balancing}")
+
+    manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
+    meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys()}
+    start = 0
+    if manager is not None and opts.resume and manager.latest_step() is not None:
+        start = manager.latest_step()
+        path = os.path.join(checkpointing.checkpoint_dir(opts.workdir), str(start))
+        checkpointing.check_meta(checkpointing.read_meta(manager, start), cfg, opts.resume_keys(), path)
+    if start >= opts.steps:
+        log_fn(f"nothing to do: checkpoint step {start} >= --steps {opts.steps}")
+        if manager is not None:
+            manager.close()
+        return []
+    stage, seq_len = stage_at(opts, max(start, 1))
+    if data is None:
+        data = open_data(cfg, opts, log_fn, seq_len=seq_len, stage=stage)
+    if start:
+        state = checkpointing.restore(manager, start, nnx.state((trainable, optimizer)), data)
+        nnx.update((trainable, optimizer), state)
+        log_fn(f"resumed from {path} (step {start})")
+    elif opts.init_from:
+        init_weights(trainable.model, opts.init_from, mesh)
+        log_fn(f"initialised the model from {opts.init_from}")
+
+    from k3jax.param_count import count_params
+
+    active = count_params(cfg)["active_params"]
+    peak = peak_flops_per_device()
+    metrics_log = MetricsLog(opts.workdir)
+    stop = _SignalFlag()
+    losses: list[float] = []
+    pending: list[tuple[int, jax.Array, dict]] = []
+    t_window = time.perf_counter()
+    steps_in_window = 0
+    last_saved = start
+    try:
+        for i in range(start + 1, opts.steps + 1):
+            new_stage, new_len = stage_at(opts, i)
+            if new_stage != stage:
+                _close(data)
+                stage, seq_len = new_stage, new_len
+                log_fn(f"step {i}: context stage {stage}: seq_len {seq_len}")
+                data = open_data(cfg, opts, log_fn, seq_len=seq_len, stage=stage)
+            batch = _global_batch(next(data), mesh)
+            loss, metrics = step_fn(trainable, optimizer, batch)
+            pending.append((i, loss, metrics))
+            steps_in_window += 1
+            is_last = i == opts.steps or (opts.halt_at_step is not None and i >= opts.halt_at_step)
+            stage_ends = stage_at(opts, i + 1)[0] != stage
+            save_now = manager is not None and (is_last or stop.raised
+                                                or (opts.checkpoint_every and i % opts.checkpoint_every == 0))
+            if i == start + 1 or i % opts.log_every == 0 or save_now or is_last or stage_ends:
+                elapsed = time.perf_counter() - t_window
+                done = _drain(pending, losses)  # raises NonFiniteLossError before anything is saved
+                m = {k: float(v) for k, v in done[-1][2].items()}
+                tps = opts.batch_size * seq_len * steps_in_window / max(elapsed, 1e-9)
+                m.update(loss=losses[-1], learning_rate=float(schedule(i - 1)), tokens_per_s=tps, seq_len=seq_len)
+                if peak:
+                    flops_per_token = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp)
+                    m["mfu"] = tps * flops_per_token / (peak * jax.device_count())
+                metrics_log.write(i, m)
+                log_fn(_format(i, m, first=(i == start + 1), elapsed=elapsed))
+                t_window, steps_in_window = time.perf_counter(), 0
+            if save_now:
+                checkpointing.save(manager, i, nnx.state((trainable, optimizer)), data, {**meta, "step": i})
+                last_saved = i
+            if stop.raised or is_last:
+                break
+    finally:
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+        stop.restore()
+        _close(data)
+    if stop.raised:
+        log_fn(f"stopped by signal after step {last_saved}; checkpoint saved in {opts.workdir}")
+    return losses
+
+
+def init_weights(model: K3Model, ckpt: str, mesh) -> None:
+    """Copies a converted checkpoint's parameters and router biases into `model` (placed on `mesh`); the
+    architectures must agree (runtime fields such as kda_impl may differ)."""
+    from k3jax.convert.hf_config import check_config
+    from k3jax.layers.params import RouterBias
+    from k3jax.loading import load_checkpoint
+
+    ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.param_dtype, mesh=mesh)
+    check_config(ckpt_cfg, model.cfg)
+    nnx.update(model, nnx.state(loaded, nnx.Any(nnx.Param, RouterBias)))
+
+
+def _close(data) -> None:
+    close = getattr(data, "close", None)
+    if close is not None:
+        close()
+
+
+def _global_batch(local: dict, mesh) -> dict:
+    """Single process: the numpy batch as is (jit shards it). Multi-host: each process's rows become its part of
+    one global array sharded over the batch axes."""
+    if jax.process_count() == 1:
+        return local
+    from jax.sharding import NamedSharding
+
+    from sharding.shard import batch_spec
+
+    sharding = NamedSharding(mesh, batch_spec(2))
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+
+
+def _drain(pending, losses):
+    """Fetches the pending steps' losses; raises NonFiniteLossError at the first step whose loss or updated
+    parameters are not finite (before anything from that step is saved)."""
+    done = list(pending)
+    pending.clear()
+    fetched = jax.device_get([(l, m["param_norm"]) for _, l, m in done])
+    for (i, _, _), (loss, pnorm) in zip(done, fetched):
+        loss, pnorm = float(loss), float(pnorm)
+        if not (math.isfinite(loss) and math.isfinite(pnorm)):
+            what = f"loss became {loss}" if not math.isfinite(loss) else f"parameters became {pnorm} (norm)"
+            raise NonFiniteLossError(f"{what} at step {i}; nothing was saved from this step on. Lower "
+                                     f"--learning_rate, check the data, or resume from the last checkpoint")
+        losses.append(loss)
+    return done
+
+
+def _format(step: int, m: dict, *, first: bool, elapsed: float) -> str:
+    parts = [f"step {step}: loss {m['loss']:.4f}"]
+    if "mtp_loss" in m:
+        parts.append(f"lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f}")
+    parts.append(f"grad_norm {m['grad_norm']:.3f} lr {m['learning_rate']:.2e}")
+    if first:
+        parts.append(f"(compile + first step {elapsed:.1f}s)")
+    else:
+        parts.append(f"{m['tokens_per_s']:,.0f} tokens/s")
+        if "mfu" in m:
+            parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "expert_load_max_over_mean" in m:
+        parts.append(f"load max/mean {m['expert_load_max_over_mean']:.2f}")
+    return "  ".join(parts)
+
+
+def _param_counts(trainable: Trainable) -> dict[str, int]:
+    def count(module):
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(module, nnx.Param)))
+
+    return {"total": count(trainable.model), "mtp": count(trainable.mtp) if trainable.mtp is not None else 0}
+
+
+class _SignalFlag:
+    """SIGTERM / SIGINT set a flag: the loop saves a checkpoint after the current step and exits cleanly."""
+
+    def __init__(self):
+        self.raised = False
+        self._old = {}
+        try:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._old[sig] = signal.signal(sig, self._handle)
+        except ValueError:  # not the main thread: no handlers
+            self._old = {}
+
+    def _handle(self, signum, frame):
+        if self.raised:  # a second signal: give up immediately
+            raise KeyboardInterrupt
+        self.raised = True
+        log.warning("signal %s: saving a checkpoint after this step, then exiting", signum)
+
+    def restore(self):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,94 @@
+"""train.py's loop: exact resume from Orbax checkpoints, Quantile Balancing lowering the expert-load imbalance,
+clear errors (NaN loss, mismatched resume), metrics in the workdir."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import configs
+from k3jax.training import checkpointing
+from k3jax.training.trainer import NonFiniteLossError, TrainOptions, train
+
+
+@pytest.fixture
+def compile_cache(tmp_path_factory):
+    """A persistent XLA compilation cache: the runs of one test compile the same step program once."""
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)
+
+
+def _opts(workdir, **kw):
+    base = dict(workdir=str(workdir), steps=4, batch_size=2, seq_len=32, log_every=1, checkpoint_every=2,
+                mesh="1,1,1,1")
+    base.update(kw)
+    return TrainOptions(**base)
+
+
+def test_resume_continues_bit_exactly(tmp_path, compile_cache):
+    """Muon + MTP + Quantile Balancing + packed data: 4 steps straight == 2 steps, stop, resume, 2 more steps."""
+    cfg = configs.get_config("tiny")
+    straight = train(cfg, _opts(tmp_path / "a"), log_fn=lambda m: None)
+    first = train(cfg, _opts(tmp_path / "b", halt_at_step=2), log_fn=lambda m: None)
+    logs = []
+    second = train(cfg, _opts(tmp_path / "b"), log_fn=logs.append)
+    assert len(straight) == 4 and len(first) == 2 and len(second) == 2
+    assert any("resumed from" in line and "step 2" in line for line in logs)
+    np.testing.assert_array_equal(np.asarray(first + second), np.asarray(straight))
+    rows = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for key in ("loss", "lm_loss", "mtp_loss", "grad_norm", "learning_rate", "tokens_per_s",
+                "expert_load_max_over_mean"):
+        assert all(np.isfinite(r[key]) for r in rows), key
+    # checkpoints are complete step directories; nothing half-written is left behind
+    ckpts = sorted(os.listdir(tmp_path / "b" / "checkpoints"))
+    assert ckpts == ["2", "4"], ckpts
+
+    # resuming with a different setup names what differs instead of loading silently
+    with pytest.raises(checkpointing.CheckpointMismatchError, match="seq_len"):
+        train(cfg, _opts(tmp_path / "b", steps=6, seq_len=16), log_fn=lambda m: None)
+
+
+def test_non_finite_update_stops_before_saving(tmp_path):
+    """An infinite learning rate makes step 1's update NaN (its loss is still finite): the run stops at step 1 with
+    a clear error and no checkpoint holding the NaN parameters is written."""
+    cfg = configs.get_config("tiny")
+    with pytest.raises(NonFiniteLossError, match="parameters became nan .* at step 1"):
+        train(cfg, _opts(tmp_path, learning_rate=float("inf"), optimizer="adamw", mtp=False, steps=3,
+                         checkpoint_every=1, quantile_balancing=False), log_fn=lambda m: None)
+    assert not os.listdir(tmp_path / "checkpoints")
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="optimizer"):
+        TrainOptions(optimizer="sgd")
+    with pytest.raises(ValueError, match="batch_size"):
+        TrainOptions(batch_size=0)
+
+
+@pytest.mark.slow
+def test_quantile_balancing_lowers_expert_load_imbalance(tmp_path):
+    """A `tiny` run with Quantile Balancing ends with a lower max/mean expert load than the same run without."""
+    cfg = configs.get_config("tiny")
+    ratios = {}
+    for qb in (True, False):
+        opts = _opts(tmp_path / str(qb), steps=12, batch_size=4, seq_len=64, optimizer="adamw", mtp=False,
+                     quantile_balancing=qb, learning_rate=1e-3, checkpoint_every=0)
+        train(cfg, opts, log_fn=lambda m: None)
+        rows = [json.loads(line) for line in open(tmp_path / str(qb) / "metrics.jsonl")]
+        ratios[qb] = np.array([r["expert_load_max_over_mean_avg"] for r in rows])
+    on, off = ratios[True], ratios[False]
+    assert on[-4:].mean() < off[-4:].mean() - 0.1, (on, off)
+    assert on[-4:].mean() < on[0] - 0.1, on
