@@ -1,11 +1,16 @@
-"""KDA forward / forward+backward on one GPU: our pure-XLA chunked path vs fla `chunk_kda`, side by side.
+"""KDA forward / forward+backward on one GPU: our Pallas kernel, our pure-XLA chunked path and fla `chunk_kda`.
 
-    python benchmarks/kda_bench.py --shapes=1x8192x96,1x8192x64,1x32768x96 [--iters=20] [--no_fla]
+    python benchmarks/kda_bench.py --shapes=1x8192x96,1x8192x64 --fla_shapes=1x8192x96 [--iters=20] [--check]
+        [--impls=pallas,xla] [--variants=64-4-4,32-4-4,64-4-4-doubling] [--breakdown]
 
 Inputs are K3's: raw gate input + A_log + dt_bias with the lower-bounded gate (−5), L2 norm and β sigmoid done
-inside the timed function for both (fla fuses them in its kernel). bf16 q/k/v, K = V = 128. Reports the median
-of `--iters` timed calls after warm-up, nominal TFLOP/s (183 kFLOP per token per head, KERNELS.md §2) and the
-ratio to fla.
+inside the timed function for every implementation (fla fuses them in its kernel). bf16 q/k/v, K = V = 128. Reports
+the median of `--iters` timed calls after warm-up, nominal TFLOP/s (183 kFLOP per token per head, KERNELS.md §2), the
+fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·heads for other shapes) and ratios to fla.
+fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
+Pallas variants are `block_v-warps(intra kernel)-warps(recurrence kernel)[-solve]` (KernelConfig); `--breakdown` also
+times the intra-chunk kernel alone for each variant. `--check` first compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
+The Pallas fwd+bwd column uses the kernel forward and the XLA chunked backward (no Pallas backward kernel yet).
 """
 
 from __future__ import annotations
@@ -14,17 +19,22 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+import traceback
 
 # JAX and torch share the GPU in this process: stop JAX from preallocating 75% of it (fla OOMs at T=32768 otherwise).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from k3jax.layers.norms import l2_normalize  # noqa: E402
-from k3jax.ops.kda import kda_chunked  # noqa: E402
+from k3jax.layers.norms import l2_normalize
+from k3jax.ops.kda import kda_chunked, kda_recurrent
+from pallas_kernels.kda import KernelConfig, chunk_kda
+from pallas_kernels.kda.chunk_fwd import intra_chunk
 
 FLOP_PER_TOKEN_HEAD = 183e3
 ROOFLINE_MS_1x8192x96 = 0.21
@@ -39,7 +49,45 @@ def _median_ms(fn, iters):
     return statistics.median(times)
 
 
-def bench_ours(b, t, h, d, iters, chunk):
+def _xla_core(q, k, v, g, beta, scale, chunk, variant):
+    del variant
+    o, _ = kda_chunked(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale, chunk_size=chunk)
+    return o
+
+
+def _pallas_core(q, k, v, g, beta, scale, chunk, variant):
+    """variant: a KernelConfig."""
+    del chunk
+    qn, kn = (l2_normalize(x).astype(x.dtype) for x in (q, k))
+    o, _ = chunk_kda(qn, kn, v, g, beta, scale=scale, backend="gpu", config=variant)
+    return o
+
+
+CORES = {"xla": _xla_core, "pallas": _pallas_core}
+
+
+def parse_variant(text):
+    """'64-4-4' or '64-4-4-doubling' -> KernelConfig."""
+    parts = text.split("-")
+    return KernelConfig(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])),
+                        solve=parts[3] if len(parts) > 3 else "substitution")
+
+
+def bench_intra(b, t, h, d, iters, variant):
+    """The intra-chunk kernel alone (bf16 inputs, T a multiple of 64): its share of the Pallas forward."""
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, d)) * d ** -0.5, jnp.bfloat16) for _ in range(3))
+    g = jnp.asarray(-5.0 * rng.random((b, t, h, d)), jnp.float32)
+    beta = jnp.asarray(rng.random((b, t, h)), jnp.float32)
+    f = jax.jit(lambda *a: intra_chunk(*a, scale=d ** -0.5, num_warps=variant.warps[0], solve=variant.solve))
+    jax.block_until_ready(f(q, k, v, g, beta))
+    return _median_ms(lambda: jax.block_until_ready(f(q, k, v, g, beta)), iters)
+
+
+DEFAULT_VARIANT = KernelConfig()
+
+
+def bench_jax(core, b, t, h, d, iters, chunk, variant=DEFAULT_VARIANT, with_bwd=True):
     rng = np.random.default_rng(0)
     q, k, v, graw = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
     blog = jnp.asarray(rng.standard_normal((b, t, h)), jnp.bfloat16)
@@ -48,22 +96,26 @@ def bench_ours(b, t, h, d, iters, chunk):
 
     def fwd(q, k, v, graw, blog):
         g = -5.0 * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (graw.astype(jnp.float32) + dt_bias))
-        o, _ = kda_chunked(l2_normalize(q), l2_normalize(k), v, g, jax.nn.sigmoid(blog.astype(jnp.float32)),
-                           scale=d ** -0.5, chunk_size=chunk)
+        o = core(q, k, v, g, jax.nn.sigmoid(blog.astype(jnp.float32)), d ** -0.5, chunk, variant)
         return o.astype(jnp.bfloat16)
 
     f = jax.jit(fwd)
-    fb = jax.jit(jax.grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4)))
+    # value_and_grad: the loss value keeps the forward output live (with grad alone XLA drops a custom_vjp forward
+    # whose output the backward does not need, and the timing would omit the forward kernel).
+    fb = jax.jit(jax.value_and_grad(lambda *a: fwd(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2, 3, 4)))
     args = (q, k, v, graw, blog)
-    jax.block_until_ready(f(*args)); jax.block_until_ready(fb(*args))
+    jax.block_until_ready(f(*args))
     ms_f = _median_ms(lambda: jax.block_until_ready(f(*args)), iters)
+    if not with_bwd:
+        return ms_f, float("nan")
+    jax.block_until_ready(fb(*args))
     ms_fb = _median_ms(lambda: jax.block_until_ready(fb(*args)), iters)
     return ms_f, ms_fb
 
 
 def bench_fla(b, t, h, d, iters):
     import torch
-    from fla.ops.kda import chunk_kda
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -73,9 +125,9 @@ def bench_fla(b, t, h, d, iters):
     dt_bias = torch.randn(h * d, device=dev) * 0.1
 
     def fwd():
-        o, _ = chunk_kda(q, k, v, graw, blog, A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
-                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
-                         lower_bound=-5.0)
+        o, _ = fla_chunk_kda(q, k, v, graw, blog, A_log=a_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, safe_gate=True,
+                             lower_bound=-5.0)
         return o
 
     def fwd_bwd():
@@ -101,28 +153,86 @@ def bench_fla(b, t, h, d, iters):
     return timed(fwd, False), timed(fwd_bwd, True)
 
 
+def check_on_device(b=2, t=1000, h=3, d=128):
+    """Max |Pallas - token recurrence| / max |recurrence| for o and the final state, f32 and bf16 inputs."""
+    rng = np.random.default_rng(1)
+
+    def unit(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    q, k = (unit(rng.standard_normal((b, t, h, d))) for _ in range(2))
+    v = rng.standard_normal((b, t, h, d))
+    g = -5.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, d)) * 2))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
+    h0 = rng.standard_normal((b, h, d, d)) * 0.1
+    for dtype in (jnp.float32, jnp.bfloat16):
+        qx, kx, vx = (jnp.asarray(x, dtype) for x in (q, k, v))
+        gx, bx, h0x = (jnp.asarray(x, jnp.float32) for x in (g, beta, h0))
+        o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="gpu"))(
+            qx, kx, vx, gx, bx, h0x)
+        with jax.default_matmul_precision("float32"):
+            ro, rs = jax.jit(lambda *a: kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5]))(
+                qx, kx, vx, gx, bx, h0x)
+        err_o = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)) / jnp.max(jnp.abs(ro)))
+        err_s = float(jnp.max(jnp.abs(s - rs)) / jnp.max(jnp.abs(rs)))
+        print(json.dumps({"check": jnp.dtype(dtype).name, "shape": [b, t, h, d], "rel_err_o": err_o,
+                          "rel_err_state": err_s}), flush=True)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96,1x8192x64,1x32768x96")
+    p.add_argument("--fla_shapes", default=None, help="shapes to run fla on (default: all of --shapes)")
+    p.add_argument("--impls", default="pallas,xla")
+    p.add_argument("--variants", default="64-4-4",
+                   help="comma list of Pallas configs block_v-intraWarps-recurrenceWarps; fwd+bwd timed for the first")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--chunk", type=int, default=64)
+    p.add_argument("--chunk", type=int, default=64, help="chunk size of the XLA path (the kernel uses 64)")
     p.add_argument("--no_fla", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--breakdown", action="store_true", help="also time the intra-chunk kernel alone")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    if args.check:
+        try:
+            check_on_device()
+        except Exception:  # noqa: BLE001 -- the kernel does not build or run here: stop before spending device time on timings
+            traceback.print_exc()
+            sys.exit(1)
+    fla_shapes = set((args.fla_shapes or args.shapes).split(","))
     rows = []
     for shape in args.shapes.split(","):
         b, t, h = (int(x) for x in shape.split("x"))
         nominal = b * t * h * FLOP_PER_TOKEN_HEAD
+        roofline_ms = ROOFLINE_MS_1x8192x96 * (b * t * h) / (8192 * 96)
         row = {"shape": shape}
-        row["xla_fwd_ms"], row["xla_fwdbwd_ms"] = bench_ours(b, t, h, 128, args.iters, args.chunk)
-        print(f"{shape}: ours fwd {row['xla_fwd_ms']:.3f} ms, fwd+bwd {row['xla_fwdbwd_ms']:.3f} ms", flush=True)
-        if not args.no_fla:
-            row["fla_fwd_ms"], row["fla_fwdbwd_ms"] = bench_fla(b, t, h, 128, args.iters)
-            row["xla_over_fla_fwd"] = row["xla_fwd_ms"] / row["fla_fwd_ms"]
-            row["xla_over_fla_fwdbwd"] = row["xla_fwdbwd_ms"] / row["fla_fwdbwd_ms"]
-        row["xla_fwd_tflops"] = nominal / row["xla_fwd_ms"] / 1e9
+        for impl in args.impls.split(","):
+            variants = args.variants.split(",") if impl == "pallas" else ["64-4-4"]
+            for i, var in enumerate(variants):
+                name = impl if i == 0 else f"{impl}_{var}"
+                try:
+                    ms_f, ms_fb = bench_jax(CORES[impl], b, t, h, 128, args.iters, args.chunk,
+                                            parse_variant(var), with_bwd=i == 0)
+                    if impl == "pallas" and args.breakdown:
+                        row[f"{name}_intra_ms"] = bench_intra(b, t, h, 128, args.iters, parse_variant(var))
+                except Exception:  # noqa: BLE001 -- report and time the other implementations
+                    traceback.print_exc()
+                    continue
+                row[f"{name}_fwd_ms"], row[f"{name}_fwdbwd_ms"] = ms_f, ms_fb
+                row[f"{name}_fwd_tflops"] = nominal / ms_f / 1e9
+                row[f"{name}_fwd_roofline_frac"] = roofline_ms / ms_f
+                print(f"{shape}: {name} ({var}) fwd {ms_f:.3f} ms, fwd+bwd {ms_fb:.3f} ms", flush=True)
+        if not args.no_fla and shape in fla_shapes:
+            try:
+                row["fla_fwd_ms"], row["fla_fwdbwd_ms"] = bench_fla(b, t, h, 128, args.iters)
+                for key in [k for k in row if k.endswith("_fwd_ms") and not k.startswith("fla")]:
+                    name = key[: -len("_fwd_ms")]
+                    row[f"{name}_over_fla_fwd"] = row[key] / row["fla_fwd_ms"]
+                    row[f"{name}_over_fla_fwdbwd"] = row[f"{name}_fwdbwd_ms"] / row["fla_fwdbwd_ms"]
+            except Exception:  # noqa: BLE001 -- fla failures must not lose the rows above
+                traceback.print_exc()
         rows.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
 
 
 if __name__ == "__main__":

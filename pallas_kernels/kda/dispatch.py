@@ -1,0 +1,157 @@
+"""``chunk_kda``: the one dispatch point for chunkwise KDA kernels.
+
+Backends:
+  ``"gpu"``       Pallas kernels (chunk_fwd.py) compiled by the Pallas Triton GPU backend.
+  ``"interpret"`` the same kernels through the Pallas interpreter (CPU tests).
+  ``"xla"``       the pure-JAX chunked core ``k3jax.ops.kda.kda_chunked``.
+  ``"tpu"``       Mosaic TPU kernel: not written yet (raises).
+``backend=None`` picks ``"gpu"`` on a GPU and ``"xla"`` elsewhere.
+
+Gradients: ``jax.custom_vjp`` whose backward is the autodiff of the XLA chunked path (recomputes the forward in
+XLA from the saved inputs). A Pallas backward kernel is not written yet.
+
+Packed variable-length sequences (``cu_seqlens``, B = 1): host values (a list, tuple or numpy array; under ``jit``
+pass them as a static argument). The kernels lay each sequence out on whole chunks and reset the state at each
+start; the XLA path (and the backward) runs ``kda_chunked`` once per sequence.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.kda import kda_chunked
+from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
+
+__all__ = ["BACKENDS", "KernelConfig", "chunk_kda", "default_backend"]
+
+BACKENDS = ("gpu", "tpu", "interpret", "xla")
+
+
+def default_backend() -> str:
+    """``"gpu"`` when JAX's default device is a GPU, else ``"xla"`` (no TPU kernel yet)."""
+    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+
+
+def _check(q, k, v, g, beta, initial_state, cu_seqlens):
+    if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"chunk_kda: q, k, g must share a [B, T, H, K] shape, got {q.shape}, {k.shape}, {g.shape}")
+    b, t, h, kd = q.shape
+    if v.ndim != 4 or v.shape[:3] != (b, t, h):
+        raise ValueError(f"chunk_kda: v must have shape [B, T, H, V] = [{b}, {t}, {h}, V], got {v.shape}")
+    if beta.shape != (b, t, h):
+        raise ValueError(f"chunk_kda: beta must have shape {(b, t, h)}, got {beta.shape}")
+    if t < 1:
+        raise ValueError("chunk_kda: sequence length T must be >= 1")
+    n_states = b if cu_seqlens is None else len(cu_seqlens) - 1
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"chunk_kda: cu_seqlens needs batch size 1 (packed sequences), got B={b}")
+        if len(cu_seqlens) < 2 or cu_seqlens[0] != 0 or cu_seqlens[-1] != t or np.any(np.diff(cu_seqlens) < 0):
+            raise ValueError(f"chunk_kda: cu_seqlens must be [0, ..., T={t}] non-decreasing, got {list(cu_seqlens)}")
+    if initial_state is not None and initial_state.shape != (n_states, h, kd, v.shape[-1]):
+        raise ValueError(f"chunk_kda: initial_state must have shape {(n_states, h, kd, v.shape[-1])}, "
+                         f"got {initial_state.shape}")
+
+
+def _static_cu_seqlens(cu_seqlens):
+    """cu_seqlens as a tuple of host ints (a static jit argument), or None."""
+    if cu_seqlens is None:
+        return None
+    try:
+        return tuple(int(x) for x in np.asarray(cu_seqlens).reshape(-1))
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as err:
+        raise ValueError("chunk_kda: cu_seqlens must be host values (list/tuple/numpy); under jit pass it as a "
+                         "static argument") from err
+
+
+def _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+    """The pure-XLA chunked core; with cu_seqlens, one ``kda_chunked`` call per (non-empty) sequence."""
+    def core(sl, state):
+        return kda_chunked(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=scale,
+                           initial_state_bhkv=state, chunk_size=CHUNK)
+
+    if cu_seqlens is None:
+        return core(slice(None), initial_state)
+    outs, finals = [], []
+    for s, (start, end) in enumerate(itertools.pairwise(cu_seqlens)):
+        if end == start:
+            finals.append(initial_state[s].astype(jnp.float32))
+            continue
+        o, final = core(slice(start, end), initial_state[s:s + 1])
+        outs.append(o)
+        finals.append(final[0])
+    return jnp.concatenate(outs, axis=1), jnp.stack(finals)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
+def _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config):
+    return chunk_kda_fwd(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret, config=config,
+                         cu_seqlens=cu_seqlens)
+
+
+def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config):
+    out = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config)
+    return out, (q, k, v, g, beta, initial_state)
+
+
+def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, residuals, cotangents):
+    """Backward through the XLA chunked core (recomputes its forward); Pallas backward kernel not written yet."""
+    del interpret, config
+    do, d_final = cotangents
+
+    def xla_forward(*args):
+        return _xla_kda(*args, scale, cu_seqlens)
+
+    _, vjp = jax.vjp(xla_forward, *residuals)
+    grads = vjp((do.astype(jnp.float32), d_final.astype(jnp.float32)))
+    return tuple(gr.astype(x.dtype) for gr, x in zip(grads, residuals))
+
+
+_pallas_kda.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              backend=None, config=None):
+    """Chunkwise KDA (chunk 64); same result as the token recurrence ``k3jax.ops.kda.kda_recurrent``.
+
+    Args:
+      q, k: ``[B, T, H, K]``, already L2-normalised; v: ``[B, T, H, V]``.
+      g: ``[B, T, H, K]`` activated per-channel log-decay (natural log, <= 0). The Pallas kernels need the K3
+        lower-bounded gate (>= -5 per token) for f32 safety of their sub-chunk factorisation.
+      beta: ``[B, T, H]`` in (0, 1).
+      scale: q multiplier, default ``K ** -0.5``.
+      initial_state: ``[B, H, K, V]`` (``[N_seq, H, K, V]`` with cu_seqlens; cast to f32) or None (zeros).
+      output_final_state: return the final state (else None).
+      cu_seqlens: None, or host ints ``[0, ..., T]`` (N_seq + 1 of them) delimiting packed sequences (B = 1); the
+        state restarts from ``initial_state[n]`` at each sequence and final_state is per sequence.
+      backend: one of ``BACKENDS`` or None (``default_backend()``).
+      config: ``KernelConfig`` GPU tuning knobs for the Pallas backends (None: defaults).
+
+    Returns:
+      ``(o [B, T, H, V] in q.dtype, final_state [B, H, K, V] f32 or None)``.
+    """
+    cu_seqlens = _static_cu_seqlens(cu_seqlens)
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if backend == "tpu":
+        raise NotImplementedError("chunk_kda: the Mosaic TPU kernel is not written yet; use backend='xla' on TPU")
+    b, _, h, kd = q.shape
+    n_states = b if cu_seqlens is None else len(cu_seqlens) - 1
+    scale = float(kd ** -0.5 if scale is None else scale)
+    if initial_state is None:
+        initial_state = jnp.zeros((n_states, h, kd, v.shape[-1]), jnp.float32)
+
+    if backend == "xla":
+        o, final_state = _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens)
+        o = o.astype(q.dtype)
+    else:
+        o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, backend == "interpret",
+                                     config or KernelConfig())
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,210 @@
+"""The Pallas chunkwise KDA kernel (interpret mode) equals the token recurrence, and its dispatch behaves.
+
+References: ``k3jax.ops.kda.kda_recurrent`` (token-by-token ``lax.scan``) and a float64 NumPy token loop written
+here, both independent of the chunked algebra in ``pallas_kernels/kda``. Shapes are tiny: T not a multiple of the
+chunk (64), several chunks, an initial state, gates down to the -5 lower bound.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops.kda import kda_recurrent
+from pallas_kernels.kda import KernelConfig, chunk_kda
+
+
+def _unit(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def _inputs(b, t, h, kd, vd, seed=0):
+    """float32 numpy inputs: unit q/k, gates in (-5, 0) with a share pinned at the -5 bound, beta in (0, 1)."""
+    rng = np.random.default_rng(seed)
+    q = _unit(rng.standard_normal((b, t, h, kd)))
+    k = _unit(rng.standard_normal((b, t, h, kd)))
+    v = rng.standard_normal((b, t, h, vd))
+    g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((b, t, h, kd))))
+    g[rng.random(g.shape) < 0.1] = -5.0
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
+    h0 = 0.3 * rng.standard_normal((b, h, kd, vd))
+    return tuple(x.astype(np.float32) for x in (q, k, v, g, beta, h0))
+
+
+def _numpy_token_loop(q, k, v, g, beta, h0, scale):
+    """float64 KDA, one token at a time: decay, delta-rule write, read (K3_SPEC §3.2)."""
+    q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
+    b, t, h, _ = q.shape
+    o = np.zeros((b, t, h, v.shape[-1]))
+    s = s.copy()
+    for bi in range(b):
+        for hi in range(h):
+            st = s[bi, hi]
+            for ti in range(t):
+                st = np.exp(g[bi, ti, hi])[:, None] * st
+                kt = k[bi, ti, hi]
+                st = st + np.outer(kt, beta[bi, ti, hi] * (v[bi, ti, hi] - kt @ st))
+                o[bi, ti, hi] = (scale * q[bi, ti, hi]) @ st
+            s[bi, hi] = st
+    return o, s
+
+
+def _rel_err(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return np.max(np.abs(x - ref)) / np.max(np.abs(ref))
+
+
+@jax.jit
+def _interpret_fwd(q, k, v, g, beta, h0):
+    return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, backend="interpret")
+
+
+@jax.jit
+def _recurrent64(q, k, v, g, beta, h0):
+    return kda_recurrent(q, k, v, g, beta, scale=64 ** -0.5, initial_state_bhkv=h0)
+
+
+def test_f32_output_and_state_equal_token_recurrence_and_float64_loop():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=150, h=2, kd=64, vd=64)  # 3 chunks, last one partial
+    o, s = _interpret_fwd(q, k, v, g, beta, h0)
+    assert o.dtype == jnp.float32 and o.shape == v.shape and s.shape == h0.shape
+    ro, rs = _recurrent64(q, k, v, g, beta, h0)
+    assert _rel_err(o, ro) < 2e-5 and _rel_err(s, rs) < 2e-5
+    no, ns = _numpy_token_loop(q, k, v, g, beta, h0, scale=64 ** -0.5)
+    assert _rel_err(o, no) < 2e-5 and _rel_err(s, ns) < 2e-5
+
+
+def test_bf16_inputs_match_token_recurrence_on_the_same_rounded_inputs():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=150, h=2, kd=64, vd=64, seed=1)  # f32 shapes of the first test: one compile
+    qb, kb, vb = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    o, s = _interpret_fwd(qb, kb, vb, g, beta, h0)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    ro, rs = _recurrent64(qb, kb, vb, g, beta, h0)
+    # bf16 intermediates and bf16 matmul operands (state included): ~1e-2 relative, like fla.
+    assert _rel_err(o.astype(jnp.float32), ro) < 3e-2 and _rel_err(s, rs) < 3e-2
+    # ...and the error is rounding, not a wrong formula: the f32 kernel on the same inputs is far closer.
+    o32, _ = _interpret_fwd(*(np.asarray(x, np.float32) for x in (qb, kb, vb)), g, beta, h0)
+    assert _rel_err(o32, ro) < 2e-5
+
+
+def test_doubling_solve_and_narrow_value_blocks_give_the_same_result():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=70, h=1, kd=64, vd=64, seed=8)
+    config = KernelConfig(block_v=32, warps=(8, 2), solve="doubling")
+    o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="interpret",
+                                        config=config))(q, k, v, g, beta, h0)
+    ro, rs = _recurrent64(q, k, v, g, beta, h0)
+    assert _rel_err(o, ro) < 2e-5 and _rel_err(s, rs) < 2e-5
+    with pytest.raises(ValueError, match="solve must be"):
+        KernelConfig(solve="lu")
+
+
+def test_gradients_equal_token_recurrence_gradients():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=70, h=1, kd=64, vd=64, seed=2)
+    rng = np.random.default_rng(3)
+    w_o = rng.standard_normal(v.shape).astype(np.float32)
+    w_s = rng.standard_normal(h0.shape).astype(np.float32)
+
+    def loss(core):
+        def f(*args):
+            o, s = core(*args)
+            return jnp.sum(o * w_o) + jnp.sum(s * w_s)
+        return f
+
+    def ours(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="interpret")
+
+    def reference(*a):
+        return kda_recurrent(*a[:5], scale=64 ** -0.5, initial_state_bhkv=a[5])
+
+    args = (q, k, v, g, beta, h0)
+    got = jax.jit(jax.grad(loss(ours), argnums=tuple(range(6))))(*args)
+    want = jax.jit(jax.grad(loss(reference), argnums=tuple(range(6))))(*args)
+    for name, x, ref in zip(("q", "k", "v", "g", "beta", "initial_state"), got, want):
+        assert _rel_err(x, ref) < 1e-4, name
+
+
+def test_xla_backend_matches_and_final_state_is_optional():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=20, h=2, kd=16, vd=32, seed=4)
+    o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], backend="xla"))(q, k, v, g, beta, h0)
+    assert s is None
+    ro, _ = jax.jit(lambda *a: kda_recurrent(*a[:5], scale=16 ** -0.5, initial_state_bhkv=a[5]))(q, k, v, g, beta, h0)
+    assert _rel_err(o, ro) < 2e-5
+
+
+def test_bad_inputs_are_rejected_with_clear_errors():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=8, h=1, kd=16, vd=16)
+    with pytest.raises(ValueError, match="unknown backend"):
+        chunk_kda(q, k, v, g, beta, backend="cuda")
+    with pytest.raises(NotImplementedError, match="TPU"):
+        chunk_kda(q, k, v, g, beta, backend="tpu")
+    with pytest.raises(ValueError, match="beta must have shape"):
+        chunk_kda(q, k, v, g, beta[..., None], backend="xla")
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0[:, :, :8], backend="xla")
+    with pytest.raises(ValueError, match="powers of two"):
+        chunk_kda(q[..., :12], k[..., :12], v, g[..., :12], beta, backend="interpret")
+
+
+def test_varlen_packed_sequences_restart_from_their_own_state():
+    cu = [0, 5, 5, 75, 140]  # short, empty, crossing a chunk boundary, ending mid-chunk
+    q, k, v, g, beta, _ = _inputs(b=1, t=140, h=2, kd=64, vd=64, seed=6)
+    h0 = 0.3 * np.random.default_rng(7).standard_normal((4, 2, 64, 64)).astype(np.float32)
+    o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu,
+                                        backend="interpret"))(q, k, v, g, beta, h0)
+    assert o.shape == v.shape and s.shape == h0.shape
+    for n, (start, end) in enumerate(itertools.pairwise(cu)):
+        if start == end:
+            np.testing.assert_array_equal(s[n], h0[n])
+            continue
+        sl = slice(start, end)
+        ro, rs = _recurrent64(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], h0[n:n + 1])
+        assert _rel_err(o[:, sl], ro) < 2e-5 and _rel_err(s[n], rs[0]) < 2e-5, n
+    # The XLA backend (also the backward's forward) agrees.
+    xo, xs = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True,
+                                          cu_seqlens=np.array(cu), backend="xla"))(q, k, v, g, beta, h0)
+    assert _rel_err(xo, o) < 2e-5 and _rel_err(xs, s) < 2e-5
+    with pytest.raises(ValueError, match="cu_seqlens must be"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 5, 139], backend="xla")
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        chunk_kda(q, k, v, g, beta, initial_state=h0[:1], cu_seqlens=cu, backend="xla")
+
+
+def test_k128_two_heads_with_state_equal_token_recurrence():
+    q, k, v, g, beta, h0 = _inputs(b=1, t=200, h=2, kd=128, vd=128, seed=5)
+    o, s = _interpret_fwd(q, k, v, g, beta, h0)
+    ro, rs = kda_recurrent(q, k, v, g, beta, scale=128 ** -0.5, initial_state_bhkv=h0)
+    assert _rel_err(o, ro) < 2e-5 and _rel_err(s, rs) < 2e-5
+
+
+@pytest.mark.slow
+def test_varlen_gradients_equal_per_sequence_recurrence_gradients():
+    cu = [0, 30, 100]
+    q, k, v, g, beta, _ = _inputs(b=1, t=100, h=1, kd=64, vd=64, seed=9)
+    h0 = 0.3 * np.random.default_rng(10).standard_normal((2, 1, 64, 64)).astype(np.float32)
+    w_o = np.random.default_rng(11).standard_normal(v.shape).astype(np.float32)
+
+    def ours(q, k, v, g, beta, h0):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         backend="interpret")
+        return jnp.sum(o * w_o) + jnp.sum(s ** 2)
+
+    def reference(q, k, v, g, beta, h0):
+        total = 0.0
+        for n, (start, end) in enumerate(itertools.pairwise(cu)):
+            sl = slice(start, end)
+            o, s = kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=64 ** -0.5,
+                                 initial_state_bhkv=h0[n:n + 1])
+            total = total + jnp.sum(o * w_o[:, sl]) + jnp.sum(s ** 2)
+        return total
+
+    args = (q, k, v, g, beta, h0)
+    got = jax.jit(jax.value_and_grad(ours, argnums=tuple(range(6))))(*args)
+    want = jax.jit(jax.value_and_grad(reference, argnums=tuple(range(6))))(*args)
+    assert _rel_err(got[0], want[0]) < 1e-5
+    for name, x, ref in zip(("q", "k", "v", "g", "beta", "initial_state"), got[1], want[1]):
+        assert _rel_err(x, ref) < 1e-4, name
+
