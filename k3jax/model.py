@@ -77,8 +77,11 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResRead(cfg)
             self.mlp_res = AttnResRead(cfg)
 
-    def __call__(self, carry: Carry, layer_index) -> Carry:
-        return self._run(carry, layer_index, self.self_attn)
+    def __call__(self, carry: Carry, layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
+        """Training forward; `segment_ids_bt` (packed documents) only matters to the attention (KDA/MLA)."""
+        if segment_ids_bt is None:
+            return self._run(carry, layer_index, self.self_attn)
+        return self._run(carry, layer_index, lambda x: self.self_attn(x, segment_ids_bt))
 
     def forward_cached(self, carry: Carry, layer_index, state, start_b, valid_b):
         """The layer over new tokens with its attention state (see `K3Model.forward_cached`)."""
@@ -118,9 +121,9 @@ class DecoderUnit(nnx.Module):
     def __init__(self, cfg: ModelConfig, pattern, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, attn, ffn, rngs=rngs) for attn, ffn in pattern])
 
-    def __call__(self, carry: Carry, first_layer_index) -> Carry:
+    def __call__(self, carry: Carry, first_layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
         for j, layer in enumerate(self.layers):
-            carry = layer(carry, first_layer_index + j)
+            carry = layer(carry, first_layer_index + j, segment_ids_bt)
         return carry
 
     def forward_cached(self, carry: Carry, first_layer_index, states, start_b, valid_b):
@@ -145,22 +148,23 @@ class ScannedUnits(nnx.Module):
 
         self.units = make(rngs)
 
-    def __call__(self, carry: Carry) -> Carry:
+    def __call__(self, carry: Carry, segment_ids_bt: jax.Array | None = None) -> Carry:
+        """Scans the units; `segment_ids_bt` (or None) is broadcast to every unit, not carried."""
         unit_len = len(self.group.pattern)
         starts = self.group.start + unit_len * jnp.arange(self.group.num_repeats, dtype=jnp.int32)
 
-        def body(carry, unit, start):
-            return unit(carry, start)
+        def body(carry, unit, start, segment_ids_bt):
+            return unit(carry, start, segment_ids_bt)
 
         if self.remat:
             body = nnx.remat(body)
 
-        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=nnx.Carry,
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def run(carry, unit, start):
-            return body(carry, unit, start)
+        def run(carry, unit, start, segment_ids_bt):
+            return body(carry, unit, start, segment_ids_bt)
 
-        return run(carry, self.units, starts)
+        return run(carry, self.units, starts, segment_ids_bt)
 
     def forward_cached(self, carry: Carry, states, start_b, valid_b):
         """Scans the units with their stacked states as scanned input and the updated states as scanned output."""
@@ -176,7 +180,7 @@ class ScannedUnits(nnx.Module):
 
 
 class K3Model(nnx.Module):
-    """The K3 text backbone: `model(input_ids int32[B, T]) -> logits f32[B, T, V]`."""
+    """The K3 text backbone: `model(input_ids int32[B, T], segment_ids int32[B, T] | None) -> logits f32[B, T, V]`."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -199,15 +203,29 @@ class K3Model(nnx.Module):
     def embed(self, input_ids_bt: jax.Array) -> jax.Array:
         return jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.cfg.jnp_dtype)
 
-    def hidden_states(self, input_ids_bt: jax.Array) -> jax.Array:
-        """Final normed hidden states [B, T, D] (before the head)."""
+    def hidden_states(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        """Final normed hidden states [B, T, D] (before the head).
+
+        `segment_ids_bt` int [B, T] (optional) packs several documents into each row: equal ids form one document
+        and must be contiguous (e.g. non-decreasing; a padding run of 0s is its own document). Each document is
+        then computed as if alone: KDA state and short conv restart and MLA attends within the document only
+        (AttnRes and the FFNs are per token). None: one document per row, at no extra cost.
+        """
         cfg = self.cfg
         h = self.embed(input_ids_bt)
         b, t, d = h.shape
+        if segment_ids_bt is not None:
+            segment_ids_bt = jnp.asarray(segment_ids_bt)
+            if segment_ids_bt.shape != (b, t) or not jnp.issubdtype(segment_ids_bt.dtype, jnp.integer):
+                raise ValueError(f"segment_ids must be an integer array of shape [B, T] = {(b, t)} like input_ids, "
+                                 f"got {segment_ids_bt.dtype}{list(segment_ids_bt.shape)}")
         bank = jnp.zeros((cfg.num_attn_res_snapshots, b, t, d), h.dtype)
         carry = (h, bank)
         for start, group in zip(self.group_starts, self.groups):
-            carry = group(carry) if isinstance(group, ScannedUnits) else group(carry, start)
+            if isinstance(group, ScannedUnits):
+                carry = group(carry, segment_ids_bt)
+            else:
+                carry = group(carry, start, segment_ids_bt)
         h, bank = carry
         if cfg.uses_attn_res:
             h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
@@ -259,5 +277,6 @@ class K3Model(nnx.Module):
         return jnp.einsum("btd,dv->btv", h_btd.astype(dt), head.astype(dt),
                           preferred_element_type=wide(dt))
 
-    def __call__(self, input_ids_bt: jax.Array) -> jax.Array:
-        return self.logits(self.hidden_states(input_ids_bt))
+    def __call__(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        """Logits f32 [B, T, V]; `segment_ids_bt`: packed documents (see `hidden_states`)."""
+        return self.logits(self.hidden_states(input_ids_bt, segment_ids_bt))

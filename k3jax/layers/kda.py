@@ -29,10 +29,13 @@ class KDAState(NamedTuple):
     state_bhkv: jax.Array
 
 
-def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: jax.Array | None):
+def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: jax.Array | None,
+                          segment_ids_bt: jax.Array | None = None):
     """y_t = Σ_w kernel[w] · x_{t-(W-1)+w} (tap W-1 is the current token), in f32, then SiLU.
 
-    `history` holds the W-1 inputs before x (zeros when None). Returns (silu(y) f32, new history).
+    `history` holds the W-1 inputs before x (zeros when None). With `segment_ids_bt` (packed documents, see
+    `k3jax.ops.kda`), taps reaching a token of an earlier document are dropped; the history counts as part of
+    the first document. Returns (silu(y) f32, new history: the last W-1 inputs, whatever their document).
     """
     w = kernel_wp.shape[0]
     b, t, p = x_btp.shape
@@ -41,7 +44,18 @@ def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: j
     padded = jnp.concatenate([history_bwp.astype(x_btp.dtype), x_btp], axis=1)
     padded = padded.astype(wide(jnp.promote_types(padded.dtype, kernel_wp.dtype)))
     kernel = kernel_wp.astype(padded.dtype)
-    y = sum(padded[:, i:i + t, :] * kernel[i] for i in range(w))
+    doc_padded = None
+    if segment_ids_bt is not None:
+        doc_bt = kda_ops.document_index(segment_ids_bt)
+        doc_padded = jnp.pad(doc_bt, ((0, 0), (w - 1, 0)))  # history: document 0, the row's first
+
+    def tap(i):  # the inputs that tap i multiplies, zeroed where they belong to an earlier document
+        x = padded[:, i:i + t, :]
+        if doc_padded is None:
+            return x
+        return jnp.where((doc_padded[:, i:i + t] == doc_bt)[..., None], x, 0.0)
+
+    y = sum(tap(i) * kernel[i] for i in range(w))
     return jax.nn.silu(y), padded[:, t:, :].astype(x_btp.dtype)
 
 
@@ -100,8 +114,10 @@ class KDA(nnx.Module):
             return jnp.einsum("btd,dhk->bthk", x_btd, self.g_proj[...].astype(dt))
         return jnp.einsum("btr,rhk->bthk", x_btd @ self.g_a_proj[...].astype(dt), self.g_b_proj[...].astype(dt))
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
-        return self.forward(x_btd, None)[0]
+    def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        """Training forward from a zero state. `segment_ids_bt` int [B, T] (optional) packs several documents
+        per row: the short conv and the recurrent state restart wherever the id changes (`k3jax.ops.kda`)."""
+        return self._forward(x_btd, None, None, segment_ids_bt)[0]
 
     def forward(self, x_btd: jax.Array, state: KDAState | None) -> tuple[jax.Array, KDAState]:
         """Runs T >= 1 tokens from `state` (None: zeros); returns the output and the state after the last token."""
@@ -117,7 +133,7 @@ class KDA(nnx.Module):
         """
         return self._forward(x_btd, state, valid_len_b)
 
-    def _forward(self, x_btd, state, valid_len_b):
+    def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b, t, _ = x_btd.shape
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
@@ -126,7 +142,8 @@ class KDA(nnx.Module):
 
         def project_conv(name, history):
             proj = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
-            y, new_history = causal_depthwise_conv(proj, getattr(self, f"{name}_conv1d")[...], history)
+            y, new_history = causal_depthwise_conv(proj, getattr(self, f"{name}_conv1d")[...], history,
+                                                   segment_ids_bt)
             if valid_len_b is not None:
                 new_history = history_at(history, proj, valid_len_b)
             return y.astype(dt).reshape(b, t, h, k), new_history
@@ -145,7 +162,7 @@ class KDA(nnx.Module):
                 impl = "recurrent"
         o_bthv, new_s = kda_ops.kda(
             l2_normalize(q), l2_normalize(k_), v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
-            impl=impl, chunk_size=cfg.kda_chunk_size)
+            impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
         y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))

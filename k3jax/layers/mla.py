@@ -52,7 +52,8 @@ class MLA(nnx.Module):
         q_lat = self.q_a_layernorm(x @ self.q_a_proj[...].astype(dt))
         return jnp.einsum("btr,rhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
 
-    def __call__(self, x_btd: jax.Array) -> jax.Array:
+    def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         q_bthk = self.queries(x_btd)
@@ -62,7 +63,8 @@ class MLA(nnx.Module):
         k_nope, v_bthv = kv_bthe[..., :nope], kv_bthe[..., nope:]
         k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
         k_bthk = jnp.concatenate([k_nope, k_rope], axis=-1)
-        o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5)  # f32
+        o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5,
+                                  segment_ids_bt=segment_ids_bt)  # f32
         return self._output(x_btd, o_bthv)
 
     def _output(self, x_btd: jax.Array, o_bthv: jax.Array) -> jax.Array:

@@ -14,6 +14,12 @@ Per (batch, head) the layer keeps an f32 state ``S`` of shape ``[K, V]``; for ev
   inputs are float64). Outputs ``o`` and states come back in that compute dtype.
 * Shape suffixes: b = batch, t = time, h = heads, k = key head dim, v = value head dim,
   n = chunk index, c = row within a chunk, s = sub-chunk index.
+* Packed documents (``segment_ids_bt`` int ``[B, T]``, optional): a new document starts wherever the id
+  changes from the previous token, and the state is reset to zero there, so no information flows
+  between documents. Equal ids must therefore be contiguous (e.g. non-decreasing; a padding run of 0s is
+  its own document). ``initial_state_bhkv`` belongs to the row's first document (the one at t = 0), and
+  the final state is the state after the row's last token, i.e. of its last document. With
+  ``segment_ids_bt=None`` nothing extra is computed.
 
 Entry points: :func:`kda` (dispatch), :func:`kda_chunked` (chunkwise-parallel, the default for
 sequences), :func:`kda_recurrent` (token-by-token reference) and :func:`kda_step` (one decode
@@ -28,7 +34,7 @@ import jax.numpy as jnp
 
 from k3jax.numerics import wide
 
-__all__ = ["SUB_CHUNK", "kda", "kda_chunked", "kda_recurrent", "kda_step"]
+__all__ = ["SUB_CHUNK", "document_index", "kda", "kda_chunked", "kda_recurrent", "kda_step"]
 
 # Sub-chunk length for the intra-chunk decay factorisation (see _intra_chunk_decays).
 SUB_CHUNK = 16
@@ -92,6 +98,26 @@ def _sub_chunk_size(chunk_size):
     return SUB_CHUNK
 
 
+def document_index(segment_ids_bt):
+    """int32 ``[B, T]``: 0 for the row's first document, +1 at each token whose id differs from the last.
+
+    Documents are runs of equal ids; comparing these indices is how every packed-sequence mask in KDA
+    (state resets, chunk masks, short-conv taps) decides "same document".
+    """
+    if segment_ids_bt.ndim != 2:
+        raise ValueError(f"KDA: segment_ids must have shape [B, T], got {segment_ids_bt.shape}")
+    starts_bt = segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]
+    first_b1 = jnp.zeros_like(starts_bt[:, :1], jnp.int32)
+    return jnp.concatenate([first_b1, jnp.cumsum(starts_bt, axis=1, dtype=jnp.int32)], axis=1)
+
+
+def _check_segment_ids(segment_ids_bt, q_bthk):
+    if segment_ids_bt is not None and segment_ids_bt.shape != q_bthk.shape[:2]:
+        raise ValueError(
+            f"KDA: segment_ids must have shape [B, T] = {q_bthk.shape[:2]}, got {segment_ids_bt.shape}"
+        )
+
+
 # --------------------------------------------------------------------------------------------
 # Recurrent form
 # --------------------------------------------------------------------------------------------
@@ -124,12 +150,16 @@ def kda_step(q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv, *, scale):
     return o_bhv, state_bhkv
 
 
-def kda_recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state_bhkv=None):
+def kda_recurrent(
+    q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state_bhkv=None, segment_ids_bt=None
+):
     """Reference KDA over a sequence: ``lax.scan`` of :func:`kda_step` over tokens.
 
     Args:
       q_bthk, k_bthk: ``[B, T, H, K]``; v_bthv: ``[B, T, H, V]``; g_bthk: ``[B, T, H, K]``;
       beta_bth: ``[B, T, H]``; initial_state_bhkv: ``[B, H, K, V]`` or None (zeros).
+      segment_ids_bt: int ``[B, T]`` or None: packed documents; the state is zeroed before the
+        first token of every document but the first (see the module docstring).
 
     Returns:
       ``(o_bthv, final_state_bhkv)``, both float32.
@@ -137,6 +167,7 @@ def kda_recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_st
     b, h, kd, vd = _check_shapes(
         q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv, has_time=True
     )
+    _check_segment_ids(segment_ids_bt, q_bthk)
     cdt = _compute_dtype(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth)
     if initial_state_bhkv is None:
         initial_state_bhkv = jnp.zeros((b, h, kd, vd), cdt)
@@ -147,9 +178,22 @@ def kda_recurrent(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_st
 
     xs = tuple(time_major(x) for x in (q_bthk, k_bthk, v_bthv, g_bthk, beta_bth))
 
-    def body(state, x):
-        o_bhv, state = kda_step(*x, state, scale=scale)
-        return state, o_bhv
+    if segment_ids_bt is None:
+
+        def body(state, x):
+            o_bhv, state = kda_step(*x, state, scale=scale)
+            return state, o_bhv
+
+    else:
+        doc_bt = document_index(segment_ids_bt)
+        starts_bt = doc_bt != jnp.concatenate([doc_bt[:, :1], doc_bt[:, :-1]], axis=1)
+        xs = xs + (jnp.swapaxes(starts_bt, 0, 1),)
+
+        def body(state, x):
+            *x, starts_b = x
+            state = jnp.where(starts_b[:, None, None, None], jnp.zeros_like(state), state)
+            o_bhv, state = kda_step(*x, state, scale=scale)
+            return state, o_bhv
 
     final_state_bhkv, o_tbhv = jax.lax.scan(body, state_bhkv, xs)
     return jnp.swapaxes(o_tbhv, 0, 1), final_state_bhkv
@@ -312,7 +356,32 @@ def _unit_lower_solve(l_bcc, rhs_bcd, block):
     return jnp.concatenate(x_blocks, axis=-2)
 
 
-def _chunk_intermediates(q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale, sub_size):
+def _document_masks(segment_ids_bt, chunk_size):
+    """Packed-document masks per chunk (bool), for :func:`_chunk_intermediates`.
+
+    T is padded like the inputs; padded tokens join the last document (they are no-ops anyway).
+    Returns a dict:
+      ``same_bncc``: row i and column j of a chunk are in the same document;
+      ``carry_bnc``: the token is in the document that was running before the chunk began (the
+                     incoming state belongs to it; for chunk 0 that is the row's first document);
+      ``last_bnc``:  the token is in the chunk's last document (the only one the outgoing state sees).
+    """
+    doc_bt = document_index(segment_ids_bt)
+    b, t = doc_bt.shape
+    n = -(-t // chunk_size)
+    doc_bt = jnp.pad(doc_bt, ((0, 0), (0, n * chunk_size - t)), mode="edge")
+    doc_bnc = doc_bt.reshape(b, n, chunk_size)
+    before_bn = jnp.concatenate([doc_bnc[:, :1, 0], doc_bnc[:, :-1, -1]], axis=1)
+    return {
+        "same_bncc": doc_bnc[..., :, None] == doc_bnc[..., None, :],
+        "carry_bnc": doc_bnc == before_bn[..., None],
+        "last_bnc": doc_bnc == doc_bnc[..., -1:],
+    }
+
+
+def _chunk_intermediates(
+    q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale, sub_size, doc_masks=None
+):
     """Everything that is parallel over chunks (KERNELS.md §1 steps 1-4).
 
     With ``G`` the inclusive within-chunk cumulative log-decay, returns a dict of f32 arrays:
@@ -324,6 +393,14 @@ def _chunk_intermediates(q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale
       ``decay_bhnk``  = exp(G_last)                   (whole-chunk state decay)
     All exponents are non-positive range sums of g (see :func:`_intra_chunk_decays`).
 
+    With ``doc_masks`` (from :func:`_document_masks`) the chunk may hold several packed documents,
+    and everything is masked (never an ``-inf`` gate) so that each behaves as if run alone:
+    ``aqk``/``akk`` are zero across documents (so the solve is block-diagonal per document),
+    ``qdec`` and ``w`` (the only readers of the incoming state) are zero outside the carried-in
+    document, ``kdec`` is zero outside the chunk's last document, and ``decay`` is zero when the
+    chunk starts a new document anywhere (the incoming state then does not survive the chunk).
+    Decays are only ever applied within one document, where no reset occurs.
+
     Internally (B, H, N) are flattened into one batch axis. Besides keeping ranks low, this
     sidesteps an XLA:CPU crash (jaxlib 0.10.2: segfault inside the YNNPACK transpose of a
     high-rank intermediate in the backward pass, seen under jit(grad) with chunk_size=32).
@@ -333,6 +410,16 @@ def _chunk_intermediates(q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale
         x.reshape(-1, *x.shape[len(lead) :])
         for x in (q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc)
     )
+
+    def keep(x, mask_bn_):
+        """Zero ``x`` (flattened ``[B*H*N, ...]``) where the per-document mask ``[B, N, ...]`` is False."""
+        if doc_masks is None:
+            return x
+        mask = mask_bn_[:, None]  # broadcast over heads
+        x_full = x.reshape(*lead, *x.shape[1:])
+        mask = mask.reshape(*mask.shape, *(1,) * (x_full.ndim - mask.ndim))
+        return jnp.where(mask, x_full, 0.0).reshape(x.shape)
+
     c = k_bhnck.shape[-2]
     gcum_bhnck = jnp.cumsum(g_bhnck, axis=-2)  # sum over [0, i]
     # G_last - G_i = sum over (i, C-1]: an exclusive reverse cumulative sum, not a difference.
@@ -343,25 +430,31 @@ def _chunk_intermediates(q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale
     qs_bhnck = q_bhnck * scale
 
     decays = _intra_chunk_decays(g_bhnck, sub_size)
-    aqk_bhncc = _decayed_gram_bhncc(qs_bhnck, k_bhnck, decays)
+    same = doc_masks["same_bncc"] if doc_masks is not None else None
+    aqk_bhncc = keep(_decayed_gram_bhncc(qs_bhnck, k_bhnck, decays), same)
     strict_cc = jnp.tril(jnp.ones((c, c), k_bhnck.dtype), k=-1)
     akk_bhncc = beta_bhnc[..., :, None] * _decayed_gram_bhncc(k_bhnck, k_bhnck, decays) * strict_cc
+    akk_bhncc = keep(akk_bhncc, same)
 
     # Solve (I + Akk) [u | w] = diag(beta) [v | k e^G] in one unit-lower-triangular solve.
     # (A matmul-only solve: see _unit_lower_solve for why not LAPACK's solve_triangular.)
-    kg_bhnck = k_bhnck * jnp.exp(gcum_bhnck)
+    carry = doc_masks["carry_bnc"] if doc_masks is not None else None
+    kg_bhnck = keep(k_bhnck * jnp.exp(gcum_bhnck), carry)
     rhs = beta_bhnc[..., None] * jnp.concatenate([v_bhncv, kg_bhnck], axis=-1)
     sol = _unit_lower_solve(akk_bhncc, rhs, sub_size)
     vd = v_bhncv.shape[-1]
 
     out = {
-        "qdec_bhnck": qs_bhnck * jnp.exp(gcum_bhnck),
+        "qdec_bhnck": keep(qs_bhnck * jnp.exp(gcum_bhnck), carry),
         "aqk_bhncc": aqk_bhncc,
         "u_bhncv": sol[..., :vd],
         "w_bhnck": sol[..., vd:],
         "kdec_bhnck": k_bhnck * jnp.exp(to_end_bhnck),
         "decay_bhnk": jnp.exp(gcum_bhnck[..., -1, :]),
     }
+    if doc_masks is not None:
+        out["kdec_bhnck"] = keep(out["kdec_bhnck"], doc_masks["last_bnc"])
+        out["decay_bhnk"] = keep(out["decay_bhnk"], doc_masks["carry_bnc"][..., -1])
     return {name: x.reshape(*lead, *x.shape[1:]) for name, x in out.items()}
 
 
@@ -389,7 +482,16 @@ def _chunk_recurrence(inter, state_bhkv):
 
 
 def kda_chunked(
-    q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state_bhkv=None, chunk_size=64
+    q_bthk,
+    k_bthk,
+    v_bthv,
+    g_bthk,
+    beta_bth,
+    *,
+    scale,
+    initial_state_bhkv=None,
+    chunk_size=64,
+    segment_ids_bt=None,
 ):
     """Chunkwise-parallel KDA (same result as :func:`kda_recurrent`).
 
@@ -401,6 +503,8 @@ def kda_chunked(
       beta_bth: ``[B, T, H]``; initial_state_bhkv: ``[B, H, K, V]`` or None (zeros).
       scale: multiplier applied to q.
       chunk_size: static int, <= 16 or a multiple of 16.
+      segment_ids_bt: int ``[B, T]`` or None: packed documents, reset by masks inside the chunk
+        computation (see :func:`_chunk_intermediates` and the module docstring).
 
     Returns:
       ``(o_bthv, final_state_bhkv)``, both float32.
@@ -409,6 +513,7 @@ def kda_chunked(
     b, h, kd, vd = _check_shapes(
         q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv, has_time=True
     )
+    _check_segment_ids(segment_ids_bt, q_bthk)
     t = q_bthk.shape[1]
     cdt = _compute_dtype(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth)
     if initial_state_bhkv is None:
@@ -420,8 +525,10 @@ def kda_chunked(
     )
     beta_bhnc = _to_chunks(beta_bth.astype(cdt), chunk_size)
 
+    doc_masks = None if segment_ids_bt is None else _document_masks(segment_ids_bt, chunk_size)
     inter = _chunk_intermediates(
-        q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, scale=scale, sub_size=sub_size
+        q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, scale=scale, sub_size=sub_size,
+        doc_masks=doc_masks,
     )
     o_bhncv, final_state_bhkv = _chunk_recurrence(inter, state_bhkv)
 
@@ -435,12 +542,15 @@ def kda_chunked(
 # --------------------------------------------------------------------------------------------
 
 
-def kda(q, k, v, g, beta, *, scale, initial_state=None, impl="chunked", chunk_size=64):
+def kda(
+    q, k, v, g, beta, *, scale, initial_state=None, impl="chunked", chunk_size=64, segment_ids=None
+):
     """KDA over a sequence; the single dispatch point for the cores.
 
     Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``;
-    initial_state ``[B, H, K, V]`` or None. Returns ``(o [B, T, H, V], final_state [B, H, K, V])``
-    in float32.
+    initial_state ``[B, H, K, V]`` or None; segment_ids int ``[B, T]`` or None (packed documents:
+    the state resets where the id changes; see the module docstring).
+    Returns ``(o [B, T, H, V], final_state [B, H, K, V])`` in float32.
 
     Args:
       impl: ``"chunked"`` (default) or ``"recurrent"``.
@@ -448,8 +558,11 @@ def kda(q, k, v, g, beta, *, scale, initial_state=None, impl="chunked", chunk_si
     """
     if impl == "chunked":
         return kda_chunked(
-            q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, chunk_size=chunk_size
+            q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, chunk_size=chunk_size,
+            segment_ids_bt=segment_ids,
         )
     if impl == "recurrent":
-        return kda_recurrent(q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state)
+        return kda_recurrent(
+            q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, segment_ids_bt=segment_ids
+        )
     raise ValueError(f"KDA: unknown impl {impl!r}; expected one of {_IMPLS}")
