@@ -10,7 +10,7 @@ fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·he
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
 Pallas variants are `block_v-warps(intra kernel)-warps(recurrence kernel)[-solve]` (KernelConfig); `--breakdown` also
 times the intra-chunk kernel alone for each variant. `--check` first compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
-The Pallas fwd+bwd column uses the kernel forward and the XLA chunked backward (no Pallas backward kernel yet).
+The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
 
 from __future__ import annotations

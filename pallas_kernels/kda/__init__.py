@@ -1,11 +1,12 @@
-"""Pallas chunkwise KDA kernels (issue 6): ``chunk_kda`` dispatches between the Pallas GPU/interpret kernels and
-the pure-XLA chunked core."""
+"""Pallas chunkwise KDA kernels (issue 6): ``chunk_kda`` dispatches between the Pallas GPU/interpret kernels
+(forward: chunk_fwd.py, backward: chunk_bwd.py) and the pure-XLA chunked core."""
 
 from pallas_kernels.kda.dispatch import (
     BACKENDS,
+    BWD_IMPLS,
     KernelConfig,
     chunk_kda,
     default_backend,
 )
 
-__all__ = ["BACKENDS", "KernelConfig", "chunk_kda", "default_backend"]
+__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "default_backend"]

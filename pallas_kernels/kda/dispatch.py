@@ -7,8 +7,9 @@ Backends:
   ``"tpu"``       Mosaic TPU kernel: not written yet (raises).
 ``backend=None`` picks ``"gpu"`` on a GPU and ``"xla"`` elsewhere.
 
-Gradients: ``jax.custom_vjp`` whose backward is the autodiff of the XLA chunked path (recomputes the forward in
-XLA from the saved inputs). A Pallas backward kernel is not written yet.
+Gradients: ``jax.custom_vjp`` saving only the inputs. ``bwd="pallas"`` (default) runs the Pallas backward kernels
+(chunk_bwd.py: recompute per chunk, reverse chunk loop for the state gradient; also with cu_seqlens);
+``bwd="xla"`` differentiates the XLA chunked path instead (recomputes its forward in XLA), for comparison.
 
 Packed variable-length sequences (``cu_seqlens``, B = 1): host values (a list, tuple or numpy array; under ``jit``
 pass them as a static argument). The kernels lay each sequence out on whole chunks and reset the state at each
@@ -25,11 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.kda import kda_chunked
+from pallas_kernels.kda.chunk_bwd import chunk_kda_bwd
 from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
 
-__all__ = ["BACKENDS", "KernelConfig", "chunk_kda", "default_backend"]
+__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "default_backend"]
 
 BACKENDS = ("gpu", "tpu", "interpret", "xla")
+BWD_IMPLS = ("pallas", "xla")
 
 
 def default_backend() -> str:
@@ -88,27 +91,30 @@ def _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     return jnp.concatenate(outs, axis=1), jnp.stack(finals)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd):
+    del bwd
     return chunk_kda_fwd(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret, config=config,
                          cu_seqlens=cu_seqlens)
 
 
-def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config):
-    out = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config)
+def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd):
+    out = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd)
     return out, (q, k, v, g, beta, initial_state)
 
 
-def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, residuals, cotangents):
-    """Backward through the XLA chunked core (recomputes its forward); Pallas backward kernel not written yet."""
-    del interpret, config
+def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, bwd, residuals, cotangents):
+    """Pallas backward kernels (``bwd="pallas"``) or the autodiff of the XLA chunked core (``bwd="xla"``)."""
     do, d_final = cotangents
+    if bwd == "pallas":
+        grads = chunk_kda_bwd(*residuals, do, d_final, scale=scale, interpret=interpret, config=config,
+                              cu_seqlens=cu_seqlens)
+    else:
+        def xla_forward(*args):
+            return _xla_kda(*args, scale, cu_seqlens)
 
-    def xla_forward(*args):
-        return _xla_kda(*args, scale, cu_seqlens)
-
-    _, vjp = jax.vjp(xla_forward, *residuals)
-    grads = vjp((do.astype(jnp.float32), d_final.astype(jnp.float32)))
+        _, vjp = jax.vjp(xla_forward, *residuals)
+        grads = vjp((do.astype(jnp.float32), d_final.astype(jnp.float32)))
     return tuple(gr.astype(x.dtype) for gr, x in zip(grads, residuals))
 
 
@@ -116,7 +122,7 @@ _pallas_kda.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              backend=None, config=None):
+              backend=None, config=None, bwd="pallas"):
     """Chunkwise KDA (chunk 64); same result as the token recurrence ``k3jax.ops.kda.kda_recurrent``.
 
     Args:
@@ -131,6 +137,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         state restarts from ``initial_state[n]`` at each sequence and final_state is per sequence.
       backend: one of ``BACKENDS`` or None (``default_backend()``).
       config: ``KernelConfig`` GPU tuning knobs for the Pallas backends (None: defaults).
+      bwd: gradient implementation for the Pallas backends: ``"pallas"`` (the backward kernels) or ``"xla"``
+        (autodiff of the XLA chunked path); ignored by ``backend="xla"``.
 
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B, H, K, V] f32 or None)``.
@@ -140,6 +148,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if bwd not in BWD_IMPLS:
+        raise ValueError(f"chunk_kda: unknown bwd {bwd!r}; expected one of {BWD_IMPLS}")
     if backend == "tpu":
         raise NotImplementedError("chunk_kda: the Mosaic TPU kernel is not written yet; use backend='xla' on TPU")
     b, _, h, kd = q.shape
@@ -153,5 +163,5 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         o = o.astype(q.dtype)
     else:
         o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, backend == "interpret",
-                                     config or KernelConfig())
+                                     config or KernelConfig(), bwd)
     return o, (final_state if output_final_state else None)

@@ -1,0 +1,122 @@
+"""Checks of the Pallas KDA kernels outside the unit tests.
+
+    python -m pallas_kernels.kda.check              # any host: lower forward + backward for CUDA (no GPU needed)
+    python -m pallas_kernels.kda.check --run        # on a GPU: gradients of backend="gpu" vs the token recurrence
+
+Lowering (default): ``jax.jit(value_and_grad(loss)).trace(...).lower(lowering_platforms=("cuda",))`` runs the
+Pallas -> Triton lowering of every kernel of ``chunk_kda(backend="gpu")`` (forward and Pallas backward; bf16 and
+f32; with and without cu_seqlens) on the host and prints the Triton kernels found in the lowered program. It does
+not run the Triton compiler (register allocation, shared memory), which only happens on a GPU.
+
+``--run`` compares o, the final state and the six gradients with ``jax.grad`` of ``kda_recurrent`` (f32 matmul
+precision) on the GPU, prints one JSON line per dtype with max-error / max-|ref| per quantity, and exits 1 if any
+exceeds the tolerance (f32 1e-4, bf16 3e-2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops.kda import kda_recurrent
+from pallas_kernels.kda.dispatch import chunk_kda
+
+_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
+
+
+def _loss(core, w_o, w_s):
+    def loss(*args):
+        o, s = core(*args)
+        return jnp.sum(o.astype(jnp.float32) * w_o) + jnp.sum(s * w_s)
+    return loss
+
+
+def lower_for_cuda(t=1000, h=2, d=128):
+    """Lower value_and_grad of chunk_kda(backend='gpu') for CUDA; returns one dict per case."""
+    sd = jax.ShapeDtypeStruct
+    rows = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        for cu_seqlens in (None, (0, 70, 70, t)):
+            n_states = 1 if cu_seqlens is None else len(cu_seqlens) - 1
+            args = (sd((1, t, h, d), dtype), sd((1, t, h, d), dtype), sd((1, t, h, d), dtype),
+                    sd((1, t, h, d), jnp.float32), sd((1, t, h), jnp.float32), sd((n_states, h, d, d), jnp.float32))
+
+            def core(*a, cu_seqlens=cu_seqlens):
+                return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu_seqlens,
+                                 backend="gpu")
+
+            loss = _loss(core, jnp.ones((1, t, h, d), jnp.float32), jnp.ones((n_states, h, d, d), jnp.float32))
+            lowered = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
+                lowering_platforms=("cuda",))
+            text = lowered.as_text()
+            rows.append({"dtype": jnp.dtype(dtype).name, "cu_seqlens": cu_seqlens,
+                         "triton_calls": text.count("__gpu$xla.gpu.triton"),
+                         "kernels": sorted(set(re.findall(r'name = "(kda_[a-z_]+)', text)))})
+    return rows
+
+
+def run_on_gpu(b=2, t=1000, h=3, d=128):
+    """Gradients of the GPU kernels vs the token recurrence; returns (rows, ok)."""
+    rng = np.random.default_rng(1)
+
+    def unit(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    q, k = (unit(rng.standard_normal((b, t, h, d))) for _ in range(2))
+    v = rng.standard_normal((b, t, h, d))
+    g = -5.0 / (1.0 + np.exp(-2.0 * rng.standard_normal((b, t, h, d))))
+    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
+    h0 = 0.1 * rng.standard_normal((b, h, d, d))
+    w_o = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
+    w_s = jnp.asarray(rng.standard_normal((b, h, d, d)), jnp.float32)
+
+    def ours(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="gpu")
+
+    def reference(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5])
+
+    rows, ok = [], True
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + tuple(
+            jnp.asarray(x, jnp.float32) for x in (g, beta, h0))
+        grad = jax.value_and_grad(_loss(ours, w_o, w_s), argnums=tuple(range(6)))
+        got_out = jax.jit(ours)(*args)
+        got = jax.jit(grad)(*args)[1]
+        with jax.default_matmul_precision("float32"):
+            want_out = jax.jit(reference)(*args)
+            want = jax.jit(jax.grad(_loss(reference, w_o, w_s), argnums=tuple(range(6))))(*args)
+        row = {"check": "gpu_grads", "dtype": jnp.dtype(dtype).name, "shape": [b, t, h, d]}
+        for name, x, ref in zip(("o", "final_state") + _NAMES, tuple(got_out) + tuple(got),
+                                tuple(want_out) + tuple(want)):
+            x, ref = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, ref))
+            row[name] = float(np.max(np.abs(x - ref)) / np.max(np.abs(ref)))
+            ok = ok and row[name] < _TOLERANCE[row["dtype"]]
+        rows.append(row)
+    return rows, ok
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--run", action="store_true", help="run the gradient check on the GPU (else lower only)")
+    args = p.parse_args(argv)
+    if not args.run:
+        for row in lower_for_cuda():
+            print(json.dumps(row), flush=True)
+        return
+    rows, ok = run_on_gpu()
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if not ok:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

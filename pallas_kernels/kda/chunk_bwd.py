@@ -1,0 +1,480 @@
+"""Pallas chunkwise KDA backward: gradients of q, k, v, g, beta and the initial state (issue 6).
+
+Residuals are the forward's inputs only (the forward stays as light as the XLA path's); the backward recomputes.
+Notation as in ``chunk_fwd.py``: per chunk of C = 64 rows, ``G`` is the within-chunk inclusive cumulative
+log-decay (base 2 inside the kernels, so exponentials are ``exp2``), ``S_n`` the state entering chunk ``n``, and
+``v' = u - w S_n``; ``o = qg S_n + aqk v'``; ``S_{n+1} = diag(2^G_L) S_n + kg^T v'``.
+
+Five kernels (all generic Pallas: Triton GPU backend, or ``interpret=True`` on CPU):
+
+1. ``intra`` (forward kernel 1, reused; grid chunk x head): ``qg, kg, w, u, aqk, decay``.
+2. ``states`` (grid head x value block, chunks in order, f32 state in registers): stores every chunk-entry state
+   ``S_n`` (the matmul dtype: bf16 for bf16 inputs, exactly the operand the forward used) and ``v'``.
+3. ``reverse`` (grid head x value block, chunks in reverse, f32 state gradient ``dS`` in registers; ``dS`` starts
+   at the final-state cotangent): per chunk stores ``dS_{n+1}`` and
+   ``dv' = aqk^T dO + kg dS_{n+1}``, then ``dS_n = diag(2^G_L) dS_{n+1} + qg^T dO - w^T dv'``; the last ``dS_0``
+   is the initial-state gradient.
+4. ``state_grads`` (grid chunk x head, parallel): the chunk's gradients through the state products,
+   ``dqg = dO S_n^T``, ``dw = -dv' S_n^T``, ``dkg = v' dS_{n+1}^T``, ``daqk = tril(dO v'^T)`` and
+   ``d(2^G_L) = rowsum(S_n * dS_{n+1})``.
+5. ``intra_bwd`` (grid chunk x head, parallel): back through the intra-chunk algebra. With ``A = (I + akk)^-1``:
+   ``y = A^T dv'`` (= d(beta v)) and ``z = A^T dw`` (= d(beta k 2^G)) by blocked back substitution over the 16-row
+   sub-chunks; ``dakk = -strict_tril(y u^T + z w^T)``; then the pairwise products ``aqk``/``akk`` are
+   differentiated with the forward's factorisation (16-row sub-chunks, midpoint exponents on the diagonal blocks,
+   the first row of the later sub-chunk as reference off the diagonal: every factor is finite in f32 for gates
+   >= -5), which gives dq, dk, dv, dbeta and the per-row gradient ``dG`` of the cumulative decay:
+   ``dG = q~ . dq~ + k . (dk_row - dk_col) - dkg . kg + z . (beta k 2^G)`` (q~ = scale q; ``dk_row``/``dk_col``
+   the gradients of the row / column factor of the pairwise products) and ``dG_L = sum_rows(dkg . kg) +
+   d(2^G_L) . 2^G_L``. The gate gradient is their reverse cumulative sum inside the chunk,
+   ``dg_i = sum_{r >= i} dG_r + dG_L`` (natural-log units: d 2^(G log2 e) / dG = 2^(G log2 e)).
+
+Numerics: f32 accumulation everywhere; for f32 inputs full-f32 matmuls and f32 intermediates, for bf16 inputs bf16
+intermediates (states, v', dv', dS per chunk, like fla) and default-precision matmuls. Padding (T not a multiple
+of 64, or packed sequences laid out on whole chunks) uses zero tokens, which do not change the function of the real
+tokens, so the padded gradients are exact.
+
+Packed sequences (``cu_seqlens``): same chunk layout as the forward; ``states`` restarts from the sequence's initial
+state at its first chunk, ``reverse`` restarts from the sequence's final-state cotangent at its last chunk and
+writes the initial-state gradient at its first chunk.
+
+FLOPs per token per head (matmul products actually formed, 2 per multiply-add; C = 64, s = 16, d = K = V;
+``backward_flops_per_token_head``): recomputed ``intra`` 40·s²·d/C (41 k at d = 128), ``states`` 4·d² (66 k),
+``reverse`` 6·d² + 2·C·d (115 k), ``state_grads`` 6·d² + 2·C·d (115 k), ``intra_bwd`` 90·s²·d/C (92 k): total
+16·d² + 4·C·d + 130·s²·d/C ≈ 428 kFLOP at d = 128, ≈ 2.7× the forward's 156 k by the same count (2.3× the 183 k
+nominal figure of KERNELS.md §2). Forward + backward at B·T·H = 8192·96: ≈ 0.45 TFLOP, ≈ 0.6 ms of H200 bf16
+matmul time. Recomputation is 41 k + 66 k of the 428 k; saving the forward's intermediates and ``S_n`` instead would
+cut it at the price of ≈ 4·K + C + K·V/C extra stored values per token and head.
+
+GPU status: every kernel lowers through the Pallas Triton backend (checked on a CPU host with
+``python -m pallas_kernels.kda.check``); none has been compiled by Triton or timed on a GPU yet. ``intra_bwd``
+keeps many [16, K] f32 tiles live (register pressure at K = 128 is the first thing to profile).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_fwd import (
+    _INVERSES,
+    _LOG2E,
+    CHUNK,
+    SUB_CHUNK,
+    KernelConfig,
+    _dot,
+    _dot_nt,
+    _dot_tn,
+    _is_pow2,
+    _matmul_policy,
+    _row,
+    intra_chunk,
+    varlen_layout,
+)
+
+__all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
+
+_N_SUB = CHUNK // SUB_CHUNK
+_F32 = jnp.float32
+_DEFAULT_CONFIG = KernelConfig()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 2: chunk-entry states (forward order)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precision, varlen):
+    """All chunks of one (head, value block) in order: store ``S_n`` (rows ``n*K ..``) and ``v'`` of each chunk."""
+    if varlen:
+        seq_ref, first_ref, s0_ref, states_ref, vnew_ref = refs
+    else:
+        s0_ref, states_ref, vnew_ref = refs
+    mm_dtype = kg_ref.dtype
+
+    def body(n, s_kv):
+        if varlen:
+            s_kv = jnp.where(first_ref[n] != 0, s0_ref[seq_ref[n]].astype(_F32), s_kv)
+        rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
+        s_mm = s_kv.astype(mm_dtype)
+        states_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = s_mm
+        v_new_mm = (u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s_mm, precision)).astype(mm_dtype)
+        vnew_ref[rows, :] = v_new_mm
+        return decay_ref[n, :].astype(_F32)[:, None] * s_kv + _dot_tn(kg_ref[rows, :], v_new_mm, precision)
+
+    init = jnp.zeros(s0_ref.shape[-2:], _F32) if varlen else s0_ref[...].astype(_F32)
+    lax.fori_loop(0, n_chunks, body, init)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 3: state gradient (reverse order)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _reverse_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, *refs, n_chunks, kd, precision, varlen):
+    """All chunks of one (head, value block) in reverse; the f32 ``dS [K, BV]`` is the loop carry.
+
+    Stores ``dS_{n+1}`` (rows ``n*K ..``) and ``dv'`` per chunk; writes ``dS_0`` (per sequence with varlen).
+    """
+    if varlen:
+        seq_ref, first_ref, last_ref, dsn_ref, dsend_ref, dvnew_ref, ds0_ref = refs
+    else:
+        dsn_ref, dsend_ref, dvnew_ref, ds0_ref = refs
+    mm_dtype = qg_ref.dtype
+
+    def body(i, ds_kv):
+        n = n_chunks - 1 - i
+        if varlen:
+            seq = seq_ref[n]
+            ds_kv = jnp.where(last_ref[n] != 0, dsn_ref[seq].astype(_F32), ds_kv)
+        rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
+        ds_mm = ds_kv.astype(mm_dtype)
+        dsend_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = ds_mm
+        do_cv = do_ref[rows, :].astype(mm_dtype)
+        dv_new = _dot_tn(aqk_ref[rows, :], do_cv, precision) + _dot(kg_ref[rows, :], ds_mm, precision)
+        dv_new_mm = dv_new.astype(mm_dtype)
+        dvnew_ref[rows, :] = dv_new_mm
+        ds_kv = (decay_ref[n, :].astype(_F32)[:, None] * ds_kv + _dot_tn(qg_ref[rows, :], do_cv, precision)
+                 - _dot_tn(w_ref[rows, :], dv_new_mm, precision))
+        if varlen:
+            @pl.when(first_ref[n] != 0)
+            def _store_initial_grad():
+                ds0_ref[seq] = ds_kv
+        return ds_kv
+
+    if varlen:
+        lax.fori_loop(0, n_chunks, body, jnp.zeros(ds0_ref.shape[-2:], _F32))
+    else:
+        ds0_ref[...] = lax.fori_loop(0, n_chunks, body, dsn_ref[...].astype(_F32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 4: gradients through the state products (parallel over chunks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
+                        dqg_ref, dkg_ref, dw_ref, daqk_ref, ddecay_ref, *, precision):
+    mm_dtype = vnew_ref.dtype
+    do_cv = do_ref[...].astype(mm_dtype)
+    vnew_cv = vnew_ref[...]
+    s_kv = s_ref[...]
+    ds_kv = ds_ref[...]
+    dqg_ref[...] = _dot_nt(do_cv, s_kv, precision)
+    dw_ref[...] = -_dot_nt(dvnew_ref[...], s_kv, precision)
+    dkg_ref[...] = _dot_nt(vnew_cv, ds_kv, precision)
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    daqk_ref[...] = jnp.where(rows_c1 >= cols_1c, _dot_nt(do_cv, vnew_cv, precision), 0.0)
+    ddecay_ref[...] = jnp.sum(s_kv.astype(_F32) * ds_kv.astype(_F32), axis=1)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Kernel 5: back through the intra-chunk algebra (parallel over chunks)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
+                      dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref,
+                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, precision, solve):
+    """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas."""
+    s = SUB_CHUNK
+    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
+    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
+    incl_ss = rows_s1 >= cols_1s
+    strict_ss = rows_s1 > cols_1s
+    subs = range(_N_SUB)
+
+    def load(ref, i):
+        return ref[pl.ds(i * s, s), :].astype(_F32)
+
+    def ss_block(ref, i, j):
+        return ref[pl.ds(i * s, s), pl.ds(j * s, s)].astype(_F32)
+
+    q = [load(q_ref, i) * scale for i in subs]  # q~ = scale q
+    k = [load(k_ref, i) for i in subs]
+    v = [load(v_ref, i) for i in subs]
+    beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
+    g = [load(g_ref, i) * _LOG2E for i in subs]
+
+    # Decay bookkeeping, as in the forward kernel (base 2).
+    local = [jnp.cumsum(gi, axis=0) for gi in g]
+    total = [jnp.sum(gi, axis=0) for gi in g]
+    first = [_row(c, 0) for c in local]
+    mid = [_row(c, s // 2) for c in local]
+    zeros_k = jnp.zeros_like(total[0])
+    before = [sum(total[:i], zeros_k) for i in subs]
+    after = [sum(total[i + 1:], zeros_k) for i in subs]
+    g_last = before[-1] + total[-1]
+    to_end = [jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs]  # 2^(G_end(i) - G)
+    gamma = [jnp.exp2(before[i][None, :] + local[i]) for i in subs]  # 2^G
+    kg_factor = [to_end[i] * jnp.exp2(after[i])[None, :] for i in subs]  # 2^(G_L - G)
+    left = [jnp.exp2(local[i] - mid[i][None, :]) for i in subs]
+    right = [jnp.exp2(mid[i][None, :] - local[i]) for i in subs]
+    from_first = [jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs]  # 2^(G - G_n), n = row 0
+    q_first = [q[i] * from_first[i] for i in subs]
+    k_first = [k[i] * from_first[i] for i in subs]
+    q_left = [q[i] * left[i] for i in subs]
+    k_left = [k[i] * left[i] for i in subs]
+    k_right = [k[i] * right[i] for i in subs]
+    # col[i, j] (i > j): 2^(G_n(i) - G) on the rows of sub-chunk j; k_bridged = k_j * col[i, j].
+    col = {(i, j): to_end[j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
+           for i in subs for j in range(i)}
+    k_bridged = {ij: k[ij[1]] * c for ij, c in col.items()}
+
+    # kk = akk / beta (pairwise k products), akk and the inverses of the diagonal blocks of I + akk.
+    kk = {}
+    for i in subs:
+        kk[i, i] = jnp.where(strict_ss, _dot_nt(k_left[i], k_right[i], precision), 0.0)
+        for j in range(i):
+            kk[i, j] = _dot_nt(k_first[i], k_bridged[i, j], precision)
+    akk = {ij: beta[ij[0]] * x for ij, x in kk.items()}
+    inv = [_INVERSES[solve](akk[i, i]) for i in subs]
+
+    # y = A^T du, z = A^T dw by back substitution: y_i = inv_ii^T (du_i - sum_{m > i} akk_mi^T y_m).
+    du = [load(du_ref, i) for i in subs]
+    dw = [load(dw_ref, i) for i in subs]
+    y, z = [None] * _N_SUB, [None] * _N_SUB
+    for i in reversed(subs):
+        rhs_y, rhs_z = du[i], dw[i]
+        for m in range(i + 1, _N_SUB):
+            rhs_y = rhs_y - _dot_tn(akk[m, i], y[m], precision)
+            rhs_z = rhs_z - _dot_tn(akk[m, i], z[m], precision)
+        y[i] = _dot_tn(inv[i], rhs_y, precision)
+        z[i] = _dot_tn(inv[i], rhs_z, precision)
+
+    u = [load(u_ref, i) for i in subs]
+    w = [load(w_ref, i) for i in subs]
+    dakk = {}
+    for i in subs:
+        for j in range(i + 1):
+            blk = -(_dot_nt(y[i], u[j], precision) + _dot_nt(z[i], w[j], precision))
+            dakk[i, j] = jnp.where(strict_ss, blk, 0.0) if i == j else blk
+
+    bkg = [beta[i] * k[i] * gamma[i] for i in subs]  # beta k 2^G (the w right-hand side)
+    dbeta = [jnp.sum(y[i] * v[i], axis=1) + jnp.sum(z[i] * k[i] * gamma[i], axis=1) for i in subs]
+    for (i, j), blk in dakk.items():
+        dbeta[i] = dbeta[i] + jnp.sum(blk * kk[i, j], axis=1)
+
+    # Pairwise products: dq~ (rows of aqk), dk_row (rows of akk), dk_col (columns of both).
+    dqs = [load(dqg_ref, i) * gamma[i] for i in subs]  # qg = q~ 2^G
+    dk_row = [jnp.zeros_like(k[i]) for i in subs]
+    dk_col = [jnp.zeros_like(k[i]) for i in subs]
+    for i in subs:
+        daqk_ii = jnp.where(incl_ss, ss_block(daqk_ref, i, i), 0.0)
+        p_ii = beta[i] * dakk[i, i]
+        dqs[i] = dqs[i] + left[i] * _dot(daqk_ii, k_right[i], precision)
+        dk_row[i] = dk_row[i] + left[i] * _dot(p_ii, k_right[i], precision)
+        dk_col[i] = dk_col[i] + right[i] * (_dot_tn(daqk_ii, q_left[i], precision)
+                                            + _dot_tn(p_ii, k_left[i], precision))
+        for j in range(i):
+            daqk_ij = ss_block(daqk_ref, i, j)
+            p_ij = beta[i] * dakk[i, j]
+            dqs[i] = dqs[i] + from_first[i] * _dot(daqk_ij, k_bridged[i, j], precision)
+            dk_row[i] = dk_row[i] + from_first[i] * _dot(p_ij, k_bridged[i, j], precision)
+            dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk_ij, q_first[i], precision)
+                                                 + _dot_tn(p_ij, k_first[i], precision))
+
+    dkg = [load(dkg_ref, i) for i in subs]
+    kg = [k[i] * kg_factor[i] for i in subs]
+    dg_last = ddecay_ref[...].astype(_F32) * jnp.exp2(g_last)
+    dgrow = []
+    for i in subs:
+        dkg_kg = dkg[i] * kg[i]
+        dg_last = dg_last + jnp.sum(dkg_kg, axis=0)
+        dgrow.append(q[i] * dqs[i] + k[i] * (dk_row[i] - dk_col[i]) - dkg_kg + z[i] * bkg[i])
+
+    # dg_r = sum_{r' >= r} dG_r' + dG_L: reverse cumsum inside each sub-chunk plus the later sub-chunks' totals.
+    carry = dg_last
+    for i in reversed(subs):
+        blk_total = jnp.sum(dgrow[i], axis=0)
+        dg_i = (carry + blk_total)[None, :] - jnp.cumsum(dgrow[i], axis=0) + dgrow[i]
+        carry = carry + blk_total
+        rows = pl.ds(i * s, s)
+        dg_ref[rows, :] = dg_i.astype(dg_ref.dtype)
+        dq_ref[rows, :] = (scale * dqs[i]).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dk_row[i] + dk_col[i] + dkg[i] * kg_factor[i]
+                           + beta[i] * gamma[i] * z[i]).astype(dk_ref.dtype)
+        dv_ref[rows, :] = (beta[i] * y[i]).astype(dv_ref.dtype)
+        dbeta_ref[rows] = dbeta[i].astype(dbeta_ref.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Wrapper
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def backward_flops_per_token_head(d: int = 128, chunk: int = CHUNK, sub: int = SUB_CHUNK) -> dict[str, float]:
+    """Matmul FLOPs per token per head of each backward kernel and their total (2 per multiply-add; K = V = d).
+
+    Counts the products the kernels actually form (lower sub-chunk blocks only; the 16x16 substitution inverse
+    and elementwise work are not counted).
+    """
+    c, s, n_sub = chunk, sub, chunk // sub
+    pairs = n_sub * (n_sub - 1) // 2  # sub-chunk pairs i > j
+    block = 2 * s * s * d  # one [s, s] x [s, d] (or [s, d] x [d, s]) product
+    per_chunk = {
+        # aqk, akk (diagonal + pairs); u and w blocked substitution (pairs) and diagonal inverse products.
+        "intra (recompute)": (2 * (n_sub + pairs) + 2 * pairs + 2 * n_sub) * block,
+        "states": 2 * 2 * c * d * d,  # w S, kg^T v'
+        "reverse": 3 * 2 * c * d * d + 2 * c * c * d,  # kg dS, qg^T dO, w^T dv'; aqk^T dO
+        "state_grads": 3 * 2 * c * d * d + 2 * c * c * d,  # dO S^T, dv' S^T, v' dS^T; dO v'^T
+        # kk; y and z substitution (pairs) and inverse products; dakk (2 per block); dq~, dk_row, 2 for dk_col.
+        "intra_bwd": ((n_sub + pairs) + (2 * pairs + 2 * n_sub) + 2 * (n_sub + pairs) + 4 * (n_sub + pairs)) * block,
+    }
+    flops = {name: x / c for name, x in per_chunk.items()}
+    flops["total"] = sum(flops.values())
+    return flops
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
+def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale, interpret=False,
+                  config=_DEFAULT_CONFIG, cu_seqlens=None):
+    """Gradients of ``chunk_kda_fwd`` (same arguments) for the cotangents ``d_o`` ``[B, T, H, V]`` and
+    ``d_final_state`` (the final-state shape).
+
+    Returns f32 ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the input shapes.
+    """
+    b, t, h, kd = q.shape
+    vd = v.shape[-1]
+    block_v = min(config.block_v, vd)
+    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v)):
+        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v} must be powers of two >= 16")
+    inter_dtype, precision = _matmul_policy(q.dtype)
+    g = g.astype(_F32)
+    beta = beta.astype(_F32)
+    d_o = d_o.astype(inter_dtype)
+
+    layout = None
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"chunk_kda: cu_seqlens needs batch size 1 (packed sequences), got B={b}")
+        layout = varlen_layout(cu_seqlens, t)
+        n = layout["chunk_seq"].size
+        dest = jnp.asarray(layout["dest"])
+
+        def to_padded(x):
+            return jnp.zeros((1, n * CHUNK) + x.shape[2:], x.dtype).at[0, dest].set(x[0])
+
+        def from_padded(x):
+            return x[:, dest]
+    else:
+        n = -(-t // CHUNK)
+        pad = n * CHUNK - t
+
+        def to_padded(x):
+            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+
+        def from_padded(x):
+            return x[:, :t]
+    q, k, v, g, beta, d_o = (to_padded(x) for x in (q, k, v, g, beta, d_o))
+    tp = n * CHUNK
+
+    # 1. Recompute the forward's per-chunk quantities.
+    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, interpret=interpret,
+                                           num_warps=config.warps[0], solve=config.solve)
+
+    params_seq = params_par = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+        params_seq = pl_triton.CompilerParams(num_warps=config.warps[1], num_stages=1)
+        params_par = pl_triton.CompilerParams(num_warps=config.warps[0], num_stages=1)
+
+    def seq_spec(width, col_block):
+        if col_block:
+            return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, j))
+        return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, 0))
+
+    per_chunk_states_spec = pl.BlockSpec((None, None, n * kd, block_v), lambda bh, j: (bh // h, bh % h, 0, j))
+    decay_seq_spec = pl.BlockSpec((None, None, n, kd), lambda bh, j: (bh // h, bh % h, 0, 0))
+    meta_ops, meta_specs, n_states = [], [], b
+    if layout is None:
+        state_spec = pl.BlockSpec((None, None, kd, block_v), lambda bh, j: (bh // h, bh % h, 0, j))
+    else:
+        n_states = layout["lens"].size
+        state_spec = pl.BlockSpec((n_states, None, kd, block_v), lambda bh, j: (0, bh, 0, j))
+        meta_ops = [jnp.asarray(layout[name]) for name in ("chunk_seq", "chunk_first", "chunk_last")]
+        meta_specs = [pl.BlockSpec((n,), lambda bh, j: (0,))] * 3
+    varlen = layout is not None
+    grid_seq = (b * h, vd // block_v)
+
+    # 2. Chunk-entry states and v'.
+    states, v_new = pl.pallas_call(
+        functools.partial(_states_kernel, n_chunks=n, kd=kd, precision=precision, varlen=varlen),
+        out_shape=(jax.ShapeDtypeStruct((b, h, n * kd, vd), inter_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype)),
+        grid=grid_seq,
+        in_specs=[seq_spec(kd, False), seq_spec(kd, False), seq_spec(block_v, True), decay_seq_spec]
+        + meta_specs[:2] + [state_spec],
+        out_specs=[per_chunk_states_spec, seq_spec(block_v, True)],
+        interpret=interpret,
+        compiler_params=params_seq,
+        name="kda_bwd_states",
+    )(kg, w, u, decay, *meta_ops[:2], initial_state.astype(_F32))
+
+    # 3. Reverse chunk loop: dS per chunk, dv', d initial state.
+    ds_end, dv_new, d_initial = pl.pallas_call(
+        functools.partial(_reverse_kernel, n_chunks=n, kd=kd, precision=precision, varlen=varlen),
+        out_shape=(jax.ShapeDtypeStruct((b, h, n * kd, vd), inter_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
+                   jax.ShapeDtypeStruct((n_states, h, kd, vd), _F32)),
+        grid=grid_seq,
+        in_specs=[seq_spec(kd, False), seq_spec(kd, False), seq_spec(kd, False), seq_spec(CHUNK, False),
+                  decay_seq_spec, seq_spec(block_v, True)] + meta_specs + [state_spec],
+        out_specs=[per_chunk_states_spec, seq_spec(block_v, True), state_spec],
+        interpret=interpret,
+        compiler_params=params_seq,
+        name="kda_bwd_reverse",
+    )(qg, kg, w, aqk, decay, d_o, *meta_ops, d_final_state.astype(_F32))
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+
+    state_chunk_spec = pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0))
+    decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
+    beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+    grid_par = (n, b * h)
+
+    # 4. Gradients through the state products.
+    dqg, dkg, dw, daqk, d_decay = pl.pallas_call(
+        functools.partial(_state_grads_kernel, precision=precision),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
+                   jax.ShapeDtypeStruct((b, h, n, kd), _F32)),
+        grid=grid_par,
+        in_specs=[chunk_spec(vd), chunk_spec(vd), chunk_spec(vd), state_chunk_spec, state_chunk_spec],
+        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(CHUNK), decay_chunk_spec],
+        interpret=interpret,
+        compiler_params=params_par,
+        name="kda_bwd_state_grads",
+    )(d_o, v_new, dv_new, states, ds_end)
+
+    # 5. Back through the intra-chunk algebra.
+    dq, dk, dv, dg, dbeta = pl.pallas_call(
+        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h), _F32)),
+        grid=grid_par,
+        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec,
+                  chunk_spec(vd), chunk_spec(kd),
+                  chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
+                  decay_chunk_spec],
+        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec],
+        interpret=interpret,
+        compiler_params=params_par,
+        name="kda_bwd_intra",
+    )(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay)
+
+    grads = tuple(from_padded(x) for x in (dq, dk, dv, dg, dbeta))
+    if layout is not None:  # empty sequences own no chunk: their state passes straight through
+        empty = jnp.asarray(layout["lens"] == 0)[:, None, None, None]
+        d_initial = jnp.where(empty, d_final_state.astype(_F32), d_initial)
+    return (*grads, d_initial)
