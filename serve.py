@@ -1,10 +1,22 @@
-"""Serve a k3jax model. Batch mode (this issue's first step):
+"""Serve a k3jax model: batch mode (prompts file → JSONL) or an OpenAI-compatible HTTP server.
+
+Batch mode:
 
     python serve.py --config=tiny --prompts_file=prompts.txt --max_new_tokens=64 --out=out.jsonl
 
 `--prompts_file`: `.jsonl` (objects with "prompt" text or "prompt_ids", optional "id") or plain text, one prompt per
-line. Without `--checkpoint` the model is randomly initialised (a warning says so). Output: one JSON object per
-prompt, in input order: index, [id], [prompt], completion, completion_ids, finish_reason, token counts.
+line. Output: one JSON object per prompt, in input order: index, [id], [prompt], completion, completion_ids,
+finish_reason, token counts.
+
+Server mode (continuous batching over `--slots` decode slots; see k3jax/inference/server.py):
+
+    python serve.py --config=tiny --port=8000
+    curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "temperature": 0}'
+    curl -N localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+
+Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat template are used) or `--checkpoint`
+(k3jax Orbax checkpoint); with neither, the `--config` model is randomly initialised (a warning says so) and the
+byte tokenizer is used. SIGINT / SIGTERM shut the server down gracefully.
 """
 
 import sys
@@ -14,33 +26,96 @@ from absl import app, flags
 import configs
 from k3jax.config import ConfigError
 
-_CONFIG = flags.DEFINE_string("config", "tiny", f"Named config: {', '.join(configs.names())}.")
+_CONFIG = flags.DEFINE_string("config", "tiny", f"Named config (ignored with --hf_dir/--checkpoint): "
+                              f"{', '.join(configs.names())}.")
 _SET = flags.DEFINE_multi_string("set", [], "Config override key=value (repeatable).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "k3jax Orbax checkpoint directory (default: random init).")
-_PROMPTS = flags.DEFINE_string("prompts_file", None, "Prompts: .jsonl or .txt (one prompt per line).")
-_OUT = flags.DEFINE_string("out", None, "Output JSONL path.")
-_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt (at most).")
-_TEMP = flags.DEFINE_float("temperature", 0.0, "Sampling temperature; 0 = greedy.")
-_TOP_K = flags.DEFINE_integer("top_k", 0, "Top-k filter; 0 = off.")
-_TOP_P = flags.DEFINE_float("top_p", 1.0, "Top-p (nucleus) filter; 1 = off.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init and sampling.")
-_BATCH = flags.DEFINE_integer("batch_size", 16, "Prompts per generation batch.")
-_MAX_LEN = flags.DEFINE_integer("max_len", None, "Max tokens per sequence (prompt + generated); "
-                                "default: the config's max_position_embeddings.")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "HF model directory (K3 or Kimi-Linear format).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
+_MAX_LEN = flags.DEFINE_integer("max_len", None, "Max tokens per sequence (prompt + generated); default: the "
+                                "config's max_position_embeddings in batch mode, 2048 in server mode.")
+# batch mode
+_PROMPTS = flags.DEFINE_string("prompts_file", None, "Batch mode: prompts, .jsonl or .txt (one prompt per line).")
+_OUT = flags.DEFINE_string("out", None, "Batch mode: output JSONL path.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Batch mode: tokens to generate per prompt (at most).")
+_TEMP = flags.DEFINE_float("temperature", 0.0, "Batch mode: sampling temperature; 0 = greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Batch mode: top-k filter; 0 = off.")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Batch mode: top-p (nucleus) filter; 1 = off.")
+_BATCH = flags.DEFINE_integer("batch_size", 16, "Batch mode: prompts per generation batch.")
+# server mode
+_PORT = flags.DEFINE_integer("port", None, "Server mode: serve HTTP on this port.")
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "Server mode: address to bind (0.0.0.0 for all interfaces).")
+_SLOTS = flags.DEFINE_integer("slots", 8, "Server mode: decode slots (sequences decoded together).")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Server mode: requests waiting for a slot before 503.")
+_PREFILL_BATCH = flags.DEFINE_integer("max_prefill_batch", 1, "Server mode: requests prefilled per call "
+                                      "(power of two).")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "Server mode: decode steps per device call.")
+_PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 0, "Server mode: prefix cache boundary in tokens (a power of "
+                                     "two >= 16, e.g. 512); 0 = no prefix cache.")
+_PREFIX_CAPACITY = flags.DEFINE_integer("prefix_capacity", 64, "Server mode: prefix cache snapshots kept (LRU).")
+_DEFAULT_MAX = flags.DEFINE_integer("default_max_tokens", 256, "Server mode: chat max_tokens when not given.")
+_GRACE = flags.DEFINE_float("shutdown_grace_s", 10.0, "Server mode: seconds in-flight requests get to finish "
+                            "on shutdown before they are cancelled.")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id in the API (default: the "
+                                  "config name).")
+
+
+def _serve(log) -> None:
+    from k3jax.inference.batch import load_model, make_tokenizer
+    from k3jax.inference.chat import load_chat_template
+    from k3jax.inference.engine_loop import EngineLoop
+    from k3jax.inference.scheduler import Scheduler
+    from k3jax.inference.server import K3Server, ServerOptions, run_server, warm_up
+
+    for name, flag, low in (("--slots", _SLOTS, 1), ("--max_queue", _MAX_QUEUE, 0), ("--decode_steps",
+                                                                                       _DECODE_STEPS, 1),
+                            ("--default_max_tokens", _DEFAULT_MAX, 1), ("--max_prefill_batch", _PREFILL_BATCH, 1)):
+        if flag.value < low:
+            raise ValueError(f"{name} must be >= {low}, got {flag.value}")
+    if not 0 < _PORT.value < 65536:
+        raise ValueError(f"--port must be in [1, 65535], got {_PORT.value}")
+    if _PROMPTS.value or _OUT.value:
+        raise ValueError("--port (server mode) cannot be combined with --prompts_file/--out (batch mode)")
+    opts = _Opts()
+    cfg, model = load_model(opts, log)
+    source = _HF_DIR.value or _CHECKPOINT.value
+    tokenizer = make_tokenizer(cfg, source)
+    chat = load_chat_template(tokenizer, source)
+    max_len = _MAX_LEN.value or min(2048, cfg.max_position_embeddings)
+    scheduler = Scheduler(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
+                          decode_steps=_DECODE_STEPS.value, prefix_block=_PREFIX_BLOCK.value or None,
+                          prefix_capacity=_PREFIX_CAPACITY.value)
+    warm_up(scheduler, log)
+    server = K3Server(EngineLoop(scheduler, log), tokenizer, chat,
+                      ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,
+                                    default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value), log)
+    run_server(server, _HOST.value, _PORT.value)
+
+
+class _Opts:
+    """The model-loading options `load_model` reads, from the flags."""
+
+    def __init__(self):
+        self.config, self.overrides = _CONFIG.value, tuple(_SET.value)
+        self.checkpoint, self.hf_dir, self.seed = _CHECKPOINT.value, _HF_DIR.value, _SEED.value
 
 
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from k3jax.inference.batch import BatchOptions, run_batch
-
-    opts = BatchOptions(config=_CONFIG.value, overrides=tuple(_SET.value), checkpoint=_CHECKPOINT.value,
-                        prompts_file=_PROMPTS.value or "", out=_OUT.value or "", max_new_tokens=_MAX_NEW.value,
-                        temperature=_TEMP.value, top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value,
-                        batch_size=_BATCH.value, max_len=_MAX_LEN.value)
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
-        if not opts.checkpoint:
-            configs.get_config(opts.config, list(opts.overrides))  # fail fast on a bad config name / override
+        if not (_CHECKPOINT.value or _HF_DIR.value):
+            configs.get_config(_CONFIG.value, list(_SET.value))  # fail fast on a bad config name / override
+        if _PORT.value is not None:
+            _serve(log)
+            return
+        from k3jax.inference.batch import BatchOptions, run_batch
+
+        opts = BatchOptions(config=_CONFIG.value, overrides=tuple(_SET.value), checkpoint=_CHECKPOINT.value,
+                            hf_dir=_HF_DIR.value, prompts_file=_PROMPTS.value or "", out=_OUT.value or "",
+                            max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
+                            top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)
         run_batch(opts)
     except (ValueError, ConfigError, NotImplementedError) as e:
         print(f"serve.py: error: {e}", file=sys.stderr)

@@ -18,6 +18,7 @@ class BatchOptions:
     config: str = "tiny"
     overrides: tuple[str, ...] = ()
     checkpoint: str | None = None
+    hf_dir: str | None = None
     prompts_file: str = ""
     out: str = ""
     max_new_tokens: int = 64
@@ -66,33 +67,37 @@ def read_prompts(path: str) -> list[dict]:
     return items
 
 
-def load_model(opts: BatchOptions, log: Callable[[str], None]):
-    """(config, model): from `--checkpoint` via `k3jax.load_checkpoint`, else randomly initialised (warned)."""
-    import configs
-    import k3jax
+def load_model(opts, log: Callable[[str], None]):
+    """(config, model): from `--hf_dir` via `k3jax.load_hf`, from `--checkpoint` via `k3jax.load_checkpoint`, else
+    randomly initialised (warned). `opts` needs config, overrides, checkpoint, hf_dir and seed."""
     from flax import nnx
 
+    import configs
+    import k3jax
     from k3jax.model import K3Model
 
+    if opts.checkpoint and opts.hf_dir:
+        raise ValueError("give --checkpoint or --hf_dir, not both")
+    if opts.hf_dir:
+        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides))
     if opts.checkpoint:
-        if not hasattr(k3jax, "load_checkpoint"):
-            raise NotImplementedError("Orbax loading arrives with the conversion issue")
         return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides))
     cfg = configs.get_config(opts.config, list(opts.overrides))
-    log(f"WARNING: no --checkpoint given: using RANDOMLY INITIALISED weights for config {cfg.name!r} "
+    log(f"WARNING: no --checkpoint or --hf_dir given: using RANDOMLY INITIALISED weights for config {cfg.name!r} "
         f"(seed {opts.seed}); the output is noise.")
     return cfg, K3Model(cfg, rngs=nnx.Rngs(opts.seed))
 
 
 def make_tokenizer(cfg, checkpoint: str | None):
-    """The checkpoint's tokenizer when it has one (`k3jax.load_tokenizer`), else the byte tokenizer (tiny configs)."""
+    """The tokenizer of `checkpoint` (an Orbax checkpoint or HF directory) when it has one
+    (`k3jax.load_tokenizer`), else the byte tokenizer (tiny configs)."""
     import k3jax
     from k3jax.data.text import ByteTokenizer
 
-    if checkpoint and hasattr(k3jax, "load_tokenizer"):
+    if checkpoint:
         try:
             return k3jax.load_tokenizer(checkpoint, cfg)
-        except (FileNotFoundError, OSError):
+        except (FileNotFoundError, OSError, ValueError):
             pass
     if cfg.vocab_size > 4096:
         raise NotImplementedError(f"config {cfg.name!r} needs its tokenizer (a checkpoint with a tokenizer); the "
@@ -123,7 +128,7 @@ def run_batch(opts: BatchOptions, log: Callable[[str], None] = lambda m: print(m
             cfg, model = load_model(opts, log)
         engine = Engine(model)
     cfg = engine.cfg
-    tok = make_tokenizer(cfg, opts.checkpoint)
+    tok = make_tokenizer(cfg, opts.hf_dir or opts.checkpoint)
     max_len = opts.max_len or cfg.max_position_embeddings
     encoded = []
     for item in items:

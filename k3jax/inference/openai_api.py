@@ -1,0 +1,260 @@
+"""OpenAI-compatible request validation and response bodies (pure functions; the HTTP side is `server.py`).
+
+Accepted fields — /v1/completions: model, prompt (a string or a non-empty list of token ids), max_tokens (default
+16), temperature (default 1, as OpenAI), top_p, top_k (0 = off), n (1 only), stream, stream_options
+({"include_usage": bool}), stop (a string or up to 4), seed, user.
+/v1/chat/completions: the same with messages ([{role: system|user|assistant, content: string or [{type: "text",
+text}]}]) instead of prompt and max_tokens / max_completion_tokens (default: the rest of the context, capped by the
+server's default_max_tokens). Anything else is rejected with 400 naming the field.
+
+finish_reason: "stop" (EOS or a stop string), "length" (max_tokens), "cancelled" (the server shut down or dropped
+the request before it finished; streaming only — a non-streaming request gets 503 instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from k3jax.inference.chat import ROLES
+from k3jax.inference.engine import SamplingParams
+
+COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed", "user"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens"}
+MAX_STOP_STRINGS = 4
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    """A client error: HTTP `status` with an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class ParsedRequest:
+    """A validated request: either `prompt` (text or ids) or `messages`; max_tokens None = the endpoint default."""
+
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    max_tokens: int | None
+    sampling: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    seed: int | None
+    model: str | None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _bad(msg: str, param: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, msg, param, code)
+
+
+def _check_fields(body, allowed: set[str]) -> None:
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown or unsupported field(s): {', '.join(unknown)}", unknown[0], "unknown_field")
+
+
+def _optional(body: dict, name: str, check, what: str, default=None):
+    if name not in body or body[name] is None:
+        return default
+    v = body[name]
+    if not check(v):
+        raise _bad(f"'{name}' must be {what}, got {v!r}", name, "invalid_type" if not _type_ok(v, what) else
+                   "invalid_value")
+    return v
+
+
+def _type_ok(v, what: str) -> bool:
+    if "integer" in what:
+        return _is_int(v)
+    if "number" in what:
+        return _is_number(v)
+    if "boolean" in what:
+        return isinstance(v, bool)
+    if "string" in what:
+        return isinstance(v, str)
+    return True
+
+
+def _common(body: dict) -> dict:
+    temperature = _optional(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
+    top_p = _optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
+    top_k = _optional(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)", 0)
+    n = _optional(body, "n", lambda v: _is_int(v) and v == 1, "the integer 1 (one choice per request)", 1)
+    del n
+    stream = _optional(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    include_usage = False
+    opts = body.get("stream_options")
+    if opts is not None:
+        if not stream:
+            raise _bad("'stream_options' is only allowed with stream: true", "stream_options")
+        if not isinstance(opts, dict) or set(opts) - {"include_usage"} or not isinstance(
+                opts.get("include_usage", False), bool):
+            raise _bad("'stream_options' must be {\"include_usage\": boolean}", "stream_options", "invalid_type")
+        include_usage = opts.get("include_usage", False)
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)
+            and len(stop) <= MAX_STOP_STRINGS):
+        raise _bad(f"'stop' must be a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings",
+                   "stop", "invalid_type")
+    seed = _optional(body, "seed", _is_int, "an integer")
+    model = _optional(body, "model", lambda v: isinstance(v, str), "a string")
+    _optional(body, "user", lambda v: isinstance(v, str), "a string")
+    sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+    return dict(sampling=sampling, stop=list(stop), stream=stream, include_usage=include_usage, seed=seed,
+                model=model)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...]):
+    value = None
+    for name in names:
+        v = _optional(body, name, lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        if v is not None:
+            value = v
+    return value
+
+
+def parse_completion(body) -> ParsedRequest:
+    """Validates a /v1/completions body; raises ApiError(400) naming the first problem."""
+    _check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in body:
+        raise _bad("'prompt' is required", "prompt", "missing_field")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        pass
+    elif isinstance(prompt, list) and prompt and all(_is_int(i) for i in prompt):
+        prompt = list(prompt)
+    else:
+        raise _bad("'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
+                   "prompt", "invalid_type")
+    max_tokens = _max_tokens(body, ("max_tokens",))
+    return ParsedRequest(prompt=prompt, messages=None,
+                         max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+                         **_common(body))
+
+
+def parse_chat(body) -> ParsedRequest:
+    """Validates a /v1/chat/completions body; raises ApiError(400) naming the first problem."""
+    _check_fields(body, CHAT_FIELDS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise _bad(f"{where} must be an object with 'role' and 'content' (and optional 'name')", where,
+                       "invalid_type")
+        if m.get("role") not in ROLES:
+            raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", where)
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {
+                "type", "text"} and isinstance(p["text"], str) for p in content):
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise _bad(f"{where}.content must be a string or a list of text parts", where, "invalid_type")
+        out.append({"role": m["role"], "content": content})
+    max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"))
+    return ParsedRequest(prompt=None, messages=out, max_tokens=max_tokens, **_common(body))
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+
+def chat_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish}], "usage": use}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use}
+
+
+class TextAssembler:
+    """Token ids → text deltas that are safe to send: holds back an incomplete UTF-8 tail (decoded as U+FFFD) and
+    any tail that could begin a stop string; ends the text before the first stop string."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters of the text already returned
+        self.stopped = False
+        self.text = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(int(token))
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The rest of the text at the end of generation."""
+        return "" if self.stopped else self._advance(final=True)
+
+    def _advance(self, final: bool) -> str:
+        text = self.tokenizer.decode(self.ids)
+        longest = max((len(s) for s in self.stop), default=0)
+        start = max(0, self.sent - longest + 1)
+        hits = [p for p in (text.find(s, start) for s in self.stop) if p >= 0]
+        if hits:
+            end = min(hits)
+            self.stopped = True
+        else:
+            end = len(text)
+            if not final:
+                if text.endswith("\ufffd"):
+                    end -= 1
+                hold = 0  # a tail that is a proper prefix of a stop string may still become one
+                for s in self.stop:
+                    for k in range(min(len(s) - 1, end), 0, -1):
+                        if text[end - k:end] == s[:k]:
+                            hold = max(hold, k)
+                            break
+                end -= hold
+        end = max(end, self.sent)
+        delta = text[self.sent:end]
+        self.sent = end
+        self.text = text[:end]
+        return delta

@@ -1,0 +1,368 @@
+"""OpenAI-compatible HTTP server (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health.
+
+The model runs in one engine thread (`EngineLoop` driving a continuous-batching `Scheduler`); handlers validate,
+enqueue and await that request's token events. At most `num_slots + max_queue` requests are in flight (running or
+waiting for a slot); more get 503. Streaming (`"stream": true`) sends Server-Sent Events: `data: {chunk}` lines and
+a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with 400
+(bad JSON, unknown fields, wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 404
+(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down).
+Shutdown (SIGINT / SIGTERM under `run_server`, or `runner.cleanup()`): stop accepting, let in-flight requests
+finish for up to `shutdown_grace_s`, cancel the rest (streams end with finish_reason "cancelled"), stop the engine.
+One log line per request: peer, route, status, id, token counts, finish reason, time to first token, total time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import secrets
+import sys
+import time
+import traceback
+import uuid
+from typing import Callable
+
+import jax
+from aiohttp import web
+
+from k3jax.inference import openai_api as api
+from k3jax.inference.chat import ChatTemplate
+from k3jax.inference.engine import SamplingParams
+from k3jax.inference.engine_loop import EngineLoop
+from k3jax.inference.scheduler import FINISH_CANCELLED, Request, TokenEvent
+
+MAX_BODY_BYTES = 4 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    model_name: str = "k3jax"
+    max_queue: int = 64  # requests waiting for a slot beyond the running ones
+    default_max_tokens: int = 256  # chat requests without max_tokens: min(this, the rest of the context)
+    shutdown_grace_s: float = 10.0
+
+
+class _Track:
+    """Per-request bookkeeping for the log line."""
+
+    def __init__(self, request: web.Request):
+        self.t0 = time.monotonic()
+        self.peer = request.remote or "-"
+        self.route = f"{request.method} {request.path}"
+        self.rid = "-"
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.finish = "-"
+        self.first_token_s: float | None = None
+        self.stream = False
+
+
+class K3Server:
+    """Holds the engine loop, tokenizer and chat template; `app` is the aiohttp application."""
+
+    def __init__(self, engine: EngineLoop, tokenizer, chat_template: ChatTemplate, options: ServerOptions,
+                 log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True)):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.cfg = self.scheduler.cfg
+        self.tokenizer = tokenizer
+        self.chat = chat_template
+        self.options = options
+        self.log = log
+        self.in_flight = 0
+        self.draining = False
+        self.capacity = self.scheduler.num_slots + options.max_queue
+        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_shutdown.append(self._on_shutdown)
+        app.on_cleanup.append(self._on_cleanup)
+        self.app = app
+
+    # ------------------------------------------------------------------ routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        ok = self.engine.alive and not self.draining
+        body = {"status": "ok" if ok else ("draining" if self.draining else "engine stopped"),
+                "in_flight": self.in_flight, "capacity": self.capacity, "slots": self.scheduler.num_slots,
+                "max_len": self.scheduler.max_len}
+        pc = self.scheduler.prefix_cache
+        if pc is not None:
+            body["prefix_cache"] = {"block": pc.block, "entries": len(pc), "hits": pc.hits,
+                                    "tokens_reused": pc.tokens_reused}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{
+            "id": self.options.model_name, "object": "model", "created": 0, "owned_by": "k3jax",
+            "max_model_len": self.scheduler.max_len}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        track = _Track(request)
+        try:
+            parsed = api.parse_completion(await self._json(request))
+            self._check_model(parsed.model)
+            if isinstance(parsed.prompt, str):
+                ids = self.tokenizer.encode(parsed.prompt, add_bos=True)
+            else:
+                ids = parsed.prompt
+            return await self._generate(request, track, parsed, ids, parsed.max_tokens, (), chat=False)
+        except api.ApiError as e:
+            return self._error(track, e)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        track = _Track(request)
+        try:
+            parsed = api.parse_chat(await self._json(request))
+            self._check_model(parsed.model)
+            try:
+                ids = self.chat.encode(parsed.messages)
+            except ValueError as e:  # the chat template rejected the conversation
+                raise api.ApiError(400, f"chat template: {e}", "messages") from None
+            max_tokens = parsed.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, min(self.options.default_max_tokens, self.scheduler.max_len - len(ids) + 1))
+            return await self._generate(request, track, parsed, ids, max_tokens, self.chat.stop_ids, chat=True)
+        except api.ApiError as e:
+            return self._error(track, e)
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, http: web.Request, track: _Track, parsed: api.ParsedRequest, ids: list[int],
+                        max_tokens: int, extra_eos: tuple[int, ...], chat: bool) -> web.StreamResponse:
+        track.prompt_tokens, track.stream = len(ids), parsed.stream
+        if self.draining:
+            raise api.ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
+        if not self.engine.alive:
+            raise api.ApiError(503, "the engine is not running", None, "engine_stopped", "server_error")
+        if self.in_flight >= self.capacity:
+            raise api.ApiError(503, f"the request queue is full ({self.capacity} requests in flight); retry later",
+                               None, "queue_full", "server_error")
+        temp = parsed.sampling.temperature
+        key = None
+        if temp > 0:
+            key = _seed_key(parsed.seed if parsed.seed is not None else secrets.randbits(64))
+        eos = ([] if self.cfg.eos_token_id is None else [int(self.cfg.eos_token_id)]) + list(extra_eos)
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        track.rid = rid
+        try:
+            req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, key, eos))
+        except ValueError as e:
+            code = "context_length_exceeded" if "maximum length" in str(e) else "invalid_value"
+            raise api.ApiError(400, str(e), "messages" if chat else "prompt", code) from None
+
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def on_event(item):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        self.in_flight += 1
+        finished = False
+        try:
+            self.engine.submit(req, on_event)
+            if parsed.stream:
+                resp, finished = await self._stream(http, track, parsed, rid, events, chat)
+            else:
+                resp, finished = await self._collect(track, parsed, rid, events, chat)
+            return resp
+        finally:
+            self.in_flight -= 1
+            if not finished:
+                self.engine.cancel(rid)
+
+    async def _next(self, events: asyncio.Queue) -> TokenEvent:
+        item = await events.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def _collect(self, track, parsed, rid, events, chat):
+        text_out = api.TextAssembler(self.tokenizer, parsed.stop)
+        created = int(time.time())
+        while True:
+            try:
+                ev = await self._next(events)
+            except ValueError as e:
+                return self._error(track, api.ApiError(400, str(e), None)), True
+            except RuntimeError as e:
+                return self._error(track, api.ApiError(500, str(e), None, "engine_error", "server_error")), True
+            if ev.token is not None:
+                if track.first_token_s is None:
+                    track.first_token_s = time.monotonic() - track.t0
+                track.completion_tokens += 1
+                text_out.add(ev.token)
+                if text_out.stopped:
+                    track.finish = "stop"
+                    return self._done(track, parsed, rid, created, text_out.text, chat), False  # cancels in finally
+            if ev.finish_reason:
+                if ev.finish_reason == FINISH_CANCELLED:
+                    track.finish = FINISH_CANCELLED
+                    return self._error(track, api.ApiError(503, "the request was cancelled (server shutting down)",
+                                                           None, "cancelled", "server_error")), True
+                text = text_out.text + text_out.finish()
+                track.finish = "stop" if text_out.stopped else ev.finish_reason
+                return self._done(track, parsed, rid, created, text, chat), True
+
+    def _done(self, track, parsed, rid, created, text, chat) -> web.Response:
+        use = api.usage(track.prompt_tokens, track.completion_tokens)
+        model = self.options.model_name
+        body = (api.chat_body if chat else api.completion_body)(rid, created, model, text, track.finish, use)
+        self._log(track, 200)
+        return web.json_response(body)
+
+    async def _stream(self, http, track, parsed, rid, events, chat):
+        created = int(time.time())
+        model = self.options.model_name
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(http)
+        text_out = api.TextAssembler(self.tokenizer, parsed.stop)
+
+        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+            if chat:
+                delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
+                return api.chat_chunk(rid, created, model, delta, finish)
+            return api.completion_chunk(rid, created, model, text or "", finish)
+
+        async def send(obj) -> None:
+            await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
+
+        finished = False
+        status = 200
+        try:
+            if chat:
+                await send(chunk(None, None, role=True))
+            while True:
+                try:
+                    ev = await self._next(events)
+                except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
+                    await send(api.ApiError(500, str(e), None, "engine_error", "server_error").body())
+                    track.finish, finished = "error", True
+                    break
+                if ev.token is not None:
+                    if track.first_token_s is None:
+                        track.first_token_s = time.monotonic() - track.t0
+                    track.completion_tokens += 1
+                    delta = text_out.add(ev.token)
+                    if delta:
+                        await send(chunk(delta, None))
+                    if text_out.stopped:
+                        track.finish = "stop"
+                        break  # not finished in the engine: cancelled in _generate's finally
+                if ev.finish_reason:
+                    finished = True
+                    tail = text_out.finish()
+                    if tail:
+                        await send(chunk(tail, None))
+                    track.finish = "stop" if text_out.stopped else ev.finish_reason
+                    break
+            if track.finish != "error":
+                await send(chunk(None if chat else "", track.finish))
+            if parsed.include_usage:
+                obj = "chat.completion.chunk" if chat else "text_completion"
+                await send(api.usage_chunk(rid, created, model, obj,
+                                           api.usage(track.prompt_tokens, track.completion_tokens)))
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            status, track.finish = 499, "client_disconnected"  # the client went away: cancelled in finally
+        self._log(track, status)
+        return resp, finished
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _json(self, request: web.Request):
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise api.ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.options.model_name:
+            raise api.ApiError(404, f"model {model!r} is not served here (serving {self.options.model_name!r})",
+                               "model", "model_not_found")
+
+    def _error(self, track: _Track, e: api.ApiError) -> web.Response:
+        self._log(track, e.status, e.message)
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+
+    def _log(self, track: _Track, status: int, error: str | None = None) -> None:
+        ttft = "-" if track.first_token_s is None else f"{track.first_token_s * 1e3:.0f}ms"
+        line = (f'{track.peer} "{track.route}" {status} id={track.rid} prompt_tokens={track.prompt_tokens} '
+                f"completion_tokens={track.completion_tokens} finish={track.finish} stream={track.stream} "
+                f"ttft={ttft} total={(time.monotonic() - track.t0) * 1e3:.0f}ms")
+        self.log(line + (f" error={error!r}" if error else ""))
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as e:  # 404 / 405 / 413 from aiohttp itself, as JSON
+            if e.status < 400:
+                raise
+            track = _Track(request)
+            return self._error(track, api.ApiError(e.status, e.reason, None, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log(f"internal error on {request.path}: {e!r}\n{traceback.format_exc()}")
+            return web.json_response(api.ApiError(500, "internal server error", None, None, "server_error").body(),
+                                     status=500)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def _on_shutdown(self, app) -> None:
+        self.draining = True
+        deadline = time.monotonic() + self.options.shutdown_grace_s
+        if self.in_flight:
+            self.log(f"shutting down: waiting up to {self.options.shutdown_grace_s:.0f}s for {self.in_flight} "
+                     "request(s)")
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.in_flight:
+            self.log(f"shutting down: cancelling {self.in_flight} request(s)")
+            self.engine.cancel_all()
+            deadline = time.monotonic() + 5.0
+            while self.in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+
+    async def _on_cleanup(self, app) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.stop)
+        self.log("engine stopped")
+
+
+def _seed_key(seed: int) -> jax.Array:
+    """A PRNG key for any integer seed (all 64 bits count: jax.random.key alone keeps only the low 32 here)."""
+    seed &= (1 << 64) - 1
+    return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
+
+
+def warm_up(scheduler, log: Callable[[str], None]) -> None:
+    """Compiles admission (shortest prompt bucket) and the decode step, greedy and sampling, before serving."""
+    t0 = time.monotonic()
+    n = min(3, scheduler.max_len)
+    scheduler.generate([Request("warmup-greedy", [0], n, eos_ids=[])])
+    scheduler.generate([Request("warmup-sampled", [0], n, SamplingParams(temperature=1.0), jax.random.key(0),
+                                eos_ids=[])])
+    log(f"warm-up compile: {time.monotonic() - t0:.1f}s")
+
+
+def run_server(server: K3Server, host: str, port: int) -> None:
+    """Serves until SIGINT / SIGTERM, then shuts down gracefully (see the module docstring)."""
+    server.engine.start()
+    sched = server.scheduler
+    prefix = f"{sched.prefix_cache.block}-token blocks" if sched.prefix_cache is not None else "off"
+    server.log(f"serving {server.options.model_name!r} on http://{host}:{port} ({sched.num_slots} slots x "
+               f"{sched.max_len} tokens, queue {server.options.max_queue}, prefix cache {prefix}, chat template: "
+               f"{server.chat.name})")
+    web.run_app(server.app, host=host, port=port, access_log=None, print=None,
+                shutdown_timeout=server.options.shutdown_grace_s + 10, handle_signals=True)
+    server.log("server stopped")
