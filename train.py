@@ -32,6 +32,10 @@ _CKPT_EVERY = flags.DEFINE_integer("checkpoint_every", 100, "Save every N steps 
 _STAGES = flags.DEFINE_string("context_stages", None,
                                "Context curriculum AFTER_STEP:SEQ_LEN,... e.g. 1000:65536,5000:262144.")
 _INIT = flags.DEFINE_string("init_from", None, "Start from a converted k3jax checkpoint (python -m k3jax.convert).")
+_COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False,
+                                     "Lower and compile one training step for --topology (a TPU pod slice, via libtpu "
+                                     "on this machine) and print per-chip memory; nothing runs.")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology for --compile_only, e.g. v5p:8x8x8.")
 _HALT = flags.DEFINE_integer("halt_at_step", None, "Stop (and save) after this step, as a preemption would.")
 
 
@@ -49,6 +53,19 @@ def main(argv):
         mtp=_MTP.value, mtp_weight=_MTP_WEIGHT.value, data=_DATA.value, mesh=_MESH.value, resume=_RESUME.value,
         seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
         halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value)
+    if _COMPILE_ONLY.value:
+        import json
+
+        from sharding.aot import compile_train_step, libtpu_available
+        from sharding.mesh import parse_mesh
+
+        if not libtpu_available():
+            raise app.UsageError("--compile_only needs libtpu (pip install 'jax[tpu]==<jax version>')")
+        if opts.mesh is None:
+            raise app.UsageError("--compile_only needs --mesh=data,expert,context,model for the topology's chips")
+        print(json.dumps(compile_train_step(cfg, _TOPOLOGY.value, parse_mesh(opts.mesh), batch_size=opts.batch_size,
+                                            seq_len=opts.seq_len, options=opts), indent=1))
+        return
     if opts.workdir is None:
         print("no --workdir: checkpoints and metrics are not saved", flush=True)
     losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))

@@ -1,7 +1,8 @@
 """Compile-only proof for TPU topologies on a machine without TPUs (needs `libtpu`; not a default dependency).
 
-`python -m sharding.aot --config=tiny --topology=v5p:2x2x1 --mesh=2,1,1,2` lowers one sharded training step (the
-same `make_sharded_train_step` the CPU tests run) for the topology's devices via
+`python -m sharding.aot --config=tiny --topology=v5p:2x2x1 --mesh=2,1,1,2` (or `python train.py --compile_only
+--topology=...`) lowers one sharded training step (train.py's own step: Muon, Quantile Balancing, MTP) for the
+topology's devices via
 `jax.experimental.topologies.get_topology_desc`, compiles it with the real TPU compiler, and prints one JSON line
 with the mesh and the per-chip `memory_analysis()` figures. Nothing is allocated: model and optimizer are abstract
 (`nnx.eval_shape`).
@@ -40,34 +41,34 @@ def tpu_topology(name: str):
 
 
 def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_size: int, seq_len: int,
-                       learning_rate: float = 1e-3) -> dict:
-    """Lowers and compiles one AdamW training step of `cfg` for `topology`; returns mesh and memory figures."""
+                       options=None) -> dict:
+    """Lowers and compiles one step of train.py's training (per-head Muon, Quantile Balancing, MTP, packed
+    batches; `options`: a `k3jax.training.trainer.TrainOptions`) for `topology`; returns mesh and memory figures."""
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
-    import optax
     from flax import nnx
 
-    from k3jax.model import K3Model
+    from k3jax.training.trainer import TrainOptions, build
     from sharding.mesh import describe, make_mesh
-    from sharding.shard import make_sharded_train_step
 
     topo = tpu_topology(topology)
     mesh = make_mesh(**mesh_sizes, devices=topo.devices)
-
-    def init():
-        model = K3Model(cfg, rngs=nnx.Rngs(0))
-        return model, nnx.Optimizer(model, optax.adamw(learning_rate), wrt=nnx.Param)
-
-    model, optimizer = nnx.eval_shape(init)
-    step = make_sharded_train_step(model, optimizer, mesh)
-    state = nnx.state((model, optimizer))
-    batch = jax.ShapeDtypeStruct((batch_size, seq_len + 1), jnp.int32)
+    opts = dataclasses.replace(options or TrainOptions(), batch_size=batch_size, seq_len=seq_len)
+    trainable, optimizer, step, _ = build(cfg, opts, mesh, abstract=True)
+    state = nnx.state((trainable, optimizer))
+    tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
+    batch = {"input_ids": tokens, "targets": tokens, "segment_ids": tokens,
+             "loss_mask": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
     compiled = step.jitted.lower(state, batch).compile()
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
     per_chip = {f: int(getattr(mem, f)) for f in fields if mem is not None and hasattr(mem, f)}
-    n_params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    n_params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(trainable, nnx.Param)))
+    total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
+        - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
     return {
         "config": cfg.name,
         "topology": topology,
@@ -75,9 +76,13 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "num_chips": len(topo.devices),
         "mesh": describe(mesh),
         "params": n_params,
+        "optimizer": opts.optimizer,
+        "mtp": opts.mtp,
+        "remat": cfg.remat,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "per_chip_bytes": per_chip,
+        "per_chip_total_gib": round(total / 2**30, 2),
         "fallbacks": len(step.plan.fallbacks),
     }
 

@@ -26,10 +26,12 @@ def _kernel_backend_here() -> str | None:
     if backend == "xla":
         return None
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    inside_shard_map = get_mesh is not None and bool(getattr(get_mesh(), "manual_axes", ()))
-    if jax.device_count() > 1 and not inside_shard_map:
-        return None
-    return backend
+    mesh = get_mesh() if get_mesh is not None else None
+    if mesh is not None and getattr(mesh, "manual_axes", ()):
+        return backend  # inside shard_map: each device sees its own rows
+    if mesh is not None and not getattr(mesh, "empty", True):
+        return backend if mesh.size == 1 else None  # tracing under a mesh context: its size decides
+    return backend if jax.device_count() == 1 else None
 
 
 def gmm(lhs_mk: jax.Array, rhs_gkn: jax.Array, group_sizes_g: jax.Array, *, impl: str = "auto",

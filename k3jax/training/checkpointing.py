@@ -19,7 +19,6 @@ import logging
 import os
 from typing import Any
 
-import grain
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
@@ -45,6 +44,8 @@ def make_manager(workdir: str, *, max_to_keep: int = 3, async_save: bool = True)
 
 def save(manager: ocp.CheckpointManager, step: int, state: nnx.State, data_iterator, meta: dict) -> bool:
     """Starts saving (asynchronously); returns whether a save was started."""
+    import grain
+
     return manager.save(step, force=True, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state.to_pure_dict()),
         data=grain.checkpoint.CheckpointSave(data_iterator),
@@ -58,6 +59,8 @@ def read_meta(manager: ocp.CheckpointManager, step: int) -> dict:
 def restore(manager: ocp.CheckpointManager, step: int, state: nnx.State, data_iterator) -> nnx.State:
     """Restores step `step`: returns arrays shaped and sharded like `state` (which it does not modify) and
     sets `data_iterator` (a fresh iterator built with the same arguments) to the saved position, in place."""
+    import grain
+
     target = jax.tree.map(_abstract, state.to_pure_dict())
     out = manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), data=grain.checkpoint.CheckpointRestore(data_iterator)))

@@ -112,12 +112,8 @@ def after_update(trainable: Trainable, grads, *, balance: bool) -> dict:
     return metrics
 
 
-def build(cfg: ModelConfig, opts: TrainOptions, mesh):
-    """(trainable, optimizer, step function, lr schedule), placed on `mesh`."""
-    from sharding.shard import make_sharded_train_step, shard_model
-
-    if opts.quantile_balancing and not cfg.quantile_balancing:
-        cfg = cfg.replace(quantile_balancing=True)
+def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx.Optimizer]:
+    """A freshly initialised model (+ MTP layer) and its optimizer (unplaced)."""
     trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed))
     schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
     if opts.optimizer == "muon":
@@ -127,12 +123,32 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh):
         tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
         if opts.max_grad_norm is not None:
             tx = optax.chain(optax.clip_by_global_norm(opts.max_grad_norm), tx)
-    optimizer = nnx.Optimizer(trainable, tx, wrt=nnx.Param)
-    shard_model(trainable, mesh)
-    shard_model(optimizer, mesh)
+    return trainable, nnx.Optimizer(trainable, tx, wrt=nnx.Param)
+
+
+def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False):
+    """(trainable, optimizer, step function, lr schedule) on `mesh`.
+
+    Initialisation runs as one jitted function whose outputs are already in their shardings (no process ever
+    holds the whole model). With `abstract`, nothing is allocated: model and optimizer are shape-only
+    (`nnx.eval_shape`), for compile-only runs.
+    """
+    from sharding.shard import make_sharded_train_step, plan_shardings
+
+    if opts.quantile_balancing and not cfg.quantile_balancing:
+        cfg = cfg.replace(quantile_balancing=True)
+    abstract_pair = nnx.eval_shape(lambda: make_trainable(cfg, opts))
+    if abstract:
+        trainable, optimizer = abstract_pair
+    else:
+        graphdef, abstract_state = nnx.split(abstract_pair)
+        shardings = plan_shardings(abstract_state, mesh).shardings
+        state = jax.jit(lambda: nnx.state(make_trainable(cfg, opts)), out_shardings=shardings)()
+        trainable, optimizer = nnx.merge(graphdef, state)
     step = make_sharded_train_step(
         trainable, optimizer, mesh, lambda t, b: loss_fn(t, b, opts.mtp_weight), has_aux=True,
         after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing))
+    schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
     return trainable, optimizer, step, schedule
 
 
