@@ -113,13 +113,13 @@ def run_convert(args: list[str]) -> tuple[float, float]:
 
 def run_load(ckpt: str) -> tuple[float, float, float]:
     """`k3jax.load_checkpoint(ckpt, mesh=2x2x1x2)` on 8 emulated CPU devices in a fresh process; returns
-    (wall seconds, peak RSS GiB, resident parameter GiB). On CPU the devices' shards live in host memory, so the
-    loader's own overhead is peak RSS minus the resident parameters."""
+    (wall seconds, peak RSS GiB, resident parameter GiB: every device's shards, replicas counted). On CPU the
+    devices' shards live in host memory, so the loader's own overhead is peak RSS minus the resident parameters."""
     code = ("import resource, sys, jax\n"
             f"sys.path.insert(0, {ROOT!r})\n"
             "import k3jax\nfrom sharding.mesh import make_mesh\nfrom flax import nnx\n"
             f"cfg, model = k3jax.load_checkpoint({ckpt!r}, mesh=make_mesh(data=2, expert=2, model=2))\n"
-            "n = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))\n"
+            "n = sum(s.data.nbytes for x in jax.tree.leaves(nnx.state(model)) for s in x.addressable_shards)\n"
             "print('PARAM_BYTES', n)\n"
             "print('MAXRSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
     start = time.time()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import typing
 from typing import Any, Literal, Mapping
 
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 AttnKind = Literal["kda", "mla"]
 FfnKind = Literal["dense", "moe"]
 
+_EXPERT_PARALLEL_PATTERN = re.compile(r"^(auto|dropless|off|capacity(:[0-9]*\.?[0-9]+(e[-+]?[0-9]+)?)?)$")
 _DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32, "float16": jnp.float16, "float64": jnp.float64}
 
 
@@ -96,6 +98,9 @@ class ModelConfig:
     num_expert_group: int = 1
     topk_group: int = 1
     moe_impl: Literal["dropless", "dense"] = "dropless"
+    # expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless there),
+    # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'
+    moe_expert_parallel: str = "auto"
     # --- Block Attention Residuals
     attn_res_block_size: int | None = 12  # None: plain residual stream (Kimi-Linear)
     # --- MTP
@@ -169,6 +174,11 @@ class ModelConfig:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, vocab_size={self.vocab_size})")
         if self.num_nextn_predict_layers > 1:
             raise ConfigError(f"num_nextn_predict_layers > 1 is not supported, got {self.num_nextn_predict_layers}")
+        if not _EXPERT_PARALLEL_PATTERN.match(self.moe_expert_parallel) or (
+                self.moe_expert_parallel.startswith("capacity:") and not float(self.moe_expert_parallel[9:]) > 0):
+            raise ConfigError(f"moe_expert_parallel must be 'auto', 'dropless', 'off', 'capacity' or "
+                              f"'capacity:<factor>' with factor > 0 (e.g. 'capacity:1.25'), "
+                              f"got {self.moe_expert_parallel!r}")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise ConfigError("latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
 

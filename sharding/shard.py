@@ -165,6 +165,35 @@ def shard_batch(batch: jax.Array, mesh: Mesh) -> jax.Array:
     return jax.device_put(batch, NamedSharding(mesh, batch_spec(batch.ndim)))
 
 
+def mesh_context(mesh: Mesh):
+    """`jax.set_mesh(mesh)` (or `jax.sharding.use_mesh` on jax versions without it): traced code can then read the
+    mesh (`jax.sharding.get_abstract_mesh()`), e.g. the MoE's expert-parallel path."""
+    setter = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return setter(mesh)
+
+
+class _TracedUnderMesh:
+    """A jitted function that is always called, lowered or traced with `mesh` as the context mesh."""
+
+    def __init__(self, jitted, mesh: Mesh):
+        self._jitted, self._mesh = jitted, mesh
+
+    def __call__(self, *args, **kwargs):
+        with mesh_context(self._mesh):
+            return self._jitted(*args, **kwargs)
+
+    def lower(self, *args, **kwargs):
+        with mesh_context(self._mesh):
+            return self._jitted.lower(*args, **kwargs)
+
+    def trace(self, *args, **kwargs):
+        with mesh_context(self._mesh):
+            return self._jitted.trace(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._jitted, name)
+
+
 def next_token_loss_fn(model: nnx.Module, batch_bt: jax.Array) -> jax.Array:
     """The default objective: next-token cross-entropy on `batch[:, :-1] -> batch[:, 1:]`."""
     from k3jax.training.loss import next_token_loss
@@ -179,6 +208,7 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
     the gradients (an `nnx.State` of the `wrt` Variables) in their parameters' shardings.
 
     `model` fixes the graph structure; call `fn` with that model (or one of the same structure) after `shard_model`.
+    Traced under `mesh` as the context mesh (so the MoE takes its expert-parallel path when 'expert' > 1).
     """
     graphdef, params, rest = nnx.split(model, wrt, ...)
     param_plan = plan_shardings(params, mesh, log_fallbacks=False)
@@ -190,8 +220,9 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
         model = nnx.merge(graphdef, params, rest)
         return nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
 
-    jitted = jax.jit(pure, in_shardings=(param_plan.shardings, rest_plan.shardings, batch),
-                     out_shardings=(replicated, param_plan.shardings), compiler_options=compiler_options)
+    jitted = _TracedUnderMesh(jax.jit(pure, in_shardings=(param_plan.shardings, rest_plan.shardings, batch),
+                                      out_shardings=(replicated, param_plan.shardings),
+                                      compiler_options=compiler_options), mesh)
 
     def loss_and_grad(model: nnx.Module, batch_bt: jax.Array):
         _, params, rest = nnx.split(model, wrt, ...)
@@ -216,6 +247,7 @@ def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: M
     With `has_aux`, `loss_fn` returns `(loss, metrics dict)` and the step returns `(loss, metrics)`.
     `after_update(model, grads) -> dict` runs inside the jitted step after the optimizer update (e.g. Quantile
     Balancing's bias update); its dict is merged into the metrics (and the step returns `(loss, metrics)`).
+    Traced (called or lowered) under `mesh` as the context mesh, like `make_sharded_loss_and_grad`.
     """
     graphdef, state = nnx.split((model, optimizer))
     plan = plan_shardings(state, mesh)
@@ -232,8 +264,9 @@ def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: M
             metrics = {**metrics, **after_update(model, grads)}
         return nnx.state((model, optimizer)), ((loss, metrics) if with_metrics else loss)
 
-    jitted = jax.jit(pure, in_shardings=(plan.shardings, batch), out_shardings=(plan.shardings, replicated),
-                     donate_argnums=(0,) if donate else (), compiler_options=compiler_options)
+    jitted = _TracedUnderMesh(jax.jit(pure, in_shardings=(plan.shardings, batch),
+                                      out_shardings=(plan.shardings, replicated),
+                                      donate_argnums=(0,) if donate else (), compiler_options=compiler_options), mesh)
 
     def step(model: nnx.Module, optimizer: nnx.Optimizer, batch_bt):
         new_state, out = jitted(nnx.state((model, optimizer)), batch_bt)

@@ -18,6 +18,7 @@ from k3jax.layers.mlp import GatedMLP, glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.gmm import gmm
 from k3jax.training.balancing import margin_histogram, routing_margins
+from sharding import expert_parallel
 
 
 def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig):
@@ -87,6 +88,10 @@ class LatentMoE(nnx.Module):
             self.margin_counts = params.routing_stats((e, cfg.quantile_balancing_bins), ("experts_router", None),
                                                       jnp.int32)
             self.expert_loads = params.routing_stats((e,), ("experts_router",), jnp.float32)
+            # expert-parallel load per step: sharding.expert_parallel.STATS_FIELDS (max/mean rows per expert rank,
+            # dropped rows, routed rows); the single-program path counts as one rank
+            self.expert_parallel_stats = params.routing_stats((len(expert_parallel.STATS_FIELDS),), (None,),
+                                                              jnp.float32)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.jnp_dtype
@@ -97,9 +102,7 @@ class LatentMoE(nnx.Module):
             self._record_routing(scores_ne, experts_nk)
         latent = cfg.routed_expert_hidden_size is not None
         z_nl = x_nd @ self.routed_expert_down_proj[...].astype(dt) if latent else x_nd
-        combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
-        u_nl = combine(z_nl, weights_nk, experts_nk, self.w1[...].astype(dt), self.w3[...].astype(dt),
-                       self.w2[...].astype(dt), cfg).astype(dt)
+        u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
             if cfg.latent_moe_use_norm:
                 u_nl = rms_norm(u_nl, self.routed_expert_norm[...], cfg.rms_norm_eps).astype(dt)
@@ -108,6 +111,28 @@ class LatentMoE(nnx.Module):
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
         return y_btd
+
+    def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
+        """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
+        under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
+        Records the expert-rank load statistics when the layer keeps them."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        w1, w3, w2 = self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt)
+        ep = expert_parallel.active_mode(cfg, b, t)
+        if ep is None:
+            combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
+            u_nl = combine(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
+            stats = expert_parallel.single_program_stats(experts_nk.size)
+        else:
+            mode, factor = ep
+            k = experts_nk.shape[-1]
+            u_btl, stats = expert_parallel.routed_experts(
+                z_nl.reshape(b, t, -1), weights_nk.reshape(b, t, k), experts_nk.reshape(b, t, k), w1, w3, w2, cfg,
+                mode=mode, capacity_factor=factor)
+            u_nl = u_btl.reshape(b * t, -1).astype(dt)
+        if hasattr(self, "expert_parallel_stats"):
+            self.expert_parallel_stats[...] = stats
+        return u_nl
 
     def _record_routing(self, scores_ne: jax.Array, experts_nk: jax.Array) -> None:
         """Histogram of this batch's routing margins (for Quantile Balancing) and the expert loads (metrics)."""

@@ -30,6 +30,7 @@ from k3jax.training.balancing import apply_quantile_balancing, routing_load_metr
 from k3jax.training.loss import next_token_loss
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
+from sharding.expert_parallel import expert_parallel_metrics
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
 def after_update(trainable: Trainable, grads, *, balance: bool) -> dict:
     metrics = {"grad_norm": optax.global_norm(grads),
                "param_norm": optax.global_norm(nnx.state(trainable, nnx.Param)),  # finite => safe to save
-               **routing_load_metrics(trainable)}
+               **routing_load_metrics(trainable), **expert_parallel_metrics(trainable)}
     if balance:
         apply_quantile_balancing(trainable)
     return metrics
