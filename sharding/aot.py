@@ -18,7 +18,8 @@ import math
 import os
 
 # Without TPU hardware libtpu must not query the GCE metadata server; set before libtpu is loaded.
-_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost"}
+# ALLOW_MULTIPLE_LIBTPU_LOAD: several compile-only processes may run at once (no chip is opened).
+_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
 
 
 def libtpu_available() -> bool:

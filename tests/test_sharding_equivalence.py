@@ -1,9 +1,9 @@
 """`tiny` under each test mesh (8 emulated CPU devices): loss and gradients equal the single-device values, the
 parameters really are distributed, and a sharded optimizer step keeps every shard where the plan put it.
 
-Only parameters and the batch are sharded here; activations follow GSPMD propagation (the model has no activation
-constraints yet), so the 'context' axis does not split the sequence: it only shards the weights the rules give it
-(none today), and GSPMD may replicate activations over it. Compilation dominates the cost: each mesh compiles one
+Parameters and the batch are sharded by the rules; under a mesh with 'expert' > 1 the MoE runs expert-parallel
+(`sharding/expert_parallel.py`) and with 'context' > 1 KDA and MLA run context-parallel over the sequence
+(`sharding/context_parallel.py`); everything else follows GSPMD propagation. Compilation dominates the cost: each mesh compiles one
 loss+grad program, at XLA:CPU backend optimisation level 0 to halve compile time (the comparison tolerance is for
 reduction order).
 """

@@ -5,6 +5,7 @@ per-channel decay gate (lower-bounded sigmoid for K3, softplus for Kimi-Linear),
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -18,6 +19,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
+from sharding import context_parallel
 
 
 class KDAState(NamedTuple):
@@ -116,8 +118,11 @@ class KDA(nnx.Module):
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward from a zero state. `segment_ids_bt` int [B, T] (optional) packs several documents
-        per row: the short conv and the recurrent state restart wherever the id changes (`k3jax.ops.kda`)."""
-        return self._forward(x_btd, None, None, segment_ids_bt)[0]
+        per row: the short conv and the recurrent state restart wherever the id changes (`k3jax.ops.kda`).
+        Traced under a mesh whose 'context' axis is > 1, the conv and the core run context-parallel
+        (`sharding.context_parallel`: conv halo from the left neighbour, KCP affine state passing)."""
+        cp_mesh = context_parallel.context_mesh(x_btd.shape[1], self.cfg.kda_short_conv_kernel_size - 1)
+        return self._forward(x_btd, None, None, segment_ids_bt, cp_mesh)[0]
 
     def forward(self, x_btd: jax.Array, state: KDAState | None) -> tuple[jax.Array, KDAState]:
         """Runs T >= 1 tokens from `state` (None: zeros); returns the output and the state after the last token."""
@@ -133,8 +138,12 @@ class KDA(nnx.Module):
         """
         return self._forward(x_btd, state, valid_len_b)
 
-    def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None):
+    def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None, cp_mesh=None):
+        """`cp_mesh` (training only: zero state, no `valid_len_b`): run the conv and the core context-parallel on
+        that mesh; the returned KDAState then has no conv histories."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
+        if cp_mesh is not None and (state is not None or valid_len_b is not None):
+            raise ValueError("KDA: the context-parallel path is for the training forward (no state, no valid_len)")
         b, t, _ = x_btd.shape
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         x = x_btd.astype(dt)
@@ -142,8 +151,11 @@ class KDA(nnx.Module):
 
         def project_conv(name, history):
             proj = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
-            y, new_history = causal_depthwise_conv(proj, getattr(self, f"{name}_conv1d")[...], history,
-                                                   segment_ids_bt)
+            kernel = getattr(self, f"{name}_conv1d")[...]
+            if cp_mesh is not None:
+                y = context_parallel.short_conv_context_parallel(proj, kernel, segment_ids_bt, mesh=cp_mesh)
+                return y.astype(dt).reshape(b, t, h, k), None
+            y, new_history = causal_depthwise_conv(proj, kernel, history, segment_ids_bt)
             if valid_len_b is not None:
                 new_history = history_at(history, proj, valid_len_b)
             return y.astype(dt).reshape(b, t, h, k), new_history
@@ -160,7 +172,10 @@ class KDA(nnx.Module):
             beta = jnp.where(valid_bt[:, :, None], beta, 0.0)
             if t == 1:
                 impl = "recurrent"
-        o_bthv, new_s = kda_ops.kda(
+        core = kda_ops.kda
+        if cp_mesh is not None:
+            core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)
+        o_bthv, new_s = core(
             l2_normalize(q), l2_normalize(k_), v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])

@@ -16,6 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
+from sharding import context_parallel
 
 
 class MLA(nnx.Module):
@@ -53,11 +54,19 @@ class MLA(nnx.Module):
         return jnp.einsum("btr,rhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
-        """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask."""
+        """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.
+        Traced under a mesh whose 'context' axis is > 1, attention runs context-parallel
+        (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         q_bthk = self.queries(x_btd)
         cache_btc = self.latent(x_btd)
+        cp_mesh = context_parallel.context_mesh(x_btd.shape[1])
+        if cp_mesh is not None:
+            o_bthv = context_parallel.mla_attention_context_parallel(
+                q_bthk, cache_btc, self.kv_b_proj[...].astype(dt), segment_ids_bt, nope=nope,
+                scale=cfg.qk_head_dim ** -0.5, mesh=cp_mesh)  # f32
+            return self._output(x_btd, o_bthv)
         lat, k_r = cache_btc[..., :cfg.kv_lora_rank], cache_btc[..., cfg.kv_lora_rank:]
         kv_bthe = jnp.einsum("btr,rhe->bthe", lat, self.kv_b_proj[...].astype(dt))
         k_nope, v_bthv = kv_bthe[..., :nope], kv_bthe[..., nope:]

@@ -1,0 +1,292 @@
+"""Context parallelism: the sequence split over the 'context' mesh axis, with `shard_map` for the three places where
+tokens talk to earlier tokens (K3_SPEC.md §3.2 "Context parallelism", issue 4). Everything else in the model (norms,
+projections, AttnRes, MoE) is per token and runs under GSPMD with the sequence sharded.
+
+KDA (KCP, affine state passing). Per head the KDA token step (`k3jax.ops.kda`) is
+
+    S_t = A_t S_{t-1} + β_t k_t v_tᵀ,   A_t = (I − β_t k_t k_tᵀ) Diag(exp g_t)   (dk×dk)
+
+and at a document start (packed segment ids) the state is zeroed first: A_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) · 0.
+So the state after a shard is affine in the state before it: S_out = M_i S_in + S_i, M_i = A_T ··· A_1 (dk×dk per
+head, 0 once a document starts inside the shard), S_i the shard's state from zero. Both come from ONE local pass of
+the unchanged core with the value width extended by dk: values [v | 0] from the initial state [0 | I] give the final
+state [S_i | M_i], and the read-outs [o_loc | p] with p_t = M_{≤t}ᵀ (scale·q_t) (M_{≤t}: the product up to token t).
+Then exactly o_t = o_loc_t + S_inᵀ p_t, so the output is corrected without a second pass. The (M_i, S_i) pieces
+(fixed size: B·H·dk·(dk+dv) per shard, independent of T) are all-gathered over 'context' and prefix-composed
+(S_in(0) = initial state; S_in(i+1) = M_i S_in(i) + S_i) by every shard. A document that starts exactly at a shard
+edge (first id of shard i != last id of shard i−1) zeroes that shard's S_in.
+
+Short conv: the W−1 pre-conv inputs (and their segment ids) before a shard come from the left neighbour (a
+`ppermute` halo); shard 0 gets zeros, like the unsharded conv's empty history.
+
+MLA: the 576-wide latent rows `[kv_a_layernorm(latent) | k_r]` and the segment ids are all-gathered over 'context'
+(the expanded keys/values are H·(192+128) wide per token, the latent is small); each shard expands them and attends
+its own queries with a causal + same-document mask over global positions. (Causal work is unbalanced across shards:
+shard i sees (i+1)/n of the keys; no zig-zag layout yet.)
+
+Backward: plain autodiff through `shard_map` and the collectives (all_gather ↔ psum_scatter, ppermute ↔ reverse
+ppermute); no custom VJP. The layers (`k3jax/layers/kda.py`, `k3jax/layers/mla.py`) take these paths in their
+training `__call__` when traced under a mesh (`jax.set_mesh`) whose 'context' axis is > 1 (`context_mesh`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from k3jax.numerics import wide
+from k3jax.ops import kda as kda_ops
+
+log = logging.getLogger(__name__)
+
+CONTEXT_AXIS = "context"  # the rules' 'seq'
+BATCH_AXES = ("data", "expert")  # the rules' 'batch'
+MODEL_AXIS = "model"  # heads / channels (the rules' 'kda_heads', 'kda_proj', 'heads')
+_PREC = jax.lax.Precision.HIGHEST
+
+
+class ContextParallelError(ValueError):
+    """Context parallelism was asked for on a mesh or shapes it cannot run on."""
+
+
+# ---------------------------------------------------------------------------------------------------- mesh checks
+def _axis(mesh, name: str) -> int:
+    return mesh.shape[name] if name in mesh.axis_names else 1
+
+
+def context_mesh(seq_len: int, min_local_len: int = 1):
+    """The context mesh (`jax.sharding.get_abstract_mesh()`) when a layer traced now should run context-parallel
+    over `seq_len` tokens, else None: no mesh, 'context' size 1, or already inside a `shard_map`. A sequence the
+    axis cannot split evenly into pieces of at least `min_local_len` tokens falls back to GSPMD (logged)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or _axis(mesh, CONTEXT_AXIS) == 1 or mesh.manual_axes:
+        return None
+    problem = _shape_problem(mesh, seq_len, min_local_len)
+    if problem:
+        log.warning("context parallelism off for this layer call: %s", problem)
+        return None
+    return mesh
+
+
+def _shape_problem(mesh, seq_len: int, min_local_len: int = 1) -> str | None:
+    n = _axis(mesh, CONTEXT_AXIS)
+    if seq_len % n:
+        return f"sequence length {seq_len} is not divisible by the context axis size {n}"
+    if seq_len // n < min_local_len:
+        return f"{seq_len // n} tokens per context shard is fewer than the {min_local_len} needed"
+    return None
+
+
+def _resolve_mesh(mesh, seq_len: int, min_local_len: int = 1):
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    if mesh.empty or CONTEXT_AXIS not in mesh.axis_names:
+        raise ContextParallelError(f"context parallelism needs a mesh with a {CONTEXT_AXIS!r} axis, got {mesh}")
+    problem = _shape_problem(mesh, seq_len, min_local_len)
+    if problem:
+        raise ContextParallelError(problem)
+    return mesh
+
+
+def _batch_axes(mesh, batch: int):
+    """The batch mesh axes (in rule order) that split `batch` evenly; others leave the batch replicated."""
+    kept = []
+    for a in BATCH_AXES:
+        if a in mesh.axis_names and batch % (math.prod(_axis(mesh, k) for k in kept) * _axis(mesh, a)) == 0:
+            kept.append(a)
+    return tuple(kept) or None
+
+
+def _model_axis(mesh, size: int):
+    """'model' for a heads/channels dim it divides, else None (replicated)."""
+    m = _axis(mesh, MODEL_AXIS)
+    return MODEL_AXIS if MODEL_AXIS in mesh.axis_names and m > 1 and size % m == 0 else None
+
+
+def _shard_map(body, mesh, in_specs, out_specs):
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs)
+
+
+def _vary_like(x, *refs):
+    """`x` typed as varying over every mesh axis any of `refs` varies over: inside `shard_map`, a constant or
+    replicated value used as a `scan` carry next to sharded data must carry the same axes. Adds zero scalars made
+    from `refs` (they inherit the varying axes on every jax version, unlike spelling the type out for `pcast`);
+    outside `shard_map` it is just `x + 0`."""
+    zero = sum(jnp.zeros_like(r, dtype=x.dtype, shape=()) for r in refs)
+    return x + zero
+
+
+# ---------------------------------------------------------------------------------------------------- KDA (KCP)
+def kda_shard_pass(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, impl="chunked", chunk_size=64,
+                   segment_ids_bt=None):
+    """One shard's local pass from a zero state, with its affine transition (see the module docstring).
+
+    Returns (o_loc [B,T,H,V], p [B,T,H,K], s_loc [B,H,K,V], m [B,H,K,K]) in the compute dtype: for any incoming state
+    S_in (of the shard's first document), the true outputs are o_loc + einsum('bthk,bhkv->bthv', p, S_in) and the
+    true final state is m @ S_in + s_loc. Works on any sequence (no collectives).
+    """
+    b, _, h, kd = k_bthk.shape
+    vd = v_bthv.shape[-1]
+    cdt = wide(jnp.result_type(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth))
+    v_ext = jnp.concatenate([v_bthv.astype(cdt), jnp.zeros(v_bthv.shape[:3] + (kd,), cdt)], axis=-1)
+    eye = jnp.broadcast_to(jnp.eye(kd, dtype=cdt), (b, h, kd, kd))
+    init_ext = _vary_like(jnp.concatenate([jnp.zeros((b, h, kd, vd), cdt), eye], axis=-1),
+                          q_bthk, k_bthk, v_bthv, g_bthk, beta_bth)
+    o_ext, s_ext = kda_ops.kda(q_bthk, k_bthk, v_ext, g_bthk, beta_bth, scale=scale, initial_state=init_ext,
+                               impl=impl, chunk_size=chunk_size, segment_ids=segment_ids_bt)
+    return o_ext[..., :vd], o_ext[..., vd:], s_ext[..., :vd], s_ext[..., vd:]
+
+
+def compose_incoming_states(m_nbhkk, s_nbhkv, continues_nb, initial_bhkv):
+    """Prefix composition over the n shards: the state entering each shard, and the state after the last one.
+
+    S_in(0) = initial; S_in(i) is zeroed where `continues[i]` is False (a document starts at the shard edge);
+    S_in(i+1) = M_i S_in(i) + S_i. Returns (s_in [n, B, H, K, V], final [B, H, K, V]).
+    """
+
+    def step(s_bhkv, xs):
+        m_bhkk, s_loc_bhkv, cont_b = xs
+        s_in = jnp.where(cont_b[:, None, None, None], s_bhkv, jnp.zeros_like(s_bhkv))
+        return jnp.einsum("bhkj,bhjv->bhkv", m_bhkk, s_in, precision=_PREC) + s_loc_bhkv, s_in
+
+    final, s_in_nbhkv = jax.lax.scan(step, initial_bhkv, (m_nbhkk, s_nbhkv, continues_nb))
+    return s_in_nbhkv, final
+
+
+def kda_shard(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt, initial_state_bhkv, *, scale,
+              impl="chunked", chunk_size=64, axis_name=CONTEXT_AXIS):
+    """KCP body, called inside a `shard_map` over `axis_name` on this shard's tokens (in sequence order along the
+    axis). `segment_ids_bt` may be None; `initial_state_bhkv` is the state before the whole sequence (same on every
+    shard). Returns (o [B, T_local, H, V], the state after this shard [B, H, K, V]), compute dtype."""
+    o_loc, p, s_loc, m = kda_shard_pass(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, scale=scale, impl=impl,
+                                        chunk_size=chunk_size, segment_ids_bt=segment_ids_bt)
+    b = q_bthk.shape[0]
+    if segment_ids_bt is None:
+        ends_b2 = jnp.zeros((b, 2), jnp.int32)
+    else:
+        ends_b2 = jnp.stack([segment_ids_bt[:, 0], segment_ids_bt[:, -1]], axis=1).astype(jnp.int32)
+    m_n, s_n, ends_n = (jax.lax.all_gather(x, axis_name) for x in (m, s_loc, ends_b2))
+    # Shard i continues the running document iff its first id equals shard i-1's last id; shard 0 always does
+    # (the initial state belongs to the row's first document).
+    continues_n = jnp.concatenate([jnp.ones_like(ends_n[:1, :, 0], bool), ends_n[1:, :, 0] == ends_n[:-1, :, 1]])
+    initial = _vary_like(initial_state_bhkv.astype(s_loc.dtype), m_n, s_n, continues_n)
+    s_in_n, _ = compose_incoming_states(m_n, s_n, continues_n, initial)
+    s_in = jax.lax.dynamic_index_in_dim(s_in_n, jax.lax.axis_index(axis_name), keepdims=False)
+    o = o_loc + jnp.einsum("bthk,bhkv->bthv", p, s_in, precision=_PREC)
+    s_out = jnp.einsum("bhkj,bhjv->bhkv", m, s_in, precision=_PREC) + s_loc
+    return o, s_out
+
+
+def kda_context_parallel(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state=None, impl="chunked",
+                         chunk_size=64, segment_ids=None, mesh=None):
+    """`k3jax.ops.kda.kda` (same arguments) with the sequence split over the 'context' axis of `mesh` (default: the
+    context mesh) (KCP). Global arrays in and out; batch over ('data', 'expert') and heads over 'model' where they
+    divide. Returns (o [B, T, H, V], final state [B, H, K, V]) in the compute dtype (at least f32)."""
+    segment_ids_bt, initial_state_bhkv = segment_ids, initial_state
+    b, t, h, kd = k_bthk.shape
+    vd = v_bthv.shape[-1]
+    mesh = _resolve_mesh(mesh, t)
+    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, h)
+    cdt = wide(jnp.result_type(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth))
+    if initial_state_bhkv is None:
+        initial_state_bhkv = jnp.zeros((b, h, kd, vd), cdt)
+    tok4, tok3, state = P(ba, CONTEXT_AXIS, ma, None), P(ba, CONTEXT_AXIS, ma), P(ba, ma, None, None)
+    has_ids = segment_ids_bt is not None
+
+    def body(q, k, v, g, beta, ids, s0):
+        o, s_out = kda_shard(q, k, v, g, beta, ids if has_ids else None, s0, scale=scale, impl=impl,
+                             chunk_size=chunk_size)
+        return o, s_out[None]
+
+    ids = segment_ids_bt if has_ids else jnp.zeros((b, t), jnp.int32)
+    fn = _shard_map(body, mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, P(ba, CONTEXT_AXIS), state),
+                    out_specs=(tok4, P(CONTEXT_AXIS, ba, ma, None, None)))
+    o, s_per_shard = fn(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, ids, initial_state_bhkv)
+    return o, s_per_shard[-1]
+
+
+# ---------------------------------------------------------------------------------------------------- short conv
+def short_conv_shard(x_btp, kernel_wp, segment_ids_bt, *, axis_name=CONTEXT_AXIS):
+    """Causal depthwise conv + SiLU (`k3jax.layers.kda.causal_depthwise_conv`) on one shard inside a `shard_map`,
+    with the W−1 previous inputs (and their segment ids) taken from the left neighbour. Returns f32 [B, T_local, P]."""
+    from k3jax.layers.kda import causal_depthwise_conv  # lazy: the layer module imports this one
+
+    halo = kernel_wp.shape[0] - 1
+    if halo == 0:
+        return causal_depthwise_conv(x_btp, kernel_wp, None, segment_ids_bt)[0]
+    if x_btp.shape[1] < halo:
+        raise ContextParallelError(f"short conv halo: {x_btp.shape[1]} tokens per context shard < W-1 = {halo}")
+    n = jax.lax.axis_size(axis_name)
+    to_right = [(i, i + 1) for i in range(n - 1)]  # shard 0 receives zeros: the empty history
+    x_halo = jax.lax.ppermute(x_btp[:, -halo:], axis_name, to_right)
+    ids = None
+    if segment_ids_bt is not None:
+        ids_halo = jax.lax.ppermute(segment_ids_bt[:, -halo:], axis_name, to_right)
+        first = jnp.broadcast_to(segment_ids_bt[:, :1], ids_halo.shape)  # shard 0: zero halo in the first document
+        ids_halo = jnp.where(jax.lax.axis_index(axis_name) == 0, first, ids_halo)
+        ids = jnp.concatenate([ids_halo, segment_ids_bt], axis=1)
+    y, _ = causal_depthwise_conv(jnp.concatenate([x_halo, x_btp], axis=1), kernel_wp, None, ids)
+    return y[:, halo:]
+
+
+def short_conv_context_parallel(x_btp, kernel_wp, segment_ids_bt=None, *, mesh=None):
+    """The KDA short conv (+ SiLU) with the sequence split over 'context' (global arrays; channels over 'model'
+    where they divide). Returns f32 (wide) [B, T, P] like `causal_depthwise_conv`'s first output."""
+    b, t, p = x_btp.shape
+    mesh = _resolve_mesh(mesh, t, kernel_wp.shape[0] - 1)
+    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, p)
+    has_ids = segment_ids_bt is not None
+
+    def body(x, kernel, ids):
+        return short_conv_shard(x, kernel, ids if has_ids else None)
+
+    ids = segment_ids_bt if has_ids else jnp.zeros((b, t), jnp.int32)
+    fn = _shard_map(body, mesh, in_specs=(P(ba, CONTEXT_AXIS, ma), P(None, ma), P(ba, CONTEXT_AXIS)),
+                    out_specs=P(ba, CONTEXT_AXIS, ma))
+    return fn(x_btp, kernel_wp, ids)
+
+
+# ---------------------------------------------------------------------------------------------------- MLA
+def mla_attention_shard(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt, *, nope, scale, axis_name=CONTEXT_AXIS):
+    """MLA attention for this shard's queries inside a `shard_map`: all-gathers the latent rows [lat | k_r] (and the
+    segment ids), expands them with kv_b_proj [r, H, nope + v], and masks causally (and by document) on global
+    positions. Returns f32 (wide) [B, T_local, H, V]."""
+    b, tl, h, _ = q_bthk.shape
+    r = kv_b_rhe.shape[0]
+    lat_bsc = jax.lax.all_gather(latent_btc, axis_name, axis=1, tiled=True)
+    s = lat_bsc.shape[1]
+    kv_bshe = jnp.einsum("bsr,rhe->bshe", lat_bsc[..., :r], kv_b_rhe)
+    k_r = lat_bsc[..., r:]
+    k_bshk = jnp.concatenate(
+        [kv_bshe[..., :nope], jnp.broadcast_to(k_r[:, :, None, :], (b, s, h, k_r.shape[-1]))], axis=-1)
+    v_bshv = kv_bshe[..., nope:]
+    q_pos = jax.lax.axis_index(axis_name) * tl + jnp.arange(tl)
+    mask = (jnp.arange(s)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, Tl, S]
+    if segment_ids_bt is not None:
+        ids_bs = jax.lax.all_gather(segment_ids_bt, axis_name, axis=1, tiled=True)
+        mask = mask & (segment_ids_bt[:, None, :, None] == ids_bs[:, None, None, :])
+    logits = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bshk, preferred_element_type=wide(q_bthk.dtype)) * scale
+    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqs,bshv->bqhv", probs, v_bshv.astype(probs.dtype))
+
+
+def mla_attention_context_parallel(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt=None, *, nope, scale, mesh=None):
+    """MLA's training attention with the sequence split over 'context' (global arrays; heads over 'model' where they
+    divide): q [B, T, H, nope + rope], latent rows [B, T, r + rope], kv_b_proj [r, H, nope + v] in the compute
+    dtype. Returns f32 (wide) [B, T, H, V], equal to `causal_attention` on the expanded keys/values."""
+    b, t, h, _ = q_bthk.shape
+    mesh = _resolve_mesh(mesh, t)
+    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, h)
+    has_ids = segment_ids_bt is not None
+
+    def body(q, lat, kv_b, ids):
+        return mla_attention_shard(q, lat, kv_b, ids if has_ids else None, nope=nope, scale=scale)
+
+    ids = segment_ids_bt if has_ids else jnp.zeros((b, t), jnp.int32)
+    tok4 = P(ba, CONTEXT_AXIS, ma, None)
+    fn = _shard_map(body, mesh, in_specs=(tok4, P(ba, CONTEXT_AXIS, None), P(None, ma, None), P(ba, CONTEXT_AXIS)),
+                    out_specs=tok4)
+    return fn(q_bthk, latent_btc, kv_b_rhe, ids)
