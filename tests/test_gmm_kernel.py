@@ -1,4 +1,6 @@
-"""The Pallas grouped matmul (pallas_kernels.gmm) equals a float64 NumPy per-group loop: forward, d_lhs, d_rhs.
+"""The Pallas grouped matmul (pallas_kernels.gmm) equals a float64 NumPy per-group loop: forward, d_lhs, d_rhs;
+the fused up-projection `gmm_glu` (SiTU / SiLU epilogue; forward and the three gradients) and the MXFP4 variant
+`gmm_mxfp4` (equals dequantize-then-matmul with the converter's LUT decoder) likewise.
 
 Both kernel families run on CPU in interpret mode ('interpret' = the GPU/Triton kernels, 'tpu_interpret' = the
 Mosaic TPU kernels under the TPU interpreter) with tiles small enough that every case spans several tiles: groups
@@ -17,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.gmm import gmm, tgmm
+from k3jax.convert import mxfp4 as mxfp4_lut
+from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4, tgmm
 from sharding.aot import libtpu_available
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +124,8 @@ def test_xla_backend_and_ops_dispatch():
 
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
 def test_tpu_kernels_compile_for_v5p():
-    """Mosaic TPU: gmm forward + both gradients and tgmm lower and compile with libtpu (compile only)."""
+    """Mosaic TPU: gmm forward + both gradients, tgmm, gmm_glu forward + backward and gmm_mxfp4 lower and compile
+    with libtpu (compile only)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     cmd = [sys.executable, "-m", "pallas_kernels.gmm.aot", "--topology=v5p:2x2x1", "--m=1000", "--k=1024",
            "--n=1536", "--groups=8"]
@@ -130,3 +134,159 @@ def test_tpu_kernels_compile_for_v5p():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["device_kind"].startswith("TPU v5")
     assert result["gmm_fwd_bwd"]["mosaic_calls"] == 3 and result["tgmm"]["mosaic_calls"] == 1
+    assert result["glu_fwd_bwd"]["mosaic_calls"] >= 3  # fused forward; backward gmm, gmm_t, tgmm (deduplicated)
+    assert result["mxfp4"]["mosaic_calls"] == 1
+
+
+# ---- gmm_glu: act(x @ w_gate, x @ w_up) per group --------------------------------------------------------------
+
+GLU_BETAS = (2.0, 3.0)  # small betas so both tanh caps bend at the test's pre-activation scale (std ~2)
+
+
+def glu_reference_f64(x, w_gate, w_up, group_sizes, dy, activation, beta1, beta2):
+    """Float64 loop: out = A(x_g w_gate) · B(x_g w_up) with SiTU A = b1·tanh(g/b1)·sigmoid(g), B = b2·tanh(u/b2)
+    (SiLU: A = g·sigmoid(g), B = u), and its gradients from the closed-form derivatives."""
+    x, w_gate, w_up, dy = (np.asarray(a, np.float64) for a in (x, w_gate, w_up, dy))
+    out, dx = np.zeros((x.shape[0], w_gate.shape[2])), np.zeros_like(x)
+    dwg, dwu = np.zeros_like(w_gate), np.zeros_like(w_up)
+    row = 0
+    for i, size in enumerate(group_sizes):
+        r = slice(row, row + size)
+        g, u = x[r] @ w_gate[i], x[r] @ w_up[i]
+        sig = 1.0 / (1.0 + np.exp(-g))
+        if activation == "situ":
+            tg, tu = np.tanh(g / beta1), np.tanh(u / beta2)
+            a, b = beta1 * tg * sig, beta2 * tu
+            da = (1.0 - tg ** 2) * sig + beta1 * tg * sig * (1.0 - sig)
+            db = 1.0 - tu ** 2
+        else:
+            a, b = g * sig, u
+            da, db = sig * (1.0 + g * (1.0 - sig)), np.ones_like(u)
+        out[r] = a * b
+        d_gate, d_up = dy[r] * b * da, dy[r] * a * db
+        dx[r] = d_gate @ w_gate[i].T + d_up @ w_up[i].T
+        dwg[i], dwu[i] = x[r].T @ d_gate, x[r].T @ d_up
+        row += size
+    return out, dx, dwg, dwu
+
+
+@pytest.mark.parametrize("backend,activation,dtype", [
+    ("interpret", "situ", jnp.float32), ("interpret", "silu", jnp.bfloat16), ("tpu_interpret", "situ", jnp.float32),
+    pytest.param("tpu_interpret", "silu", jnp.bfloat16, marks=pytest.mark.slow),  # default-suite time budget
+], ids=["interpret-situ-f32", "interpret-silu-bf16", "tpu_interpret-situ-f32", "tpu_interpret-silu-bf16"])
+def test_gmm_glu_forward_and_gradients_match_float64_loop(backend, activation, dtype):
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((M, K)), dtype)
+    w_gate, w_up = (jnp.asarray(2.0 * rng.standard_normal((G, K, N)) / np.sqrt(K), dtype) for _ in range(2))
+    dy = jnp.asarray(rng.standard_normal((M, N)), dtype)
+    beta1, beta2 = GLU_BETAS
+
+    @jax.jit
+    def fwd_bwd(x, wg, wu, gs, dy):
+        out, pull = jax.vjp(lambda a, b, c: gmm_glu(a, b, c, gs, activation=activation, beta1=beta1, beta2=beta2,
+                                                    backend=backend, tiling=TILING[backend]), x, wg, wu)
+        return (out, *pull(dy))
+
+    for name in list(GROUP_CASES)[:2]:
+        sizes = np.array(GROUP_CASES[name], np.int32)
+        got = fwd_bwd(x, w_gate, w_up, jnp.asarray(sizes), dy)
+        assert all(a.dtype == dtype for a in got)
+        want = glu_reference_f64(*(np.asarray(a, np.float32) for a in (x, w_gate, w_up)), sizes,
+                                 np.asarray(dy, np.float32), activation, beta1, beta2)
+        for label, g, ref in zip(("out", "d_lhs", "d_w_gate", "d_w_up"), got, want):
+            _assert_close(g, ref, dtype, f"{backend} {activation} {name}: {label}")
+        assert not np.asarray(got[0][sizes.sum():]).any(), f"{name}: rows past sum(group_sizes) must be zero"
+
+
+def test_gmm_glu_xla_backend_matches_float64_loop():
+    """'xla' (ragged_dot twice + f32 SiTU) against the same reference, forward and gradients, K3 betas."""
+    x, w_gate, dy = _inputs(jnp.float32, seed=4)
+    w_up = 3.0 * w_gate[::-1]
+    sizes = np.array(GROUP_CASES["random with empty groups and a tail"], np.int32)
+    out, pull = jax.vjp(lambda a, b, c: gmm_glu(a, b, c, jnp.asarray(sizes), beta1=4.0, beta2=25.0, backend="xla"),
+                        x, w_gate, w_up)
+    want = glu_reference_f64(x, w_gate, w_up, sizes, dy, "situ", 4.0, 25.0)
+    for label, g, ref in zip(("out", "d_lhs", "d_w_gate", "d_w_up"), (out, *pull(dy)), want):
+        _assert_close(g, ref, jnp.float32, f"xla: {label}")
+
+
+# ---- gmm_mxfp4: x @ dequant(packed, scales)ᵀ per group ---------------------------------------------------------
+
+MX_M, MX_K, MX_N, MX_G = 50, 480, 24, 5  # 15 scale groups; m, k, n not multiples of the tiles below
+MX_SIZES = {"empty groups and a tail": [7, 0, 20, 13, 0], "one group holds every row": [0, 50, 0, 0, 0]}
+
+
+def _mxfp4_inputs(seed=5):
+    """Random bytes (all 16 codes in both nibbles) and per-row base exponents spread over 2^-17 .. 2^8 with ±2
+    across a row's scale groups, so every output column has one magnitude (column-relative errors are meaningful
+    at every scale) while a wrong scale-to-group mapping still changes it by up to 16×."""
+    rng = np.random.default_rng(seed)
+    packed = rng.integers(0, 256, (MX_G, MX_N, MX_K // 2)).astype(np.uint8)
+    base = np.linspace(127 - 15, 127 + 6, MX_N).round().astype(np.int64)  # 2^-15 .. 2^6
+    scales = base[None, :, None] + rng.integers(-2, 3, (MX_G, MX_N, MX_K // 32))
+    scales[0, 0, 0], scales[0, -1, -1] = 127 - 17, 127 + 8  # the extremes 2^-17 and 2^8
+    scales = scales.astype(np.uint8)
+    assert set(np.unique(packed & 15)) == set(range(16)) and set(np.unique(packed >> 4)) == set(range(16))
+    x = rng.standard_normal((MX_M, MX_K)).astype(np.float32)
+    x[: MX_M // 2] = np.eye(MX_K, dtype=np.float32)[np.arange(MX_M // 2) * 19 % MX_K]  # one-hot rows: single
+    # weights read back exactly, from columns spread over every scale group
+    return jnp.asarray(x, jnp.bfloat16), packed, scales
+
+
+def mxfp4_reference_f64(x, packed, scales, group_sizes):
+    """Dequantize each expert with the converter's LUT decoder (k3jax.convert.mxfp4), then a float64 loop."""
+    x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    out, row = np.zeros((x.shape[0], packed.shape[1])), 0
+    for i, size in enumerate(group_sizes):
+        w_nk = mxfp4_lut.decode(packed[i], scales[i], np.float32).astype(np.float64)
+        out[row:row + size] = x[row:row + size] @ w_nk.T
+        row += size
+    return out
+
+
+@pytest.mark.parametrize("backend,tiling", [
+    ("interpret", (16, 32, 16)),  # one scale group per k step, 15 steps
+    ("interpret", (32, 64, 32)),  # two per step, k padded 480 -> 512 (padding: code 0, scale 127)
+    ("tpu_interpret", (16, 256, 128)),  # Mosaic form: even/odd lhs split, scale expansion matmul, 2 k steps
+    ("xla", None),
+], ids=["interpret-tk32", "interpret-tk64-padded", "tpu_interpret-tk256", "xla"])
+def test_gmm_mxfp4_matches_dequantize_then_matmul(backend, tiling):
+    x, packed, scales = _mxfp4_inputs()
+    run = jax.jit(lambda x, p, s, gs: gmm_mxfp4(x, p, s, gs, preferred_element_type=jnp.float32, backend=backend,
+                                                tiling=tiling))
+    for name, sizes in MX_SIZES.items():
+        sizes = np.array(sizes, np.int32)
+        got = np.asarray(run(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(sizes)), np.float64)
+        want = mxfp4_reference_f64(x, packed, scales, sizes)
+        col_scale = np.abs(want).max(0) + 1e-30
+        err = (np.abs(got - want).max(0) / col_scale).max()
+        assert err < 1e-5, f"{backend} {tiling} {name}: max column-relative error {err:.3g}"
+        one_hot = np.arange(MX_M) < min(MX_M // 2, sizes.sum())  # rows x = e_j: the weights themselves, exactly
+        np.testing.assert_array_equal(got[one_hot], want[one_hot], err_msg=f"{name}: one-hot rows")
+        assert not got[sizes.sum():].any(), f"{name}: rows past sum(group_sizes) must be zero"
+    if tiling is None or tiling[1] != 32:  # default output dtype = lhs dtype (bf16), one more compile
+        out = gmm_mxfp4(x, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(sizes), backend=backend,
+                        tiling=tiling)
+        assert out.dtype == jnp.bfloat16 and out.shape == (MX_M, MX_N)
+        want = mxfp4_reference_f64(x, packed, scales, sizes)
+        err = (np.abs(np.asarray(out, np.float64) - want).max(0) / (np.abs(want).max(0) + 1e-30)).max()
+        assert err < 1e-2, f"bf16 output: max column-relative error {err:.3g}"
+
+
+def test_glu_and_mxfp4_reject_bad_input():
+    x, w, _ = _inputs(jnp.float32)
+    sizes = jnp.asarray([5, 0, 20, 10, 3, 1], jnp.int32)
+    with pytest.raises(ValueError, match="needs positive beta1 and beta2"):
+        gmm_glu(x, w, w, sizes, activation="situ")
+    with pytest.raises(ValueError, match="unknown gmm_glu activation"):
+        gmm_glu(x, w, w, sizes, activation="gelu", beta1=4.0, beta2=25.0)
+    with pytest.raises(ValueError, match="one shape"):
+        gmm_glu(x, w, w[:, :, :-1], sizes, activation="silu")
+    packed, scales = jnp.zeros((6, N, K // 2), jnp.uint8), jnp.zeros((6, N, K // 32), jnp.uint8)
+    with pytest.raises(ValueError, match="k divisible by the MXFP4 group"):
+        gmm_mxfp4(x, packed, scales, sizes)  # K = 40
+    x64 = jnp.zeros((M, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        gmm_mxfp4(x64, jnp.zeros((6, N, 16), jnp.uint8), jnp.zeros((6, N, 2), jnp.uint8), sizes)
+    with pytest.raises(ValueError, match="uint8"):
+        gmm_mxfp4(x64, jnp.zeros((6, N, 32), jnp.int8), jnp.zeros((6, N, 2), jnp.uint8), sizes)

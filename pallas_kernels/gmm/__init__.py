@@ -1,6 +1,11 @@
 """Grouped matmul for the latent MoE experts (`jax.lax.ragged_dot` semantics) with Pallas kernels for GPU and
-TPU; one dispatch point: `gmm(..., backend=None)` and `tgmm(...)` (see api.py)."""
+TPU; one dispatch point (backend=None picks by platform, see api.py):
+- `gmm` (differentiable) and `tgmm` (its weight gradient): api.py;
+- `gmm_glu`: the fused expert up-projection act(x @ w_gate, x @ w_up), differentiable: glu.py;
+- `gmm_mxfp4`: inference with MXFP4 weights decoded inside the kernel: quantized.py."""
 
 from pallas_kernels.gmm.api import BACKENDS, Tiling, default_backend, gmm, tgmm
+from pallas_kernels.gmm.glu import gmm_glu
+from pallas_kernels.gmm.quantized import gmm_mxfp4
 
-__all__ = ["BACKENDS", "Tiling", "default_backend", "gmm", "tgmm"]
+__all__ = ["BACKENDS", "Tiling", "default_backend", "gmm", "gmm_glu", "gmm_mxfp4", "tgmm"]

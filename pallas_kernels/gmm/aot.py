@@ -2,9 +2,10 @@
 
     python -m pallas_kernels.gmm.aot [--topology=v5p:2x2x1] [--m=2048 --k=1024 --n=1536 --groups=8]
 
-Lowers forward + both gradients (`jax.vjp` of `gmm(backend='tpu')`) and a standalone `tgmm` for one chip of the
-topology with bf16 inputs, compiles them with the real Mosaic/XLA TPU compiler and prints one JSON line with the
-device kind and per-chip memory figures. Nothing runs.
+Lowers forward + both gradients (`jax.vjp` of `gmm(backend='tpu')`), a standalone `tgmm`, `gmm_glu` forward + its
+recomputing backward (SiTU) and `gmm_mxfp4` for one chip of the topology with bf16 inputs, compiles them with the
+real Mosaic/XLA TPU compiler and prints one JSON line with the device kind and per-chip memory figures. Nothing
+runs.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ def compile_gmm(topology: str, m: int, k: int, n: int, groups: int) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.gmm import gmm, tgmm
+    from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4, tgmm
     from sharding.aot import tpu_topology
 
     device = tpu_topology(topology).devices[0]
@@ -26,14 +27,23 @@ def compile_gmm(topology: str, m: int, k: int, n: int, groups: int) -> dict:
     rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16, sharding=single)
     d_out = jax.ShapeDtypeStruct((m, n), jnp.bfloat16, sharding=single)
     sizes = jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=single)
+    packed = jax.ShapeDtypeStruct((groups, n, k // 2), jnp.uint8, sharding=single)  # HF layout [g, n, k/2]
+    scales = jax.ShapeDtypeStruct((groups, n, k // 32), jnp.uint8, sharding=single)
 
     def fwd_bwd(x, w, gs, dy):
         out, pull = jax.vjp(lambda a, b: gmm(a, b, gs, backend="tpu"), x, w)
         return (out, *pull(dy))
 
+    def glu_fwd_bwd(x, wg, wu, gs, dy):
+        out, pull = jax.vjp(lambda a, b, c: gmm_glu(a, b, c, gs, beta1=4.0, beta2=25.0, backend="tpu"), x, wg, wu)
+        return (out, *pull(dy))
+
     result = {"topology": topology, "device_kind": device.device_kind, "shape": [m, k, n, groups]}
     for name, fn, args in (("gmm_fwd_bwd", fwd_bwd, (lhs, rhs, sizes, d_out)),
-                           ("tgmm", lambda x, dy, gs: tgmm(x, dy, gs, backend="tpu"), (lhs, d_out, sizes))):
+                           ("tgmm", lambda x, dy, gs: tgmm(x, dy, gs, backend="tpu"), (lhs, d_out, sizes)),
+                           ("glu_fwd_bwd", glu_fwd_bwd, (lhs, rhs, rhs, sizes, d_out)),
+                           ("mxfp4", lambda x, p, s, gs: gmm_mxfp4(x, p, s, gs, backend="tpu"),
+                            (lhs, packed, scales, sizes))):
         lowered = jax.jit(fn).lower(*args)
         text = lowered.as_text()
         compiled = lowered.compile()

@@ -38,9 +38,13 @@ class Tiling(NamedTuple):
 
 
 # Defaults per kernel family and call: forward gmm, d_lhs (gmm over transposed rhs), d_rhs (tgmm).
+# gmm_glu holds two accumulators (half the tn of gmm); gmm_mxfp4 decodes its weight tile in registers. TPU tk = 512
+# divides both K3 contractions (3584, 3072), so the weights are not padded (copied) per call.
 _DEFAULTS = {
-    "gpu": {"gmm": Tiling(128, 64, 256), "gmm_t": Tiling(128, 64, 256), "tgmm": Tiling(64, 128, 256)},
-    "tpu": {"gmm": Tiling(512, 1024, 1024), "gmm_t": Tiling(512, 1024, 1024), "tgmm": Tiling(512, 1024, 1024)},
+    "gpu": {"gmm": Tiling(128, 64, 256), "gmm_t": Tiling(128, 64, 256), "tgmm": Tiling(64, 128, 256),
+            "glu": Tiling(128, 64, 128), "mxfp4": Tiling(64, 128, 128, 4, 3)},
+    "tpu": {"gmm": Tiling(512, 1024, 1024), "gmm_t": Tiling(512, 1024, 1024), "tgmm": Tiling(512, 1024, 1024),
+            "glu": Tiling(512, 512, 512), "mxfp4": Tiling(256, 512, 512)},
 }
 _FAMILY = {"gpu": "gpu", "interpret": "gpu", "tpu": "tpu", "tpu_interpret": "tpu"}
 
