@@ -106,8 +106,10 @@ class ModelConfig:
     # --- MTP
     num_nextn_predict_layers: int = 0
     # --- training-time state
-    quantile_balancing: bool = False  # MoE layers record routing-margin histograms for Quantile Balancing
-    quantile_balancing_bins: int = 256
+    # MoE layers record this step's routing-margin histogram and expert loads (Quantile Balancing and the training
+    # metrics read them; train.py turns this on)
+    record_routing_stats: bool = False
+    routing_histogram_bins: int = 256
     # --- numerics and compilation
     param_dtype: str = "bfloat16"
     dtype: str = "bfloat16"
@@ -126,7 +128,7 @@ class ModelConfig:
             "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kda_num_heads", "kda_head_dim",
             "kda_short_conv_kernel_size", "kda_chunk_size", "num_attention_heads", "kv_lora_rank",
             "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
-            "num_expert_group", "topk_group", "max_position_embeddings", "quantile_balancing_bins",
+            "num_expert_group", "topk_group", "max_position_embeddings", "routing_histogram_bins",
         ]
         for name in positive:
             if getattr(self, name) <= 0:

@@ -21,6 +21,7 @@ from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import wide
+from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
 
@@ -102,7 +103,7 @@ class DecoderLayer(nnx.Module):
         if not self.cfg.uses_attn_res:
             h = h + attn(self.input_layernorm(h)).astype(h.dtype)
             h = h + self.mlp(self.post_attention_layernorm(h)).astype(h.dtype)
-            return h, bank
+            return constrain(h, ACT_BTD), bank
         block = self.cfg.attn_res_block_size
         filled = snapshots_before(layer_index, block)
         x = self.self_attention_res(h, bank, filled)
@@ -112,7 +113,7 @@ class DecoderLayer(nnx.Module):
         partial = partial + attn(self.input_layernorm(x)).astype(h.dtype)
         x = self.mlp_res(partial, bank, filled + is_snapshot)
         partial = partial + self.mlp(self.post_attention_layernorm(x)).astype(h.dtype)
-        return partial, bank
+        return constrain(partial, ACT_BTD), constrain(bank, ACT_NBTD)
 
 
 class DecoderUnit(nnx.Module):
@@ -219,7 +220,8 @@ class K3Model(nnx.Module):
             if segment_ids_bt.shape != (b, t) or not jnp.issubdtype(segment_ids_bt.dtype, jnp.integer):
                 raise ValueError(f"segment_ids must be an integer array of shape [B, T] = {(b, t)} like input_ids, "
                                  f"got {segment_ids_bt.dtype}{list(segment_ids_bt.shape)}")
-        bank = jnp.zeros((cfg.num_attn_res_snapshots, b, t, d), h.dtype)
+        h = constrain(h, ACT_BTD)
+        bank = constrain(jnp.zeros((cfg.num_attn_res_snapshots, b, t, d), h.dtype), ACT_NBTD)
         carry = (h, bank)
         for start, group in zip(self.group_starts, self.groups):
             if isinstance(group, ScannedUnits):
@@ -274,8 +276,8 @@ class K3Model(nnx.Module):
     def logits(self, h_btd: jax.Array) -> jax.Array:
         dt = self.cfg.jnp_dtype
         head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("btd,dv->btv", h_btd.astype(dt), head.astype(dt),
-                          preferred_element_type=wide(dt))
+        return constrain(jnp.einsum("btd,dv->btv", h_btd.astype(dt), head.astype(dt),
+                                    preferred_element_type=wide(dt)), ACT_BTV)
 
     def __call__(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Logits f32 [B, T, V]; `segment_ids_bt`: packed documents (see `hidden_states`)."""

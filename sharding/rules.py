@@ -15,6 +15,8 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     # activations
     "batch": ("data", "expert"),
     "seq": "context",
+    "act_embed": None,  # hidden width of activations (replicated; tensor parallelism splits heads/mlp instead)
+    "act_vocab": "model",  # logits over the vocabulary, like the head's columns
     # embeddings and trunk
     "vocab": "model",
     "embed": ("data", "expert"),  # FSDP over data and expert for non-expert weights

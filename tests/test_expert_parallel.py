@@ -287,7 +287,7 @@ def test_moe_layer_records_expert_parallel_stats_and_metrics():
     report (capacity mode with a tight factor so rows are dropped)."""
     from k3jax.layers.moe import LatentMoE, route
 
-    cfg = CFG.replace(quantile_balancing=True, moe_expert_parallel="capacity:0.5")
+    cfg = CFG.replace(record_routing_stats=True, moe_expert_parallel="capacity:0.5")
     layer = LatentMoE(cfg, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.RandomState(2).randn(B, T, cfg.hidden_size).astype(np.float32))
     mesh = make_mesh(2, 4, 1, 1)

@@ -122,6 +122,7 @@ def test_xla_backend_and_ops_dispatch():
         gmm(x, w[:, :-1], sizes, backend="interpret")
 
 
+@pytest.mark.tpu_compile
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
 def test_tpu_kernels_compile_for_v5p():
     """Mosaic TPU: gmm forward + both gradients, tgmm, gmm_glu forward + backward and gmm_mxfp4 lower and compile

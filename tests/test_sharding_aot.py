@@ -14,6 +14,7 @@ from sharding.aot import libtpu_available
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.tpu_compile
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
 def test_tiny_train_step_compiles_for_v5p_2x2x1():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}

@@ -24,3 +24,30 @@ def test_every_parameter_axis_has_a_rule(name):
 def test_unknown_axis_is_an_error():
     with pytest.raises(UnknownLogicalAxisError, match="no rule"):
         mesh_axes_for(("embed", "not_an_axis"))
+
+
+def test_every_activation_layout_has_a_rule_and_is_applied_under_a_mesh():
+    """The activation layouts the model annotates resolve through the rules; traced under a mesh the constraints
+    appear in the program (without a mesh they are the identity)."""
+    import jax
+    import jax.numpy as jnp
+
+    from sharding import constraints
+    from sharding.mesh import make_mesh
+    from sharding.shard import mesh_context
+
+    for layout in (constraints.ACT_BTD, constraints.ACT_NBTD, constraints.ACT_BTV):
+        mesh_axes_for(layout)
+    cfg = configs.get_config("tiny")
+    model = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((4, 16), jnp.int32)
+
+    def forward(state, ids):
+        return nnx.merge(graphdef, state)(ids)
+
+    plain = jax.jit(forward).trace(state, ids).lower().as_text()
+    assert "sharding_constraint" not in plain and "Sharding" not in plain
+    with mesh_context(make_mesh(data=2, expert=2, model=2)):
+        text = jax.jit(forward).trace(state, ids).lower().as_text()
+    assert text.count("sharding_constraint") + text.count("@Sharding") >= cfg.num_hidden_layers, text[:2000]

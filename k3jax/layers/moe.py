@@ -84,8 +84,8 @@ class LatentMoE(nnx.Module):
         self.w2 = params.normal(rngs, (e, m, lat), ("experts", "expert_mlp", "expert_latent"), pd, fan_in=m)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * m, rngs=rngs)
-        if cfg.quantile_balancing:  # this step's routing statistics, overwritten by every forward pass
-            self.margin_counts = params.routing_stats((e, cfg.quantile_balancing_bins), ("experts_router", None),
+        if cfg.record_routing_stats:  # this step's routing statistics, overwritten by every forward pass
+            self.margin_counts = params.routing_stats((e, cfg.routing_histogram_bins), ("experts_router", None),
                                                       jnp.int32)
             self.expert_loads = params.routing_stats((e,), ("experts_router",), jnp.float32)
             # expert-parallel load per step: sharding.expert_parallel.STATS_FIELDS (max/mean rows per expert rank,
@@ -98,7 +98,7 @@ class LatentMoE(nnx.Module):
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d).astype(dt)
         weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
-        if cfg.quantile_balancing:
+        if cfg.record_routing_stats:
             self._record_routing(scores_ne, experts_nk)
         latent = cfg.routed_expert_hidden_size is not None
         z_nl = x_nd @ self.routed_expert_down_proj[...].astype(dt) if latent else x_nd
@@ -139,6 +139,6 @@ class LatentMoE(nnx.Module):
         cfg = self.cfg
         margins_ne = routing_margins(jax.lax.stop_gradient(scores_ne), self.router_bias[...],
                                      cfg.num_experts_per_token)
-        self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.quantile_balancing_bins)
+        self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.routing_histogram_bins)
         self.expert_loads[...] = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_nk.reshape(-1)].add(1.0)
 

@@ -136,8 +136,8 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     """
     from sharding.shard import make_sharded_train_step, plan_shardings
 
-    if opts.quantile_balancing and not cfg.quantile_balancing:
-        cfg = cfg.replace(quantile_balancing=True)
+    if not cfg.record_routing_stats:  # load metrics always; Quantile Balancing when opts.quantile_balancing
+        cfg = cfg.replace(record_routing_stats=True)
     abstract_pair = nnx.eval_shape(lambda: make_trainable(cfg, opts))
     if abstract:
         trainable, optimizer = abstract_pair

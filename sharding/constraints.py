@@ -1,0 +1,29 @@
+"""Activation sharding constraints by logical axis names, resolved through the same rules table as parameters.
+
+`constrain(x, ("batch", "seq", "act_embed"))` pins an activation's layout when the code is traced under a mesh
+context (`sharding.shard.mesh_context`, which the sharded train step uses); without a mesh, or inside a
+`shard_map` (manual axes), it is the identity. Divisibility fallbacks are the parameters' (`resolve_spec`), so a
+tiny model on a big mesh still compiles.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+
+# The logical layouts the model annotates (every name must have a rule in sharding/rules.py; tested).
+ACT_BTD = ("batch", "seq", "act_embed")  # residual stream / layer outputs
+ACT_NBTD = (None, "batch", "seq", "act_embed")  # the AttnRes snapshot bank
+ACT_BTV = ("batch", "seq", "act_vocab")  # logits
+
+
+def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
+    from sharding.shard import resolve_spec
+
+    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get_mesh() if get_mesh is not None else None
+    if mesh is None or getattr(mesh, "empty", True) or getattr(mesh, "manual_axes", ()):
+        return x
+    spec, _ = resolve_spec(logical, x.shape, mesh, path="activation")
+    return jax.lax.with_sharding_constraint(x, spec)
