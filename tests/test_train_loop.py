@@ -80,15 +80,18 @@ def test_bad_options_are_rejected():
 
 @pytest.mark.slow
 def test_quantile_balancing_lowers_expert_load_imbalance(tmp_path):
-    """A `tiny` run with Quantile Balancing ends with a lower max/mean expert load than the same run without."""
+    """A `tiny` run with Quantile Balancing has a lower max/mean expert load than the same run without it (same
+    init, same batches). The learning rate is ~0 so the router barely moves and the comparison isolates the bias:
+    step 1 routes with a zero bias in both runs; from step 2 on QB's bias (set from the previous batch) applies."""
     cfg = configs.get_config("tiny")
     ratios = {}
     for qb in (True, False):
-        opts = _opts(tmp_path / str(qb), steps=12, batch_size=4, seq_len=64, optimizer="adamw", mtp=False,
-                     quantile_balancing=qb, learning_rate=1e-3, checkpoint_every=0)
+        opts = _opts(tmp_path / str(qb), steps=10, batch_size=8, seq_len=64, optimizer="adamw", mtp=False,
+                     quantile_balancing=qb, learning_rate=1e-9, checkpoint_every=0)
         train(cfg, opts, log_fn=lambda m: None)
         rows = [json.loads(line) for line in open(tmp_path / str(qb) / "metrics.jsonl")]
         ratios[qb] = np.array([r["expert_load_max_over_mean_avg"] for r in rows])
     on, off = ratios[True], ratios[False]
-    assert on[-4:].mean() < off[-4:].mean() - 0.1, (on, off)
-    assert on[-4:].mean() < on[0] - 0.1, on
+    assert on[0] == pytest.approx(off[0])  # same model, same first batch, zero bias in both
+    assert on[1:].mean() < off[1:].mean() - 0.1, (on, off)
+    assert on[1:].mean() < on[0] - 0.1, on

@@ -119,7 +119,7 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
     schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
     if opts.optimizer == "muon":
         tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
-                            max_grad_norm=opts.max_grad_norm)
+                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32)  # f32 state for bf16 params
     else:
         tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
         if opts.max_grad_norm is not None:
