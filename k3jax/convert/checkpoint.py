@@ -1,6 +1,6 @@
 """Streaming HF safetensors <-> k3jax Orbax checkpoint conversion.
 
-Checkpoint layout (`FORMAT`), written atomically (`OUT.tmp-<pid>`, renamed when complete):
+Checkpoint layout (`FORMAT`), written atomically (`OUT.tmp-<pid>-<random>`, renamed when complete):
 
     OUT/manifest.json      format, items (name -> {key: [dtype, shape]}), expert format, HF export info; written last
     OUT/config.json        ModelConfig.to_dict()
@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from k3jax.atomic import AtomicDir  # noqa: F401  (re-exported: conversion's atomic output)
 from k3jax.config import ConfigError, ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import check_config, config_from_hf, config_to_hf, is_k3_format
@@ -329,40 +330,6 @@ def _item_meta(arrays: dict[str, np.ndarray]) -> dict[str, list]:
 
 
 # ------------------------------------------------------------------------------------------------ atomic output
-
-
-class AtomicDir:
-    """`with AtomicDir(out, overwrite) as tmp:` writes into `out.tmp-<pid>` and renames it to `out` on success;
-    on any exception the temporary directory is removed and `out` is untouched."""
-
-    def __init__(self, out: str, overwrite: bool = False):
-        self.out = os.path.abspath(out)
-        self.overwrite = overwrite
-        self.tmp = f"{self.out}.tmp-{os.getpid()}"
-
-    def check(self) -> None:
-        if os.path.exists(self.out) and not self.overwrite:
-            raise FileExistsError(f"output {self.out} already exists (pass --overwrite to replace it)")
-
-    def __enter__(self) -> str:
-        self.check()
-        if os.path.exists(self.tmp):
-            shutil.rmtree(self.tmp)
-        os.makedirs(self.tmp)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        old = None
-        if os.path.exists(self.out):
-            old = f"{self.out}.old-{os.getpid()}"
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        return False
 
 
 def _save_item(path: str, arrays: dict[str, np.ndarray]) -> None:

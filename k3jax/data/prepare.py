@@ -23,15 +23,15 @@ import glob
 import json
 import logging
 import os
-import shutil
 import sys
 import time
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+
+from k3jax.atomic import AtomicDir
 
 from k3jax.data.text import ByteTokenizer
 
@@ -172,37 +172,6 @@ def _shard_name(i: int, n: int) -> str:
     return f"data-{i:05d}-of-{n:05d}.array_record"
 
 
-class _AtomicOutput:
-    """Writes into a unique temporary sibling of `out` and renames it to `out` only on success."""
-
-    def __init__(self, out: str, overwrite: bool):
-        self.out = os.path.abspath(out)
-        self.overwrite = overwrite
-        self.tmp = f"{self.out}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-
-    def __enter__(self) -> str:
-        if os.path.exists(self.out) and not self.overwrite:
-            raise FileExistsError(f"output {self.out} already exists (pass --overwrite to replace it)")
-        os.makedirs(self.tmp)
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        old = None
-        if os.path.exists(self.out):
-            if not self.overwrite:  # someone else finished first
-                shutil.rmtree(self.tmp, ignore_errors=True)
-                raise FileExistsError(f"output {self.out} appeared while preparing (another writer?)")
-            old = f"{self.out}.old-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            os.rename(self.out, old)
-        os.rename(self.tmp, self.out)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        return False
-
-
 def _tokenize_in_order(docs: Iterable[tuple[str, str | bytes]], tok: TextTokenizer, add_bos: bool,
                        num_threads: int, chunk: int = 64) -> Iterator[tuple[str, np.ndarray]]:
     """Tokenizes documents with a thread pool (tiktoken releases the GIL), yielding in input order."""
@@ -235,7 +204,7 @@ def write_documents(docs: Iterable[tuple[str, str | bytes]], out: str, tok: Text
     num_docs = num_tokens = num_skipped = max_len = 0
     shard_docs = [0] * num_shards
     start = last_log = time.perf_counter()
-    with _AtomicOutput(out, overwrite) as tmp:
+    with AtomicDir(out, overwrite) as tmp:
         writers = [ArrayRecordWriter(os.path.join(tmp, _shard_name(i, num_shards)), "group_size:1")
                    for i in range(num_shards)]
         try:
