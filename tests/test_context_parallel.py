@@ -4,7 +4,7 @@ the unsharded model computes, on 8 emulated CPU devices.
 - KCP core (4 context shards, float64) == `kda_recurrent` (the token-loop reference) on the whole sequence: outputs,
   final state and gradients, with documents crossing shard edges, one starting exactly at a shard edge, a 1-token
   document, an initial state, and shard lengths that are not a multiple of the chunk size; its collectives have the
-  same sizes for every T.
+  same sizes for every T; also at T = 4000 (4 × 1000 tokens, not a multiple of the 64-token chunk).
 - Short-conv halo == an independent NumPy loop (taps reaching into the left neighbour and across documents).
 - KDA and MLA layers traced under a context mesh take the context-parallel path and equal the unsharded layer.
 - `tiny` (packed documents) under meshes (2,1,4,1) and (1,2,2,2): loss and gradients equal one device.
@@ -99,6 +99,35 @@ def test_kcp_core_matches_token_recurrence(x64):
     o_alone, _ = jax.vmap(lambda *a: kda_recurrent(*a, scale=K ** -0.5), in_axes=1, out_axes=1)(
         *(a.reshape(B, SHARDS, T_LOCAL, *a.shape[2:]) for a in args[:5]))
     assert np.abs(np.asarray(o_alone).reshape(o.shape)[1] - np.asarray(o)[1]).max() > 1e-2
+
+
+def test_kcp_core_long_sequence_uneven_chunks(x64):
+    """T = 4000 over 4 shards of 1000 tokens (not a multiple of the 64-token chunk), documents crossing shard
+    edges: KCP outputs, final state and gradients equal the whole-sequence token recurrence."""
+    t, shards, chunk = 4000, 4, 64
+    rng = np.random.RandomState(5)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    args = [unit(rng.randn(1, t, 1, K)), unit(rng.randn(1, t, 1, K)), rng.randn(1, t, 1, V),
+            -0.05 * np.abs(rng.randn(1, t, 1, K)), 1 / (1 + np.exp(-rng.randn(1, t, 1))), rng.randn(1, 1, K, V)]
+    ids = np.ones((1, t), np.int32)
+    ids[0, 700:], ids[0, 2500:], ids[0, 3000:] = 2, 3, 4  # 700..2499 spans shard edges 1000 and 2000; 3000 = edge
+    mesh = make_mesh(data=1, context=shards, devices=jax.devices()[:shards])
+    w_o = rng.randn(1, t, 1, V)
+
+    def run(core):
+        def f(*a):
+            o, s = core(*a)
+            return jnp.sum(o * w_o) + jnp.sum(s), (o, s)
+        return jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))(*args)
+
+    (_, (o_ref, s_ref)), g_ref = run(lambda q, k, v, g, beta, s0: kda_recurrent(
+        q, k, v, g, beta, scale=K ** -0.5, initial_state_bhkv=s0, segment_ids_bt=ids))
+    (_, (o, s)), g = run(lambda q, k, v, g, beta, s0: context_parallel.kda_context_parallel(
+        q, k, v, g, beta, scale=K ** -0.5, initial_state=s0, chunk_size=chunk, segment_ids=ids, mesh=mesh))
+    np.testing.assert_allclose(o, o_ref, rtol=1e-9, atol=1e-11)
+    np.testing.assert_allclose(s, s_ref, rtol=1e-9, atol=1e-11)
+    for name, got, want in zip(("q", "k", "v", "g", "beta", "initial_state"), g, g_ref):
+        np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10, err_msg=name)
 
 
 def _collective_types(t):
