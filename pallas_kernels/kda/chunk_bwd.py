@@ -68,11 +68,11 @@ from pallas_kernels.kda.chunk_fwd import (
     _dot,
     _dot_nt,
     _dot_tn,
-    _is_pow2,
     _matmul_policy,
     _row,
+    check_dims,
+    chunk_layout,
     intra_chunk,
-    varlen_layout,
 )
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
@@ -340,36 +340,13 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     """
     b, t, h, kd = q.shape
     vd = v.shape[-1]
-    block_v = min(config.block_v, vd)
-    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v)):
-        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v} must be powers of two >= 16")
+    block_v = check_dims(kd, vd, config)
     inter_dtype, precision = _matmul_policy(q.dtype)
     g = g.astype(_F32)
     beta = beta.astype(_F32)
     d_o = d_o.astype(inter_dtype)
 
-    layout = None
-    if cu_seqlens is not None:
-        if b != 1:
-            raise ValueError(f"chunk_kda: cu_seqlens needs batch size 1 (packed sequences), got B={b}")
-        layout = varlen_layout(cu_seqlens, t)
-        n = layout["chunk_seq"].size
-        dest = jnp.asarray(layout["dest"])
-
-        def to_padded(x):
-            return jnp.zeros((1, n * CHUNK) + x.shape[2:], x.dtype).at[0, dest].set(x[0])
-
-        def from_padded(x):
-            return x[:, dest]
-    else:
-        n = -(-t // CHUNK)
-        pad = n * CHUNK - t
-
-        def to_padded(x):
-            return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
-
-        def from_padded(x):
-            return x[:, :t]
+    n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     q, k, v, g, beta, d_o = (to_padded(x) for x in (q, k, v, g, beta, d_o))
     tp = n * CHUNK
 

@@ -37,7 +37,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "chunk_kda_fwd", "intra_chunk", "varlen_layout"]
+__all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "check_dims", "chunk_kda_fwd", "chunk_layout", "intra_chunk",
+           "varlen_layout"]
 
 CHUNK = 64
 SUB_CHUNK = 16
@@ -315,6 +316,46 @@ def _matmul_policy(dtype):
     return _F32, lax.Precision.HIGHEST
 
 
+def check_dims(kd: int, vd: int, config) -> int:
+    """The value-block width for K = kd, V = vd (all powers of two, as the kernels' tiles need)."""
+    block_v = min(config.block_v, vd)
+    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v)):
+        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v} must be powers of two >= 16")
+    return block_v
+
+
+def chunk_layout(b: int, t: int, cu_seqlens):
+    """How tokens sit on whole chunks: `(n_chunks, varlen layout or None, to_padded, from_padded)`.
+
+    Without `cu_seqlens` the sequence is zero-padded to a chunk multiple; with it (B = 1) each packed sequence is
+    scattered to start on its own chunk, the gaps being zero tokens. `from_padded` undoes `to_padded` on [B, T', ...].
+    """
+    if cu_seqlens is not None:
+        if b != 1:
+            raise ValueError(f"chunk_kda: cu_seqlens needs batch size 1 (packed sequences), got B={b}")
+        layout = varlen_layout(cu_seqlens, t)
+        n = layout["chunk_seq"].size
+        dest = jnp.asarray(layout["dest"])
+
+        def to_padded(x):
+            return jnp.zeros((1, n * CHUNK) + x.shape[2:], x.dtype).at[0, dest].set(x[0])
+
+        def from_padded(x):
+            return x[:, dest]
+
+        return n, layout, to_padded, from_padded
+    n = -(-t // CHUNK)
+    pad = n * CHUNK - t
+
+    def to_padded(x):
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2)) if pad else x
+
+    def from_padded(x):
+        return x[:, :t]
+
+    return n, None, to_padded, from_padded
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
                   cu_seqlens=None):
@@ -333,31 +374,13 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     """
     b, t, h, kd = q.shape
     vd = v.shape[-1]
-    block_v = min(config.block_v, vd)
-    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v)):
-        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v} must be powers of two >= 16")
+    block_v = check_dims(kd, vd, config)
     _, precision = _matmul_policy(q.dtype)
     g = g.astype(_F32)
     beta = beta.astype(_F32)
 
-    layout = None
-    if cu_seqlens is not None:
-        if b != 1:
-            raise ValueError(f"chunk_kda: cu_seqlens needs batch size 1 (packed sequences), got B={b}")
-        layout = varlen_layout(cu_seqlens, t)
-        n = layout["chunk_seq"].size
-        dest = jnp.asarray(layout["dest"])
-
-        def to_padded(x):  # scatter tokens so each sequence starts on a chunk; the gaps are zero tokens
-            return jnp.zeros((1, n * CHUNK) + x.shape[2:], x.dtype).at[0, dest].set(x[0])
-        q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))
-    else:
-        n = -(-t // CHUNK)
-        pad = n * CHUNK - t
-        if pad:  # zero tokens neither decay nor write the state
-            def pad_t(x):
-                return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-            q, k, v, g, beta = (pad_t(x) for x in (q, k, v, g, beta))
+    n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
+    q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
     tp = n * CHUNK
 
     qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, interpret=interpret,
@@ -396,7 +419,7 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
         name="kda_chunk_recurrence",
     )(*operands, initial_state.astype(_F32))
     if layout is None:
-        return o[:, :t], final_state
+        return from_padded(o), final_state
     # Empty sequences own no chunk: their final state is their initial state.
     empty = jnp.asarray(layout["lens"] == 0)[:, None, None, None]
-    return o[:, dest], jnp.where(empty, initial_state.astype(_F32), final_state)
+    return from_padded(o), jnp.where(empty, initial_state.astype(_F32), final_state)
