@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 
 import jax
@@ -26,6 +25,7 @@ import numpy as np
 
 from k3jax.ops.kda import kda_recurrent
 from pallas_kernels.kda.dispatch import chunk_kda
+from pallas_kernels.cuda_lowering import triton_kernels
 
 _NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 _TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}
@@ -53,12 +53,10 @@ def lower_for_cuda(t=1000, h=2, d=128):
                                  backend="gpu")
 
             loss = _loss(core, jnp.ones((1, t, h, d), jnp.float32), jnp.ones((n_states, h, d, d), jnp.float32))
-            lowered = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
-                lowering_platforms=("cuda",))
-            text = lowered.as_text()
-            rows.append({"dtype": jnp.dtype(dtype).name, "cu_seqlens": cu_seqlens,
-                         "triton_calls": text.count("__gpu$xla.gpu.triton"),
-                         "kernels": sorted(set(re.findall(r'name = "(kda_[a-z_]+)', text)))})
+            calls, kernels = triton_kernels(jax.value_and_grad(loss, argnums=tuple(range(6))), *args,
+                                            name_pattern=r"kda_[a-z_]+")
+            rows.append({"dtype": jnp.dtype(dtype).name, "cu_seqlens": cu_seqlens, "triton_calls": calls,
+                         "kernels": kernels})
     return rows
 
 
