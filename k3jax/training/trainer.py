@@ -71,6 +71,10 @@ class TrainOptions:
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
 
+    def schedule(self) -> optax.Schedule:
+        """The learning rate by step: 1% linear warmup, then cosine decay over `steps`."""
+        return lr_schedule(self.learning_rate, self.steps, warmup_fraction=self.warmup_fraction)
+
     def resume_keys(self) -> dict[str, Any]:
         """Options a resumed run must share with the checkpoint (the rest may change, e.g. --steps)."""
         return {k: getattr(self, k) for k in ("batch_size", "seq_len", "optimizer", "quantile_balancing", "mtp",
@@ -116,7 +120,7 @@ def after_update(trainable: Trainable, grads, *, balance: bool) -> dict:
 def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx.Optimizer]:
     """A freshly initialised model (+ MTP layer) and its optimizer (unplaced)."""
     trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed))
-    schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
+    schedule = opts.schedule()
     if opts.optimizer == "muon":
         tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
                             max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32)  # f32 state for bf16 params
@@ -149,8 +153,7 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     step = make_sharded_train_step(
         trainable, optimizer, mesh, lambda t, b: loss_fn(t, b, opts.mtp_weight), has_aux=True,
         after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing))
-    schedule = lr_schedule(opts.learning_rate, opts.steps, warmup_fraction=opts.warmup_fraction)
-    return trainable, optimizer, step, schedule
+    return trainable, optimizer, step, opts.schedule()
 
 
 def make_mesh_from_option(text: str | None):
