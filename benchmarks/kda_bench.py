@@ -8,7 +8,7 @@ inside the timed function for every implementation (fla fuses them in its kernel
 the median of `--iters` timed calls after warm-up, nominal TFLOP/s (183 kFLOP per token per head, KERNELS.md §2), the
 fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·heads for other shapes) and ratios to fla.
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
-Pallas variants are `block_v-warps(intra kernel)-warps(recurrence kernel)[-solve]` (KernelConfig); `--breakdown` also
+Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-recurrence[-stages[-block_k]]]]` (KernelConfig.parse); `--breakdown` also
 times the intra-chunk kernel alone for each variant. `--check` first compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
 The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
@@ -66,20 +66,13 @@ def _pallas_core(q, k, v, g, beta, scale, chunk, variant):
 CORES = {"xla": _xla_core, "pallas": _pallas_core}
 
 
-def parse_variant(text):
-    """'64-4-4' or '64-4-4-doubling' -> KernelConfig."""
-    parts = text.split("-")
-    return KernelConfig(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])),
-                        solve=parts[3] if len(parts) > 3 else "substitution")
-
-
 def bench_intra(b, t, h, d, iters, variant):
     """The intra-chunk kernel alone (bf16 inputs, T a multiple of 64): its share of the Pallas forward."""
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((b, t, h, d)) * d ** -0.5, jnp.bfloat16) for _ in range(3))
     g = jnp.asarray(-5.0 * rng.random((b, t, h, d)), jnp.float32)
     beta = jnp.asarray(rng.random((b, t, h)), jnp.float32)
-    f = jax.jit(lambda *a: intra_chunk(*a, scale=d ** -0.5, num_warps=variant.warps[0], solve=variant.solve))
+    f = jax.jit(lambda *a: intra_chunk(*a, scale=d ** -0.5, config=variant))
     jax.block_until_ready(f(q, k, v, g, beta))
     return _median_ms(lambda: jax.block_until_ready(f(q, k, v, g, beta)), iters)
 
@@ -212,9 +205,9 @@ def main():
                 name = impl if i == 0 else f"{impl}_{var}"
                 try:
                     ms_f, ms_fb = bench_jax(CORES[impl], b, t, h, 128, args.iters, args.chunk,
-                                            parse_variant(var), with_bwd=i == 0)
+                                            KernelConfig.parse(var), with_bwd=i == 0)
                     if impl == "pallas" and args.breakdown:
-                        row[f"{name}_intra_ms"] = bench_intra(b, t, h, 128, args.iters, parse_variant(var))
+                        row[f"{name}_intra_ms"] = bench_intra(b, t, h, 128, args.iters, KernelConfig.parse(var))
                 except Exception:  # noqa: BLE001 -- report and time the other implementations
                     traceback.print_exc()
                     continue

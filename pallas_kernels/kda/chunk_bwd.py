@@ -69,10 +69,13 @@ from pallas_kernels.kda.chunk_fwd import (
     _dot_nt,
     _dot_tn,
     _matmul_policy,
+    SequentialSpecs,
     _row,
     check_dims,
     chunk_layout,
+    chunk_states,
     intra_chunk,
+    triton_params,
 )
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
@@ -80,33 +83,6 @@ __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 _DEFAULT_CONFIG = KernelConfig()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# Kernel 2: chunk-entry states (forward order)
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precision, varlen):
-    """All chunks of one (head, value block) in order: store ``S_n`` (rows ``n*K ..``) and ``v'`` of each chunk."""
-    if varlen:
-        seq_ref, first_ref, s0_ref, states_ref, vnew_ref = refs
-    else:
-        s0_ref, states_ref, vnew_ref = refs
-    mm_dtype = kg_ref.dtype
-
-    def body(n, s_kv):
-        if varlen:
-            s_kv = jnp.where(first_ref[n] != 0, s0_ref[seq_ref[n]].astype(_F32), s_kv)
-        rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
-        s_mm = s_kv.astype(mm_dtype)
-        states_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = s_mm
-        v_new_mm = (u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s_mm, precision)).astype(mm_dtype)
-        vnew_ref[rows, :] = v_new_mm
-        return decay_ref[n, :].astype(_F32)[:, None] * s_kv + _dot_tn(kg_ref[rows, :], v_new_mm, precision)
-
-    init = jnp.zeros(s0_ref.shape[-2:], _F32) if varlen else s0_ref[...].astype(_F32)
-    lax.fori_loop(0, n_chunks, body, init)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -158,6 +134,9 @@ def _reverse_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, *refs, n_
 
 def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
                         dqg_ref, dkg_ref, dw_ref, daqk_ref, ddecay_ref, *, precision):
+    """One chunk of one (batch, head) and one block of BK key rows: the ``[C, BK]`` columns of dqg / dw / dkg and
+    ``BK`` entries of d(2^G_L); the key-independent ``daqk`` by the first key block only. Blocking the keys keeps
+    the ``[BK, V]`` state tiles small (whole f32 ``[K, V]`` tiles overflow shared memory at K = V = 128)."""
     mm_dtype = vnew_ref.dtype
     do_cv = do_ref[...].astype(mm_dtype)
     vnew_cv = vnew_ref[...]
@@ -166,10 +145,13 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
     dqg_ref[...] = _dot_nt(do_cv, s_kv, precision)
     dw_ref[...] = -_dot_nt(dvnew_ref[...], s_kv, precision)
     dkg_ref[...] = _dot_nt(vnew_cv, ds_kv, precision)
-    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
-    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
-    daqk_ref[...] = jnp.where(rows_c1 >= cols_1c, _dot_nt(do_cv, vnew_cv, precision), 0.0)
     ddecay_ref[...] = jnp.sum(s_kv.astype(_F32) * ds_kv.astype(_F32), axis=1)
+
+    @pl.when(pl.program_id(2) == 0)
+    def _key_independent():
+        rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+        cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+        daqk_ref[...] = jnp.where(rows_c1 >= cols_1c, _dot_nt(do_cv, vnew_cv, precision), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -330,6 +312,89 @@ def backward_flops_per_token_head(d: int = 128, chunk: int = CHUNK, sub: int = S
     return flops
 
 
+def reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs: SequentialSpecs, *, precision, config,
+                   interpret):
+    """Kernel 3: ``(dS_{n+1} per chunk [B, H, N*K, V], dv' [B, Tp, H, V], d initial state f32)``."""
+    b, tp, h, kd = qg.shape
+    vd = d_o.shape[-1]
+    mm_dtype = qg.dtype
+    return pl.pallas_call(
+        functools.partial(_reverse_kernel, n_chunks=specs.n, kd=kd, precision=precision,
+                          varlen=specs.layout is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, h, specs.n * kd, vd), mm_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), mm_dtype),
+                   jax.ShapeDtypeStruct((specs.n_states, h, kd, vd), _F32)),
+        grid=specs.grid,
+        in_specs=[specs.seq(kd), specs.seq(kd), specs.seq(kd), specs.seq(CHUNK), specs.decay,
+                  specs.seq(specs.block_v, True)] + specs.meta_specs + [specs.state],
+        out_specs=[specs.per_chunk_states, specs.seq(specs.block_v, True), specs.state],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        name="kda_bwd_reverse",
+    )(qg, kg, w, aqk, decay, d_o, *specs.meta_ops, d_final_state.astype(_F32))
+
+
+def state_grads(d_o, v_new, dv_new, states, ds_end, *, precision, config, interpret, block_k=32):
+    """Kernel 4 (grid chunk x batch*head x key block): ``(dqg, dkg, dw, daqk, d(2^G_L))``, all f32."""
+    b, tp, h, vd = d_o.shape
+    kd = states.shape[2] // (tp // CHUNK)
+    n = tp // CHUNK
+    block_k = min(block_k, kd)
+    kb = kd // block_k
+
+    def chunk_spec(width, key_block=False):
+        if key_block:
+            return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh, j: (bh // h, c, bh % h, j))
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh, j: (bh // h, c, bh % h, 0))
+
+    state_spec = pl.BlockSpec((None, None, block_k, vd), lambda c, bh, j: (bh // h, bh % h, c * kb + j, 0))
+    return pl.pallas_call(
+        functools.partial(_state_grads_kernel, precision=precision),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
+                   jax.ShapeDtypeStruct((b, h, n, kd), _F32)),
+        grid=(n, b * h, kb),
+        in_specs=[chunk_spec(vd), chunk_spec(vd), chunk_spec(vd), state_spec, state_spec],
+        out_specs=[chunk_spec(block_k, True), chunk_spec(block_k, True), chunk_spec(block_k, True),
+                   chunk_spec(CHUNK),
+                   pl.BlockSpec((None, None, None, block_k), lambda c, bh, j: (bh // h, bh % h, c, j))],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_bwd_state_grads",
+    )(d_o, v_new, dv_new, states, ds_end)
+
+
+def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision, config, interpret):
+    """Kernel 5 (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)``, f32, on chunk-padded inputs."""
+    b, tp, h, kd = q.shape
+    vd = v.shape[-1]
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+
+    decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
+    beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+    return pl.pallas_call(
+        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h), _F32)),
+        grid=(tp // CHUNK, b * h),
+        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec,
+                  chunk_spec(vd), chunk_spec(kd),
+                  chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
+                  decay_chunk_spec],
+        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_bwd_intra",
+    )(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale, interpret=False,
                   config=_DEFAULT_CONFIG, cu_seqlens=None):
@@ -348,107 +413,22 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
 
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     q, k, v, g, beta, d_o = (to_padded(x) for x in (q, k, v, g, beta, d_o))
-    tp = n * CHUNK
 
     # 1. Recompute the forward's per-chunk quantities.
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, interpret=interpret,
-                                           num_warps=config.warps[0], solve=config.solve)
+    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret)
 
-    params_seq = params_par = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-        params_seq = pl_triton.CompilerParams(num_warps=config.warps[1], num_stages=1)
-        params_par = pl_triton.CompilerParams(num_warps=config.warps[0], num_stages=1)
+    specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
+    kw = dict(precision=precision, config=config, interpret=interpret)
 
-    def seq_spec(width, col_block):
-        if col_block:
-            return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, j))
-        return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, 0))
-
-    per_chunk_states_spec = pl.BlockSpec((None, None, n * kd, block_v), lambda bh, j: (bh // h, bh % h, 0, j))
-    decay_seq_spec = pl.BlockSpec((None, None, n, kd), lambda bh, j: (bh // h, bh % h, 0, 0))
-    meta_ops, meta_specs, n_states = [], [], b
-    if layout is None:
-        state_spec = pl.BlockSpec((None, None, kd, block_v), lambda bh, j: (bh // h, bh % h, 0, j))
-    else:
-        n_states = layout["lens"].size
-        state_spec = pl.BlockSpec((n_states, None, kd, block_v), lambda bh, j: (0, bh, 0, j))
-        meta_ops = [jnp.asarray(layout[name]) for name in ("chunk_seq", "chunk_first", "chunk_last")]
-        meta_specs = [pl.BlockSpec((n,), lambda bh, j: (0,))] * 3
-    varlen = layout is not None
-    grid_seq = (b * h, vd // block_v)
-
-    # 2. Chunk-entry states and v'.
-    states, v_new = pl.pallas_call(
-        functools.partial(_states_kernel, n_chunks=n, kd=kd, precision=precision, varlen=varlen),
-        out_shape=(jax.ShapeDtypeStruct((b, h, n * kd, vd), inter_dtype),
-                   jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype)),
-        grid=grid_seq,
-        in_specs=[seq_spec(kd, False), seq_spec(kd, False), seq_spec(block_v, True), decay_seq_spec]
-        + meta_specs[:2] + [state_spec],
-        out_specs=[per_chunk_states_spec, seq_spec(block_v, True)],
-        interpret=interpret,
-        compiler_params=params_seq,
-        name="kda_bwd_states",
-    )(kg, w, u, decay, *meta_ops[:2], initial_state.astype(_F32))
-
+    # 2. Chunk-entry states and v' (the forward's split recurrence; its final state is not needed here).
+    states, v_new, _ = chunk_states(kg, w, u, decay, initial_state, specs, **kw)
     # 3. Reverse chunk loop: dS per chunk, dv', d initial state.
-    ds_end, dv_new, d_initial = pl.pallas_call(
-        functools.partial(_reverse_kernel, n_chunks=n, kd=kd, precision=precision, varlen=varlen),
-        out_shape=(jax.ShapeDtypeStruct((b, h, n * kd, vd), inter_dtype),
-                   jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
-                   jax.ShapeDtypeStruct((n_states, h, kd, vd), _F32)),
-        grid=grid_seq,
-        in_specs=[seq_spec(kd, False), seq_spec(kd, False), seq_spec(kd, False), seq_spec(CHUNK, False),
-                  decay_seq_spec, seq_spec(block_v, True)] + meta_specs + [state_spec],
-        out_specs=[per_chunk_states_spec, seq_spec(block_v, True), state_spec],
-        interpret=interpret,
-        compiler_params=params_seq,
-        name="kda_bwd_reverse",
-    )(qg, kg, w, aqk, decay, d_o, *meta_ops, d_final_state.astype(_F32))
-
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
-
-    state_chunk_spec = pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0))
-    decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
-    beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
-    grid_par = (n, b * h)
-
+    ds_end, dv_new, d_initial = reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs, **kw)
     # 4. Gradients through the state products.
-    dqg, dkg, dw, daqk, d_decay = pl.pallas_call(
-        functools.partial(_state_grads_kernel, precision=precision),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
-                   jax.ShapeDtypeStruct((b, h, n, kd), _F32)),
-        grid=grid_par,
-        in_specs=[chunk_spec(vd), chunk_spec(vd), chunk_spec(vd), state_chunk_spec, state_chunk_spec],
-        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(CHUNK), decay_chunk_spec],
-        interpret=interpret,
-        compiler_params=params_par,
-        name="kda_bwd_state_grads",
-    )(d_o, v_new, dv_new, states, ds_end)
-
+    dqg, dkg, dw, daqk, d_decay = state_grads(d_o, v_new, dv_new, states, ds_end, **kw)
     # 5. Back through the intra-chunk algebra.
-    dq, dk, dv, dg, dbeta = pl.pallas_call(
-        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
-                   jax.ShapeDtypeStruct((b, tp, h), _F32)),
-        grid=grid_par,
-        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec,
-                  chunk_spec(vd), chunk_spec(kd),
-                  chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
-                  decay_chunk_spec],
-        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec],
-        interpret=interpret,
-        compiler_params=params_par,
-        name="kda_bwd_intra",
-    )(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay)
+    dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, scale=scale,
+                                      **kw)
 
     grads = tuple(from_padded(x) for x in (dq, dk, dv, dg, dbeta))
     if layout is not None:  # empty sequences own no chunk: their state passes straight through

@@ -1,8 +1,10 @@
-"""Pallas chunkwise KDA forward: two kernels (KERNELS.md §1).
+"""Pallas chunkwise KDA forward (KERNELS.md §1).
 
 Kernel 1, ``intra`` (grid: chunk x batch*head, fully parallel) turns one chunk of 64 tokens into the quantities the
-sequential pass needs; kernel 2, ``recurrence`` (grid: batch*head x value-block) walks the chunks in order with the
-f32 state ``S [K, BV]`` in registers and writes the output. With ``G`` the inclusive within-chunk cumulative
+sequential pass needs. Then either (``KernelConfig.recurrence="split"``, default) kernel 2 ``states`` (grid:
+batch*head x value block) walks the chunks in order with the f32 state ``S [K, BV]`` in registers, storing each
+chunk-entry state ``S_n`` and ``v'``, and kernel 3 ``output`` (grid: chunk x batch*head, parallel) forms ``o``; or
+(``"fused"``) one chunk loop also forms the output. With ``G`` the inclusive within-chunk cumulative
 log-decay in base 2 (``g * log2(e)``, so every exponential is ``exp2``):
 
 * ``qg = scale * q * 2^G``                       reads the incoming state
@@ -37,8 +39,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "check_dims", "chunk_kda_fwd", "chunk_layout", "intra_chunk",
-           "varlen_layout"]
+__all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd", "chunk_layout",
+           "chunk_output", "chunk_states", "fused_recurrence", "intra_chunk", "triton_params", "varlen_layout"]
 
 CHUNK = 64
 SUB_CHUNK = 16
@@ -51,18 +53,44 @@ _F32 = jnp.float32
 class KernelConfig:
     """GPU tuning knobs (results do not depend on them beyond rounding).
 
-    block_v: value columns per program of the recurrence kernel (power of two >= 16).
-    warps: Triton warps per program of (intra-chunk kernel, recurrence kernel).
+    block_v: value columns per program of the sequential (chunk-loop) kernels (power of two >= 16).
+    warps: Triton warps per program of (parallel kernels, sequential kernels).
     solve: inverse of the 16x16 diagonal blocks of I + Akk: "substitution" (row by row) or "doubling" (matmuls).
+    recurrence: "split" (the chunk loop only carries the state and stores each chunk-entry state S_n and v'; the
+      output o = qg S_n + aqk v' is a separate kernel parallel over chunks) or "fused" (the chunk loop also forms
+      the output: no S_n round trip, but twice the matmul work on the sequential critical path).
+    stages: Triton ``num_stages`` of the sequential kernels (> 1 lets Triton software-pipeline the chunk loop's
+      loads).
+    block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
     """
 
     block_v: int = 64
     warps: tuple[int, int] = (4, 4)
     solve: str = "substitution"
+    recurrence: str = "fused"
+    stages: int = 1
+    block_k: int = 32
+
+    @classmethod
+    def parse(cls, text: str) -> "KernelConfig":
+        """``block_v-warps-warps[-solve[-recurrence[-stages[-block_k]]]]``, e.g. ``64-4-4`` or
+        ``32-4-4-doubling-split-2-64`` (the benchmarks' variant syntax)."""
+        parts = text.split("-")
+        if len(parts) < 3 or len(parts) > 7:
+            raise ValueError(f"KernelConfig.parse: expected block_v-warps-warps[-solve[-recurrence[-stages"
+                             f"[-block_k]]]], got {text!r}")
+        kw = dict(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])))
+        for name, value in zip(("solve", "recurrence", "stages", "block_k"), parts[3:]):
+            kw[name] = int(value) if name in ("stages", "block_k") else value
+        return cls(**kw)
 
     def __post_init__(self):
         if self.solve not in ("substitution", "doubling"):
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
+        if self.recurrence not in ("split", "fused"):
+            raise ValueError(f"KernelConfig.recurrence must be 'split' or 'fused', got {self.recurrence!r}")
+        if self.stages < 1:
+            raise ValueError(f"KernelConfig.stages must be >= 1, got {self.stages}")
 
 
 def _dot(a, b, precision):
@@ -126,80 +154,117 @@ _INVERSES = {"substitution": _unit_lower_inverse, "doubling": _unit_lower_invers
 
 
 def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale, precision, solve):
-    """One chunk of one (batch, head): refs are ``[C, K]`` / ``[C, V]`` / ``[C]``; outputs per module docstring."""
+                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale, precision, solve, block_k):
+    """One chunk of one (batch, head): refs are ``[C, K]`` / ``[C, V]`` / ``[C]``; outputs per module docstring.
+
+    Columns are processed ``block_k`` at a time (the decay bookkeeping is per key column, so every column block is
+    independent): pass 1 accumulates the ten 16x16 sub-chunk blocks of ``aqk`` and ``akk`` over key blocks and
+    writes ``qg``, ``kg``, ``decay``; then the diagonal blocks of ``I + akk`` are inverted and ``u`` (value blocks)
+    and ``w`` (key blocks, gate recomputed) come from blocked forward substitution. Only [16, block_k] tiles and
+    the 16x16 blocks are live at a time, which keeps register pressure (and so occupancy) independent of K.
+    """
     s = SUB_CHUNK
+    kd = q_ref.shape[-1]
+    vd = v_ref.shape[-1]
     inter_dtype = qg_ref.dtype
     rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
     cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
     incl_ss = rows_s1 >= cols_1s
     strict_ss = rows_s1 > cols_1s
+    subs = range(_N_SUB)
+    pairs = [(i, j) for i in subs for j in range(i + 1)]
+    beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
 
-    def load(ref, i):
-        return ref[pl.ds(i * s, s), :].astype(_F32)
+    def cols(kb, width):
+        return pl.ds(pl.multiple_of(kb * width, width), width)
 
-    q = [load(q_ref, i) * scale for i in range(_N_SUB)]
-    k = [load(k_ref, i) for i in range(_N_SUB)]
-    v = [load(v_ref, i) for i in range(_N_SUB)]
-    beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in range(_N_SUB)]
-    g = [load(g_ref, i) * _LOG2E for i in range(_N_SUB)]
+    def decay_terms(kb):
+        """Per sub-chunk (base 2, this key block): inclusive local cumsum, sub-chunk total, sums before / after."""
+        g = [g_ref[pl.ds(i * s, s), cols(kb, block_k)].astype(_F32) * _LOG2E for i in subs]
+        local = [jnp.cumsum(gi, axis=0) for gi in g]
+        total = [jnp.sum(gi, axis=0) for gi in g]
+        zeros_k = jnp.zeros_like(total[0])
+        before = [sum(total[:i], zeros_k) for i in subs]  # chunk start .. sub-chunk start
+        after = [sum(total[i + 1:], zeros_k) for i in subs]  # sub-chunk end .. chunk end
+        return local, total, before, after
 
-    local = [jnp.cumsum(gi, axis=0) for gi in g]  # sum over [start of sub-chunk, i]
-    total = [jnp.sum(gi, axis=0) for gi in g]  # [K] whole sub-chunk
-    first = [_row(c, 0) for c in local]
-    mid = [_row(c, s // 2) for c in local]
-    zeros_k = jnp.zeros_like(total[0])
-    before = [sum(total[:i], zeros_k) for i in range(_N_SUB)]  # chunk start .. sub-chunk start
-    after = [sum(total[i + 1:], zeros_k) for i in range(_N_SUB)]  # sub-chunk end .. chunk end
-
-    # Keys decayed to the end of their own sub-chunk (exponent: sum over (j, end] <= 0).
-    k_to_end = [k[i] * jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in range(_N_SUB)]
-    gamma = [jnp.exp2(before[i][None, :] + local[i]) for i in range(_N_SUB)]  # 2^G, G chunk-relative
-
-    aqk = {}
-    akk = {}
-    for i in range(_N_SUB):
-        left = jnp.exp2(local[i] - mid[i][None, :])  # |exponent| <= 8 tokens of decay
-        right = jnp.exp2(mid[i][None, :] - local[i])
-        q_left, k_left, k_right = q[i] * left, k[i] * left, k[i] * right
-        aqk[i, i] = jnp.where(incl_ss, _dot_nt(q_left, k_right, precision), 0.0)
-        akk[i, i] = jnp.where(strict_ss, beta[i] * _dot_nt(k_left, k_right, precision), 0.0)
-        # Re-reference rows of sub-chunk i to its first row n: 2^(G_i - G_n), exponent <= 0.
-        shift = jnp.exp2(jnp.minimum(mid[i] - first[i], 0.0))[None, :]
-        q_first, k_first = q_left * shift, k_left * shift
-        for j in range(i):
-            # 2^(G_n - G_end_j) = decay over whole sub-chunks strictly between j and i, then row n.
-            bridge = jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
-            k_bridged = k_to_end[j] * bridge
-            aqk[i, j] = _dot_nt(q_first, k_bridged, precision)
-            akk[i, j] = beta[i] * _dot_nt(k_first, k_bridged, precision)
-
-    # u = (I + akk)^-1 beta v, w = (I + akk)^-1 beta k 2^G: blocked forward substitution.
-    u, w = [], []
-    for i in range(_N_SUB):
-        rhs_u = beta[i] * v[i]
-        rhs_w = beta[i] * k[i] * gamma[i]
-        for j in range(i):
-            rhs_u = rhs_u - _dot(akk[i, j], u[j], precision)
-            rhs_w = rhs_w - _dot(akk[i, j], w[j], precision)
-        inv_ss = _INVERSES[solve](akk[i, i])
-        u.append(_dot(inv_ss, rhs_u, precision))
-        w.append(_dot(inv_ss, rhs_w, precision))
+    def pass1(kb, acc):
+        aqk, kk = dict(zip(pairs, acc[0])), dict(zip(pairs, acc[1]))
+        c = cols(kb, block_k)
+        q = [q_ref[pl.ds(i * s, s), c].astype(_F32) * scale for i in subs]
+        k = [k_ref[pl.ds(i * s, s), c].astype(_F32) for i in subs]
+        local, total, before, after = decay_terms(kb)
+        zeros_k = jnp.zeros_like(total[0])
+        first = [_row(x, 0) for x in local]
+        mid = [_row(x, s // 2) for x in local]
+        # Keys decayed to the end of their own sub-chunk (exponent: sum over (j, end] <= 0).
+        k_to_end = [k[i] * jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs]
+        for i in subs:
+            left = jnp.exp2(local[i] - mid[i][None, :])  # |exponent| <= 8 tokens of decay
+            right = jnp.exp2(mid[i][None, :] - local[i])
+            q_left, k_left, k_right = q[i] * left, k[i] * left, k[i] * right
+            aqk[i, i] = aqk[i, i] + _dot_nt(q_left, k_right, precision)
+            kk[i, i] = kk[i, i] + _dot_nt(k_left, k_right, precision)
+            # Re-reference rows of sub-chunk i to its first row n: 2^(G_i - G_n), exponent <= 0.
+            shift = jnp.exp2(jnp.minimum(mid[i] - first[i], 0.0))[None, :]
+            q_first, k_first = q_left * shift, k_left * shift
+            for j in range(i):
+                # 2^(G_n - G_end_j) = decay over whole sub-chunks strictly between j and i, then row n.
+                k_bridged = k_to_end[j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
+                aqk[i, j] = aqk[i, j] + _dot_nt(q_first, k_bridged, precision)
+                kk[i, j] = kk[i, j] + _dot_nt(k_first, k_bridged, precision)
+            rows = pl.ds(i * s, s)
+            qg_ref[rows, c] = (q[i] * jnp.exp2(before[i][None, :] + local[i])).astype(inter_dtype)
+            kg_ref[rows, c] = (k_to_end[i] * jnp.exp2(after[i])[None, :]).astype(inter_dtype)
+        decay_ref[c] = jnp.exp2(before[-1] + total[-1])
+        return [aqk[p] for p in pairs], [kk[p] for p in pairs]
 
     zeros_ss = jnp.zeros((s, s), _F32)
-    for i in range(_N_SUB):
-        rows = pl.ds(i * s, s)
-        qg_ref[rows, :] = (q[i] * gamma[i]).astype(inter_dtype)
-        kg_ref[rows, :] = (k_to_end[i] * jnp.exp2(after[i])[None, :]).astype(inter_dtype)
-        w_ref[rows, :] = w[i].astype(inter_dtype)
-        u_ref[rows, :] = u[i].astype(inter_dtype)
-        for j in range(_N_SUB):
-            aqk_ref[rows, pl.ds(j * s, s)] = aqk.get((i, j), zeros_ss).astype(inter_dtype)
-    decay_ref[...] = jnp.exp2(before[-1] + total[-1])
+    init = ([zeros_ss] * len(pairs), [zeros_ss] * len(pairs))
+    aqk_acc, kk_acc = lax.fori_loop(0, kd // block_k, pass1, init)
+    aqk, kk = dict(zip(pairs, aqk_acc)), dict(zip(pairs, kk_acc))
+    akk = {(i, j): beta[i] * (jnp.where(strict_ss, x, 0.0) if i == j else x) for (i, j), x in kk.items()}
+    for i in subs:
+        for j in subs:
+            blk = aqk.get((i, j), zeros_ss)
+            blk = jnp.where(incl_ss, blk, 0.0) if i == j else blk
+            aqk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = blk.astype(inter_dtype)
+    inv = [_INVERSES[solve](akk[i, i]) for i in subs]
+
+    def substitute(rhs):
+        """``(I + akk)^-1 rhs`` for per-sub-chunk right-hand sides: blocked forward substitution."""
+        out = []
+        for i in subs:
+            r = rhs[i]
+            for j in range(i):
+                r = r - _dot(akk[i, j], out[j], precision)
+            out.append(_dot(inv[i], r, precision))
+        return out
+
+    def u_block(vb, carry):
+        c = cols(vb, block_k)
+        u = substitute([beta[i] * v_ref[pl.ds(i * s, s), c].astype(_F32) for i in subs])
+        for i in subs:
+            u_ref[pl.ds(i * s, s), c] = u[i].astype(inter_dtype)
+        return carry
+
+    def w_block(kb, carry):
+        c = cols(kb, block_k)
+        local, _, before, _ = decay_terms(kb)
+        w = substitute([beta[i] * k_ref[pl.ds(i * s, s), c].astype(_F32) * jnp.exp2(before[i][None, :] + local[i])
+                        for i in subs])
+        for i in subs:
+            w_ref[pl.ds(i * s, s), c] = w[i].astype(inter_dtype)
+        return carry
+
+    lax.fori_loop(0, vd // block_k, u_block, 0)
+    lax.fori_loop(0, kd // block_k, w_block, 0)
 
 
-def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *refs, n_chunks, precision, varlen):
-    """All chunks of one (batch, head, value block), in order; the f32 state ``[K, BV]`` is the loop carry.
+def _fused_recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *refs, n_chunks, precision,
+                             varlen):
+    """``recurrence="fused"``: all chunks of one (batch, head, value block), in order, forming the output too; the
+    f32 state ``[K, BV]`` is the loop carry.
 
     Varlen (``varlen=True``, packed sequences laid out so each starts on a chunk): three extra per-chunk int32
     inputs give the chunk's sequence, whether it is that sequence's first chunk (state <- its initial state) and
@@ -233,6 +298,44 @@ def _recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *refs, 
         lax.fori_loop(0, n_chunks, body, jnp.zeros(sn_ref.shape[1:], _F32))
     else:
         sn_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
+
+
+def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precision, varlen):
+    """``recurrence="split"`` (and the backward's recompute): all chunks of one (head, value block) in order; stores
+    each chunk-entry state ``S_n`` (rows ``n*K ..``, the matmul dtype: exactly the operand used), ``v'`` of each
+    chunk and the f32 final state (per sequence with varlen, as in the fused kernel)."""
+    if varlen:
+        seq_ref, first_ref, last_ref, s0_ref, states_ref, vnew_ref, sn_ref = refs
+    else:
+        s0_ref, states_ref, vnew_ref, sn_ref = refs
+    mm_dtype = kg_ref.dtype
+
+    def body(n, s_kv):
+        if varlen:
+            seq = seq_ref[n]
+            s_kv = jnp.where(first_ref[n] != 0, s0_ref[seq].astype(_F32), s_kv)
+        rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
+        s_mm = s_kv.astype(mm_dtype)
+        states_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = s_mm
+        v_new_mm = (u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s_mm, precision)).astype(mm_dtype)
+        vnew_ref[rows, :] = v_new_mm
+        s_kv = decay_ref[n, :].astype(_F32)[:, None] * s_kv + _dot_tn(kg_ref[rows, :], v_new_mm, precision)
+        if varlen:
+            @pl.when(last_ref[n] != 0)
+            def _store_final():
+                sn_ref[seq] = s_kv
+        return s_kv
+
+    if varlen:
+        lax.fori_loop(0, n_chunks, body, jnp.zeros(sn_ref.shape[1:], _F32))
+    else:
+        sn_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
+
+
+def _output_kernel(qg_ref, aqk_ref, s_ref, vnew_ref, o_ref, *, precision):
+    """One chunk of one (batch, head): ``o = qg S_n + aqk v'`` (aqk is lower-triangular, zeros above)."""
+    o = _dot(qg_ref[...], s_ref[...], precision) + _dot(aqk_ref[...], vnew_ref[...], precision)
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def varlen_layout(cu_seqlens, t):
@@ -269,7 +372,7 @@ def _is_pow2(n):
     return n >= 16 and n & (n - 1) == 0
 
 
-def intra_chunk(q, k, v, g, beta, *, scale, interpret=False, num_warps=4, solve="substitution"):
+def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False):
     """Kernel 1 on chunk-padded inputs ``[B, Tp, H, *]`` (Tp a multiple of 64; g, beta f32).
 
     Returns ``(qg, kg, w, u, aqk)`` as ``[B, Tp, H, *]`` (bf16 for bf16/f16 q, else f32) and ``decay [B, H, N, K]``.
@@ -278,10 +381,9 @@ def intra_chunk(q, k, v, g, beta, *, scale, interpret=False, num_warps=4, solve=
     vd = v.shape[-1]
     n = tp // CHUNK
     inter_dtype, precision = _matmul_policy(q.dtype)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-        params = pl_triton.CompilerParams(num_warps=num_warps, num_stages=1)
+    config = config or KernelConfig()
+    block_k = min(config.block_k, kd, vd)
+    params = triton_params(interpret, config.warps[0])
 
     def chunk_spec(width):
         return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
@@ -295,7 +397,7 @@ def intra_chunk(q, k, v, g, beta, *, scale, interpret=False, num_warps=4, solve=
         jax.ShapeDtypeStruct((b, h, n, kd), _F32),  # decay
     )
     return pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, precision=precision, solve=solve),
+        functools.partial(_intra_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k),
         out_shape=inter_shapes,
         grid=(n, b * h),
         in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd),
@@ -319,8 +421,10 @@ def _matmul_policy(dtype):
 def check_dims(kd: int, vd: int, config) -> int:
     """The value-block width for K = kd, V = vd (all powers of two, as the kernels' tiles need)."""
     block_v = min(config.block_v, vd)
-    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v)):
-        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v} must be powers of two >= 16")
+    block_k = min(config.block_k, kd, vd)
+    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v) and _is_pow2(block_k)):
+        raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v}, block_k={block_k} must be "
+                         "powers of two >= 16")
     return block_v
 
 
@@ -356,10 +460,144 @@ def chunk_layout(b: int, t: int, cu_seqlens):
     return n, None, to_padded, from_padded
 
 
+def triton_params(interpret: bool, warps: int, stages: int = 1):
+    """Triton compiler parameters (None in interpret mode)."""
+    if interpret:
+        return None
+    from jax.experimental.pallas import triton as pl_triton
+    return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class SequentialSpecs:
+    """Block specs of the chunk-loop kernels (grid: batch*head x value block), shared by forward and backward.
+
+    ``state`` is one (batch, head)'s ``[K, BV]`` state block (all ``[N_seq, K, BV]`` with varlen); ``meta_ops`` /
+    ``meta_specs`` are the varlen per-chunk (sequence, first, last) arrays (empty without varlen).
+    """
+
+    b: int
+    h: int
+    n: int
+    kd: int
+    vd: int
+    block_v: int
+    layout: dict | None
+
+    @property
+    def grid(self):
+        return (self.b * self.h, self.n_value_blocks)
+
+    @property
+    def n_value_blocks(self):
+        return self.vd // self.block_v
+
+    def seq(self, width, col_block=False):
+        """A whole (batch, head) sequence ``[Tp, width]``; value-blocked when ``col_block``."""
+        h, tp = self.h, self.n * CHUNK
+        if col_block:
+            return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, j))
+        return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, 0))
+
+    @property
+    def per_chunk_states(self):
+        h = self.h
+        return pl.BlockSpec((None, None, self.n * self.kd, self.block_v), lambda bh, j: (bh // h, bh % h, 0, j))
+
+    @property
+    def decay(self):
+        h = self.h
+        return pl.BlockSpec((None, None, self.n, self.kd), lambda bh, j: (bh // h, bh % h, 0, 0))
+
+    @property
+    def n_states(self):
+        return self.b if self.layout is None else self.layout["lens"].size
+
+    @property
+    def state(self):
+        h = self.h
+        if self.layout is None:
+            return pl.BlockSpec((None, None, self.kd, self.block_v), lambda bh, j: (bh // h, bh % h, 0, j))
+        return pl.BlockSpec((self.n_states, None, self.kd, self.block_v), lambda bh, j: (0, bh, 0, j))
+
+    @property
+    def meta_ops(self):
+        if self.layout is None:
+            return []
+        return [jnp.asarray(self.layout[name]) for name in ("chunk_seq", "chunk_first", "chunk_last")]
+
+    @property
+    def meta_specs(self):
+        return [] if self.layout is None else [pl.BlockSpec((self.n,), lambda bh, j: (0,))] * 3
+
+
+def chunk_states(kg, w, u, decay, initial_state, specs: SequentialSpecs, *, precision, config, interpret):
+    """The split recurrence's chunk loop: ``(states [B, H, N*K, V], v' [B, Tp, H, V], final state f32)``."""
+    b, tp, h, kd = kg.shape
+    vd = u.shape[-1]
+    mm_dtype = kg.dtype
+    return pl.pallas_call(
+        functools.partial(_states_kernel, n_chunks=specs.n, kd=kd, precision=precision,
+                          varlen=specs.layout is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, h, specs.n * kd, vd), mm_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), mm_dtype),
+                   jax.ShapeDtypeStruct((specs.n_states, h, kd, vd), _F32)),
+        grid=specs.grid,
+        in_specs=[specs.seq(kd), specs.seq(kd), specs.seq(specs.block_v, True), specs.decay]
+        + specs.meta_specs + [specs.state],
+        out_specs=[specs.per_chunk_states, specs.seq(specs.block_v, True), specs.state],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        name="kda_chunk_states",
+    )(kg, w, u, decay, *specs.meta_ops, initial_state.astype(_F32))
+
+
+def chunk_output(qg, aqk, states, v_new, *, out_dtype, precision, config, interpret):
+    """``o = qg S_n + aqk v'`` for every chunk in parallel (grid chunk x batch*head): ``[B, Tp, H, V]``."""
+    b, tp, h, kd = qg.shape
+    vd = v_new.shape[-1]
+    n = tp // CHUNK
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+
+    return pl.pallas_call(
+        functools.partial(_output_kernel, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((b, tp, h, vd), out_dtype),
+        grid=(n, b * h),
+        in_specs=[chunk_spec(kd), chunk_spec(CHUNK),
+                  pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0)), chunk_spec(vd)],
+        out_specs=chunk_spec(vd),
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_chunk_output",
+    )(qg, aqk, states, v_new)
+
+
+def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialSpecs, *, out_dtype, precision,
+                     config, interpret):
+    """``recurrence="fused"``: ``(o [B, Tp, H, V], final state f32)`` from one chunk loop."""
+    b, tp, h, kd = qg.shape
+    vd = u.shape[-1]
+    return pl.pallas_call(
+        functools.partial(_fused_recurrence_kernel, n_chunks=specs.n, precision=precision,
+                          varlen=specs.layout is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), out_dtype),
+                   jax.ShapeDtypeStruct((specs.n_states, h, kd, vd), _F32)),
+        grid=specs.grid,
+        in_specs=[specs.seq(kd), specs.seq(kd), specs.seq(kd), specs.seq(specs.block_v, True), specs.seq(CHUNK),
+                  specs.decay] + specs.meta_specs + [specs.state],
+        out_specs=[specs.seq(specs.block_v, True), specs.state],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        name="kda_chunk_recurrence",
+    )(qg, kg, w, u, aqk, decay, *specs.meta_ops, initial_state.astype(_F32))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
                   cu_seqlens=None):
-    """Chunkwise KDA forward through the two Pallas kernels.
+    """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the split or fused recurrence).
 
     Args:
       q, k: ``[B, T, H, K]`` (L2-normalised); v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` activated log-decay (<= 0,
@@ -381,43 +619,15 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
 
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
-    tp = n * CHUNK
 
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, interpret=interpret,
-                                           num_warps=config.warps[0], solve=config.solve)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-        params = pl_triton.CompilerParams(num_warps=config.warps[1], num_stages=1)
-
-    def seq_spec(width, col_block):
-        if col_block:
-            return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, j))
-        return pl.BlockSpec((None, tp, None, width), lambda bh, j: (bh // h, 0, bh % h, 0))
-
-    in_specs = [seq_spec(kd, False), seq_spec(kd, False), seq_spec(kd, False), seq_spec(block_v, True),
-                seq_spec(CHUNK, False), pl.BlockSpec((None, None, n, kd), lambda bh, j: (bh // h, bh % h, 0, 0))]
-    operands = [qg, kg, w, u, aqk, decay]
-    n_states = b
-    if layout is None:
-        state_spec = pl.BlockSpec((None, None, kd, block_v), lambda bh, j: (bh // h, bh % h, 0, j))
+    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret)
+    specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
+    kw = dict(precision=precision, config=config, interpret=interpret)
+    if config.recurrence == "fused":
+        o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype, **kw)
     else:
-        n_states = layout["lens"].size
-        state_spec = pl.BlockSpec((n_states, None, kd, block_v), lambda bh, j: (0, bh, 0, j))
-        meta_spec = pl.BlockSpec((n,), lambda bh, j: (0,))
-        in_specs += [meta_spec] * 3
-        operands += [jnp.asarray(layout[name]) for name in ("chunk_seq", "chunk_first", "chunk_last")]
-    o, final_state = pl.pallas_call(
-        functools.partial(_recurrence_kernel, n_chunks=n, precision=precision, varlen=layout is not None),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), q.dtype),
-                   jax.ShapeDtypeStruct((n_states, h, kd, vd), _F32)),
-        grid=(b * h, vd // block_v),
-        in_specs=in_specs + [state_spec],
-        out_specs=[seq_spec(block_v, True), state_spec],
-        interpret=interpret,
-        compiler_params=params,
-        name="kda_chunk_recurrence",
-    )(*operands, initial_state.astype(_F32))
+        states, v_new, final_state = chunk_states(kg, w, u, decay, initial_state, specs, **kw)
+        o = chunk_output(qg, aqk, states, v_new, out_dtype=q.dtype, **kw)
     if layout is None:
         return from_padded(o), final_state
     # Empty sequences own no chunk: their final state is their initial state.

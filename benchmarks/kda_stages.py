@@ -1,0 +1,131 @@
+"""Per-kernel times of the Pallas KDA forward and backward on one GPU (where the time goes, for tuning).
+
+    python benchmarks/kda_stages.py --shape=1x8192x96 --variants=64-4-4,32-4-4-substitution-split-2 [--iters=10]
+
+Each stage (forward: intra, states, output, fused recurrence; backward: reverse, state_grads, intra_bwd) is jitted
+alone on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters`
+calls after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any compile error
+(e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails.
+Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-recurrence[-stages[-block_k]]]]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.kda import KernelConfig
+from pallas_kernels.kda import chunk_bwd, chunk_fwd
+
+
+def _inputs(b, t, h, d, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+
+    def unit(x):
+        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+    q, k = (jnp.asarray(unit(rng.standard_normal((b, t, h, d))), dtype) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    g = jnp.asarray(-5.0 * rng.random((b, t, h, d)), jnp.float32)
+    beta = jnp.asarray(rng.random((b, t, h)), jnp.float32)
+    s0 = jnp.zeros((b, h, d, d), jnp.float32)
+    d_o = jnp.asarray(rng.standard_normal((b, t, h, d)), dtype)
+    return q, k, v, g, beta, s0, d_o
+
+
+def stage_fns(b, t, h, d, dtype, config, interpret=False):
+    """Ordered (name, jitted fn, args builder) for each kernel; builders read earlier stages' outputs."""
+    scale = d ** -0.5
+    _, precision = chunk_fwd._matmul_policy(dtype)
+    kw = dict(precision=precision, config=config, interpret=interpret)
+    block_v = chunk_fwd.check_dims(d, d, config)
+    n = t // chunk_fwd.CHUNK
+    specs = chunk_fwd.SequentialSpecs(b=b, h=h, n=n, kd=d, vd=d, block_v=block_v, layout=None)
+    q, k, v, g, beta, s0, d_o = _inputs(b, t, h, d, dtype)
+    out = {}
+    stages = [
+        ("intra", lambda: jax.jit(lambda *a: chunk_fwd.intra_chunk(*a, scale=scale, config=config,
+                                                                   interpret=interpret)),
+         lambda: (q, k, v, g, beta), ("qg", "kg", "w", "u", "aqk", "decay")),
+        ("states", lambda: jax.jit(lambda *a: chunk_fwd.chunk_states(*a, specs, **kw)),
+         lambda: (out["kg"], out["w"], out["u"], out["decay"], s0), ("states", "v_new", "final")),
+        ("output", lambda: jax.jit(lambda *a: chunk_fwd.chunk_output(*a, out_dtype=dtype, **kw)),
+         lambda: (out["qg"], out["aqk"], out["states"], out["v_new"]), ("o",)),
+        ("fused_recurrence", lambda: jax.jit(lambda *a: chunk_fwd.fused_recurrence(*a, specs, out_dtype=dtype, **kw)),
+         lambda: (out["qg"], out["kg"], out["w"], out["u"], out["aqk"], out["decay"], s0), ("o_fused", "final2")),
+        ("bwd_reverse", lambda: jax.jit(lambda *a: chunk_bwd.reverse_states(*a, specs, **kw)),
+         lambda: (out["qg"], out["kg"], out["w"], out["aqk"], out["decay"], d_o, s0), ("ds_end", "dv_new", "ds0")),
+        ("bwd_state_grads", lambda: jax.jit(lambda *a: chunk_bwd.state_grads(*a, **kw)),
+         lambda: (d_o, out["v_new"], out["dv_new"], out["states"], out["ds_end"]),
+         ("dqg", "dkg", "dw", "daqk", "d_decay")),
+        ("bwd_intra", lambda: jax.jit(lambda *a: chunk_bwd.intra_bwd(*a, scale=scale, **kw)),
+         lambda: (q, k, v, g, beta, out["u"], out["w"], out["dqg"], out["dkg"], out["dw"], out["dv_new"],
+                  out["daqk"], out["d_decay"]), ("dq", "dk", "dv", "dg", "dbeta")),
+    ]
+    return stages, out
+
+
+def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False):
+    stages, out = stage_fns(b, t, h, d, dtype, config, interpret)
+    rows = {}
+    for name, make, args, names in stages:
+        try:
+            fn = make()
+            a = args()
+            res = jax.block_until_ready(fn(*a))
+        except Exception as e:  # noqa: BLE001 -- report which kernel fails and go on with the others
+            rows[name] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            for nm in names:
+                out.setdefault(nm, None)
+            continue
+        res = res if isinstance(res, tuple) else (res,)
+        out.update(zip(names, res))
+        if timed:
+            times = []
+            for _ in range(iters):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(*a))
+                times.append((time.perf_counter() - t0) * 1e3)
+            rows[name] = round(statistics.median(times), 3)
+        else:
+            rows[name] = "ok"
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--shape", default="1x8192x96")
+    p.add_argument("--variants", default="64-4-4")
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no_compile_check", action="store_true")
+    p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (Pallas interpreter)")
+    args = p.parse_args()
+    b, t, h = (int(x) for x in args.shape.split("x"))
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    for index, text in enumerate(args.variants.split(",")):
+        config = KernelConfig.parse(text)
+        if not args.no_compile_check and index == 0:
+            for dtype in (jnp.float32, jnp.bfloat16):
+                rows = run_stages(1, 256, 2, 128, dtype, config, 0, timed=False, interpret=args.interpret)
+                print(json.dumps({"variant": text, "compile_check": jnp.dtype(dtype).name, **rows}), flush=True)
+        rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret)
+        fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
+        split = sum(fwd.get(k, 0) for k in ("intra", "states", "output"))
+        fused = sum(fwd.get(k, 0) for k in ("intra", "fused_recurrence"))
+        bwd = sum(fwd.get(k, 0) for k in ("intra", "states", "bwd_reverse", "bwd_state_grads", "bwd_intra"))
+        print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_split_ms": round(split, 3),
+                          "fwd_fused_ms": round(fused, 3), "bwd_ms": round(bwd, 3)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
