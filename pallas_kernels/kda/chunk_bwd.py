@@ -161,127 +161,176 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                       dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, precision, solve):
-    """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas."""
+                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, precision, solve, block_k):
+    """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas.
+
+    Column-blocked like the forward's intra kernel (everything but the 16x16 sub-chunk products is elementwise in
+    the key / value column, the decay bookkeeping included): pass A accumulates the pairwise key products ``kk``
+    over key blocks; pass B (value blocks) forms ``y = A^T du``, writes ``dv`` and accumulates its part of ``dakk``
+    and ``dbeta``; pass C (key blocks) does the same for ``z = A^T dw``; pass D (key blocks) recomputes the decay
+    factors and ``z`` and writes ``dq``, ``dk``, ``dg``. Only [16, block_k] tiles and 16x16 blocks are live.
+    """
     s = SUB_CHUNK
+    kd = q_ref.shape[-1]
+    vd = v_ref.shape[-1]
     rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
     cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
     incl_ss = rows_s1 >= cols_1s
     strict_ss = rows_s1 > cols_1s
     subs = range(_N_SUB)
-
-    def load(ref, i):
-        return ref[pl.ds(i * s, s), :].astype(_F32)
-
-    def ss_block(ref, i, j):
-        return ref[pl.ds(i * s, s), pl.ds(j * s, s)].astype(_F32)
-
-    q = [load(q_ref, i) * scale for i in subs]  # q~ = scale q
-    k = [load(k_ref, i) for i in subs]
-    v = [load(v_ref, i) for i in subs]
+    pairs = [(i, j) for i in subs for j in range(i + 1)]
     beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
-    g = [load(g_ref, i) * _LOG2E for i in subs]
+    zeros_ss = jnp.zeros((s, s), _F32)
+    zeros_s = jnp.zeros((s,), _F32)
 
-    # Decay bookkeeping, as in the forward kernel (base 2).
-    local = [jnp.cumsum(gi, axis=0) for gi in g]
-    total = [jnp.sum(gi, axis=0) for gi in g]
-    first = [_row(c, 0) for c in local]
-    mid = [_row(c, s // 2) for c in local]
-    zeros_k = jnp.zeros_like(total[0])
-    before = [sum(total[:i], zeros_k) for i in subs]
-    after = [sum(total[i + 1:], zeros_k) for i in subs]
-    g_last = before[-1] + total[-1]
-    to_end = [jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs]  # 2^(G_end(i) - G)
-    gamma = [jnp.exp2(before[i][None, :] + local[i]) for i in subs]  # 2^G
-    kg_factor = [to_end[i] * jnp.exp2(after[i])[None, :] for i in subs]  # 2^(G_L - G)
-    left = [jnp.exp2(local[i] - mid[i][None, :]) for i in subs]
-    right = [jnp.exp2(mid[i][None, :] - local[i]) for i in subs]
-    from_first = [jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs]  # 2^(G - G_n), n = row 0
-    q_first = [q[i] * from_first[i] for i in subs]
-    k_first = [k[i] * from_first[i] for i in subs]
-    q_left = [q[i] * left[i] for i in subs]
-    k_left = [k[i] * left[i] for i in subs]
-    k_right = [k[i] * right[i] for i in subs]
-    # col[i, j] (i > j): 2^(G_n(i) - G) on the rows of sub-chunk j; k_bridged = k_j * col[i, j].
-    col = {(i, j): to_end[j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
-           for i in subs for j in range(i)}
-    k_bridged = {ij: k[ij[1]] * c for ij, c in col.items()}
+    def cols(kb):
+        return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
 
-    # kk = akk / beta (pairwise k products), akk and the inverses of the diagonal blocks of I + akk.
-    kk = {}
-    for i in subs:
-        kk[i, i] = jnp.where(strict_ss, _dot_nt(k_left[i], k_right[i], precision), 0.0)
-        for j in range(i):
-            kk[i, j] = _dot_nt(k_first[i], k_bridged[i, j], precision)
-    akk = {ij: beta[ij[0]] * x for ij, x in kk.items()}
+    def load(ref, i, c):
+        return ref[pl.ds(i * s, s), c].astype(_F32)
+
+    def factors(kb):
+        """Decay bookkeeping of one key block, as in the forward kernel (base 2)."""
+        c = cols(kb)
+        g = [load(g_ref, i, c) * _LOG2E for i in subs]
+        local = [jnp.cumsum(gi, axis=0) for gi in g]
+        total = [jnp.sum(gi, axis=0) for gi in g]
+        first = [_row(x, 0) for x in local]
+        mid = [_row(x, s // 2) for x in local]
+        zeros_k = jnp.zeros_like(total[0])
+        before = [sum(total[:i], zeros_k) for i in subs]
+        after = [sum(total[i + 1:], zeros_k) for i in subs]
+        f = dict(local=local, total=total, first=first, before=before, after=after,
+                 g_last=before[-1] + total[-1],
+                 to_end=[jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs],  # 2^(G_end - G)
+                 gamma=[jnp.exp2(before[i][None, :] + local[i]) for i in subs],  # 2^G
+                 left=[jnp.exp2(local[i] - mid[i][None, :]) for i in subs],
+                 right=[jnp.exp2(mid[i][None, :] - local[i]) for i in subs],
+                 from_first=[jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs])  # 2^(G - G_n)
+        # col[i, j] (i > j): 2^(G_n(i) - G) on the rows of sub-chunk j.
+        f["col"] = {(i, j): f["to_end"][j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
+                    for i in subs for j in range(i)}
+        return f
+
+    # Pass A: kk = akk / beta (pairwise key products) over key blocks.
+    def pass_a(kb, acc):
+        kk = dict(zip(pairs, acc))
+        f = factors(kb)
+        k = [load(k_ref, i, cols(kb)) for i in subs]
+        for i in subs:
+            kk[i, i] = kk[i, i] + _dot_nt(k[i] * f["left"][i], k[i] * f["right"][i], precision)
+            k_first = k[i] * f["from_first"][i]
+            for j in range(i):
+                kk[i, j] = kk[i, j] + _dot_nt(k_first, k[j] * f["col"][i, j], precision)
+        return [kk[p] for p in pairs]
+
+    kk = dict(zip(pairs, lax.fori_loop(0, kd // block_k, pass_a, [zeros_ss] * len(pairs))))
+    kk = {(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in kk.items()}
+    akk = {(i, j): beta[i] * x for (i, j), x in kk.items()}
     inv = [_INVERSES[solve](akk[i, i]) for i in subs]
 
-    # y = A^T du, z = A^T dw by back substitution: y_i = inv_ii^T (du_i - sum_{m > i} akk_mi^T y_m).
-    du = [load(du_ref, i) for i in subs]
-    dw = [load(dw_ref, i) for i in subs]
-    y, z = [None] * _N_SUB, [None] * _N_SUB
-    for i in reversed(subs):
-        rhs_y, rhs_z = du[i], dw[i]
-        for m in range(i + 1, _N_SUB):
-            rhs_y = rhs_y - _dot_tn(akk[m, i], y[m], precision)
-            rhs_z = rhs_z - _dot_tn(akk[m, i], z[m], precision)
-        y[i] = _dot_tn(inv[i], rhs_y, precision)
-        z[i] = _dot_tn(inv[i], rhs_z, precision)
+    def back_substitute(rhs):
+        """``A^T rhs`` with ``A = (I + akk)^-1``: x_i = inv_ii^T (rhs_i - sum_{m > i} akk_mi^T x_m)."""
+        x = [None] * _N_SUB
+        for i in reversed(subs):
+            r = rhs[i]
+            for m in range(i + 1, _N_SUB):
+                r = r - _dot_tn(akk[m, i], x[m], precision)
+            x[i] = _dot_tn(inv[i], r, precision)
+        return x
 
-    u = [load(u_ref, i) for i in subs]
-    w = [load(w_ref, i) for i in subs]
-    dakk = {}
+    # Pass B (value blocks): y = A^T du, dv = beta y; dakk -= y u^T; dbeta += rowsum(y v).
+    def pass_b(vb, carry):
+        dakk, dbeta = dict(zip(pairs, carry[0])), list(carry[1])
+        c = cols(vb)
+        y = back_substitute([load(du_ref, i, c) for i in subs])
+        u = [load(u_ref, i, c) for i in subs]
+        for i in subs:
+            dv_ref[pl.ds(i * s, s), c] = (beta[i] * y[i]).astype(dv_ref.dtype)
+            dbeta[i] = dbeta[i] + jnp.sum(y[i] * load(v_ref, i, c), axis=1)
+            for j in range(i + 1):
+                dakk[i, j] = dakk[i, j] - _dot_nt(y[i], u[j], precision)
+        return [dakk[p] for p in pairs], dbeta
+
+    def z_block(kb):
+        return back_substitute([load(dw_ref, i, cols(kb)) for i in subs])
+
+    # Pass C (key blocks): z = A^T dw; dakk -= z w^T; dbeta += rowsum(z k 2^G).
+    def pass_c(kb, carry):
+        dakk, dbeta = dict(zip(pairs, carry[0])), list(carry[1])
+        c = cols(kb)
+        z = z_block(kb)
+        w = [load(w_ref, i, c) for i in subs]
+        gamma = factors(kb)["gamma"]
+        for i in subs:
+            dbeta[i] = dbeta[i] + jnp.sum(z[i] * load(k_ref, i, c) * gamma[i], axis=1)
+            for j in range(i + 1):
+                dakk[i, j] = dakk[i, j] - _dot_nt(z[i], w[j], precision)
+        return [dakk[p] for p in pairs], dbeta
+
+    carry = ([zeros_ss] * len(pairs), [zeros_s] * _N_SUB)
+    carry = lax.fori_loop(0, vd // block_k, pass_b, carry)
+    dakk_acc, dbeta = lax.fori_loop(0, kd // block_k, pass_c, carry)
+    dakk = {(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in zip(pairs, dakk_acc)}
     for i in subs:
+        db = dbeta[i]
         for j in range(i + 1):
-            blk = -(_dot_nt(y[i], u[j], precision) + _dot_nt(z[i], w[j], precision))
-            dakk[i, j] = jnp.where(strict_ss, blk, 0.0) if i == j else blk
+            db = db + jnp.sum(dakk[i, j] * kk[i, j], axis=1)
+        dbeta_ref[pl.ds(i * s, s)] = db.astype(dbeta_ref.dtype)
+    p_blk = {(i, j): beta[i] * x for (i, j), x in dakk.items()}
+    daqk = {(i, j): daqk_ref[pl.ds(i * s, s), pl.ds(j * s, s)].astype(_F32) for (i, j) in pairs}
+    daqk = {(i, j): jnp.where(incl_ss, x, 0.0) if i == j else x for (i, j), x in daqk.items()}
 
-    bkg = [beta[i] * k[i] * gamma[i] for i in subs]  # beta k 2^G (the w right-hand side)
-    dbeta = [jnp.sum(y[i] * v[i], axis=1) + jnp.sum(z[i] * k[i] * gamma[i], axis=1) for i in subs]
-    for (i, j), blk in dakk.items():
-        dbeta[i] = dbeta[i] + jnp.sum(blk * kk[i, j], axis=1)
+    # Pass D (key blocks): dq, dk, dg through the pairwise products and the decay factors.
+    def pass_d(kb, carry):
+        c = cols(kb)
+        f = factors(kb)
+        q = [load(q_ref, i, c) * scale for i in subs]  # q~ = scale q
+        k = [load(k_ref, i, c) for i in subs]
+        z = z_block(kb)
+        left, right, from_first, col = f["left"], f["right"], f["from_first"], f["col"]
+        q_first = [q[i] * from_first[i] for i in subs]
+        k_first = [k[i] * from_first[i] for i in subs]
+        q_left = [q[i] * left[i] for i in subs]
+        k_left = [k[i] * left[i] for i in subs]
+        k_right = [k[i] * right[i] for i in subs]
+        dqs = [load(dqg_ref, i, c) * f["gamma"][i] for i in subs]  # qg = q~ 2^G
+        dk_row = [jnp.zeros_like(k[i]) for i in subs]
+        dk_col = [jnp.zeros_like(k[i]) for i in subs]
+        for i in subs:
+            dqs[i] = dqs[i] + left[i] * _dot(daqk[i, i], k_right[i], precision)
+            dk_row[i] = dk_row[i] + left[i] * _dot(p_blk[i, i], k_right[i], precision)
+            dk_col[i] = dk_col[i] + right[i] * (_dot_tn(daqk[i, i], q_left[i], precision)
+                                                + _dot_tn(p_blk[i, i], k_left[i], precision))
+            for j in range(i):
+                k_bridged = k[j] * col[i, j]
+                dqs[i] = dqs[i] + from_first[i] * _dot(daqk[i, j], k_bridged, precision)
+                dk_row[i] = dk_row[i] + from_first[i] * _dot(p_blk[i, j], k_bridged, precision)
+                dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk[i, j], q_first[i], precision)
+                                                     + _dot_tn(p_blk[i, j], k_first[i], precision))
+        dkg = [load(dkg_ref, i, c) for i in subs]
+        kg_factor = [f["to_end"][i] * jnp.exp2(f["after"][i])[None, :] for i in subs]  # 2^(G_L - G)
+        dg_last = ddecay_ref[c].astype(_F32) * jnp.exp2(f["g_last"])
+        dgrow = []
+        for i in subs:
+            dkg_kg = dkg[i] * k[i] * kg_factor[i]
+            dg_last = dg_last + jnp.sum(dkg_kg, axis=0)
+            dgrow.append(q[i] * dqs[i] + k[i] * (dk_row[i] - dk_col[i]) - dkg_kg
+                         + z[i] * beta[i] * k[i] * f["gamma"][i])
+        # dg_r = sum_{r' >= r} dG_r' + dG_L: reverse cumsum inside each sub-chunk plus the later sub-chunks' totals.
+        acc = dg_last
+        for i in reversed(subs):
+            blk_total = jnp.sum(dgrow[i], axis=0)
+            dg_i = (acc + blk_total)[None, :] - jnp.cumsum(dgrow[i], axis=0) + dgrow[i]
+            acc = acc + blk_total
+            rows = pl.ds(i * s, s)
+            dg_ref[rows, c] = dg_i.astype(dg_ref.dtype)
+            dq_ref[rows, c] = (scale * dqs[i]).astype(dq_ref.dtype)
+            dk_ref[rows, c] = (dk_row[i] + dk_col[i] + dkg[i] * kg_factor[i]
+                               + beta[i] * f["gamma"][i] * z[i]).astype(dk_ref.dtype)
+        return carry
 
-    # Pairwise products: dq~ (rows of aqk), dk_row (rows of akk), dk_col (columns of both).
-    dqs = [load(dqg_ref, i) * gamma[i] for i in subs]  # qg = q~ 2^G
-    dk_row = [jnp.zeros_like(k[i]) for i in subs]
-    dk_col = [jnp.zeros_like(k[i]) for i in subs]
-    for i in subs:
-        daqk_ii = jnp.where(incl_ss, ss_block(daqk_ref, i, i), 0.0)
-        p_ii = beta[i] * dakk[i, i]
-        dqs[i] = dqs[i] + left[i] * _dot(daqk_ii, k_right[i], precision)
-        dk_row[i] = dk_row[i] + left[i] * _dot(p_ii, k_right[i], precision)
-        dk_col[i] = dk_col[i] + right[i] * (_dot_tn(daqk_ii, q_left[i], precision)
-                                            + _dot_tn(p_ii, k_left[i], precision))
-        for j in range(i):
-            daqk_ij = ss_block(daqk_ref, i, j)
-            p_ij = beta[i] * dakk[i, j]
-            dqs[i] = dqs[i] + from_first[i] * _dot(daqk_ij, k_bridged[i, j], precision)
-            dk_row[i] = dk_row[i] + from_first[i] * _dot(p_ij, k_bridged[i, j], precision)
-            dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk_ij, q_first[i], precision)
-                                                 + _dot_tn(p_ij, k_first[i], precision))
-
-    dkg = [load(dkg_ref, i) for i in subs]
-    kg = [k[i] * kg_factor[i] for i in subs]
-    dg_last = ddecay_ref[...].astype(_F32) * jnp.exp2(g_last)
-    dgrow = []
-    for i in subs:
-        dkg_kg = dkg[i] * kg[i]
-        dg_last = dg_last + jnp.sum(dkg_kg, axis=0)
-        dgrow.append(q[i] * dqs[i] + k[i] * (dk_row[i] - dk_col[i]) - dkg_kg + z[i] * bkg[i])
-
-    # dg_r = sum_{r' >= r} dG_r' + dG_L: reverse cumsum inside each sub-chunk plus the later sub-chunks' totals.
-    carry = dg_last
-    for i in reversed(subs):
-        blk_total = jnp.sum(dgrow[i], axis=0)
-        dg_i = (carry + blk_total)[None, :] - jnp.cumsum(dgrow[i], axis=0) + dgrow[i]
-        carry = carry + blk_total
-        rows = pl.ds(i * s, s)
-        dg_ref[rows, :] = dg_i.astype(dg_ref.dtype)
-        dq_ref[rows, :] = (scale * dqs[i]).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dk_row[i] + dk_col[i] + dkg[i] * kg_factor[i]
-                           + beta[i] * gamma[i] * z[i]).astype(dk_ref.dtype)
-        dv_ref[rows, :] = (beta[i] * y[i]).astype(dv_ref.dtype)
-        dbeta_ref[rows] = dbeta[i].astype(dbeta_ref.dtype)
+    lax.fori_loop(0, kd // block_k, pass_d, 0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -377,7 +426,8 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
     decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
     beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
     return pl.pallas_call(
-        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve),
+        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve,
+                          block_k=min(config.block_k, kd, vd)),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, vd), _F32),

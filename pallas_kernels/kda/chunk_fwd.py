@@ -66,7 +66,7 @@ class KernelConfig:
 
     block_v: int = 64
     warps: tuple[int, int] = (4, 4)
-    solve: str = "substitution"
+    solve: str = "doubling"
     recurrence: str = "fused"
     stages: int = 1
     block_k: int = 32
