@@ -16,7 +16,8 @@ from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
 from k3jax.layers.attn_res import AttnResRead, push_snapshot, snapshots_before
 from k3jax.layers.kda import KDA, KDAState, init_kda_state
-from k3jax.layers.mla import MLA, init_latent_cache
+from k3jax.layers.mla import (DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init_latent_pages,
+                              pages_per_sequence)
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
@@ -26,42 +27,71 @@ from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
 
 
-class DecodeCache(NamedTuple):
-    """Every layer's incremental state plus the number of tokens each sequence has consumed.
+NO_PAGE = -1  # page-table entry of a page not allocated
 
-    `layers[g][j]` is the state of layer j of group g's unit: a `KDAState` for KDA layers, the latent buffer
-    [B, max_len, kv_lora_rank + qk_rope_head_dim] for MLA layers. Scanned groups hold their states stacked
-    with a leading [num_repeats] axis, like their parameters. `lengths` int32[B]: tokens already in the cache
+
+class DecodeCache(NamedTuple):
+    """Every layer's incremental state, the MLA page table and the number of tokens each sequence has consumed.
+
+    `layers[g][j]` is the state of layer j of group g's unit: a `KDAState` (per sequence, batch axis 0) for KDA
+    layers, the latent page pool [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] for MLA layers (shared
+    by all sequences). Scanned groups hold their states stacked with a leading [num_repeats] axis, like their
+    parameters. `page_table` int32[B, P]: page j of sequence b (positions j*page_size ..) is pool page
+    page_table[b, j] in EVERY MLA layer's pool (NO_PAGE: none). `lengths` int32[B]: tokens already in the cache
     (the position of each sequence's next token). AttnRes needs no entry: it mixes depth per token.
     """
 
     layers: tuple
+    page_table: jax.Array
     lengths: jax.Array
 
-    @property
-    def max_len(self) -> int:
+    def _pool(self):
         for group in self.layers:
             for state in group:
                 if not isinstance(state, KDAState):
-                    return state.shape[-2]
-        return -1  # no MLA layer: the cache has no length limit
+                    return state
+        return None
+
+    @property
+    def page_size(self) -> int:
+        pool = self._pool()
+        return -1 if pool is None else pool.shape[-2]
+
+    @property
+    def num_pages(self) -> int:
+        pool = self._pool()
+        return -1 if pool is None else pool.shape[-3]
+
+    @property
+    def max_len(self) -> int:
+        """Positions the page table can address; -1: no MLA layer (the cache has no length limit)."""
+        pool = self._pool()
+        return -1 if pool is None else self.page_table.shape[1] * pool.shape[-2]
 
 
-def _layer_state(cfg: ModelConfig, attn: str, batch_size: int, max_len: int):
-    if attn == "kda":
-        return init_kda_state(cfg, batch_size)
-    return init_latent_cache(cfg, batch_size, max_len)
+def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, *, page_size: int | None = None,
+               num_pages: int | None = None) -> DecodeCache:
+    """An empty `DecodeCache` for `batch_size` sequences of up to `max_len` tokens (prompt + generated).
 
-
-def init_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> DecodeCache:
-    """An empty `DecodeCache` for `batch_size` sequences of up to `max_len` tokens (prompt + generated)."""
+    MLA latents live in pages of `page_size` tokens (default min(64, max_len)); the page table has
+    ceil(max_len / page_size) entries per sequence. `num_pages` None: batch_size * that many pages with sequence b
+    owning its own consecutive pages (a plain batch: `Engine`, tests); an int: a pool of that many pages and every
+    table entry NO_PAGE, for a scheduler to allocate (`k3jax.inference.scheduler`).
+    """
+    page_size = page_size or min(DEFAULT_PAGE_SIZE, max_len)
+    per_seq = pages_per_sequence(max_len, page_size)
+    if num_pages is None:
+        num_pages, table = batch_size * per_seq, contiguous_page_table(batch_size, per_seq)
+    else:
+        table = jnp.full((batch_size, per_seq), NO_PAGE, jnp.int32)
     layers = []
     for group in cfg.layer_groups():
-        unit = tuple(_layer_state(cfg, attn, batch_size, max_len) for attn, _ in group.pattern)
+        unit = tuple(init_kda_state(cfg, batch_size) if attn == "kda" else init_latent_pages(cfg, num_pages, page_size)
+                     for attn, _ in group.pattern)
         if group.num_repeats > 1:
             unit = jax.tree.map(lambda x: jnp.broadcast_to(x, (group.num_repeats,) + x.shape), unit)
         layers.append(unit)
-    return DecodeCache(tuple(layers), jnp.zeros((batch_size,), jnp.int32))
+    return DecodeCache(tuple(layers), table, jnp.zeros((batch_size,), jnp.int32))
 
 
 class DecoderLayer(nnx.Module):
@@ -84,7 +114,7 @@ class DecoderLayer(nnx.Module):
             return self._run(carry, layer_index, self.self_attn)
         return self._run(carry, layer_index, lambda x: self.self_attn(x, segment_ids_bt))
 
-    def forward_cached(self, carry: Carry, layer_index, state, start_b, valid_b):
+    def forward_cached(self, carry: Carry, layer_index, state, start_b, valid_b, page_table_bp):
         """The layer over new tokens with its attention state (see `K3Model.forward_cached`)."""
         out = {}
 
@@ -92,7 +122,7 @@ class DecoderLayer(nnx.Module):
             if isinstance(self.self_attn, KDA):
                 y, out["state"] = self.self_attn.forward_cached(x, state, valid_b)
             else:
-                y, out["state"] = self.self_attn.forward_cached(x, state, start_b, valid_b)
+                y, out["state"] = self.self_attn.forward_cached(x, state, page_table_bp, start_b, valid_b)
             return y
 
         carry = self._run(carry, layer_index, attn)
@@ -127,10 +157,11 @@ class DecoderUnit(nnx.Module):
             carry = layer(carry, first_layer_index + j, segment_ids_bt)
         return carry
 
-    def forward_cached(self, carry: Carry, first_layer_index, states, start_b, valid_b):
+    def forward_cached(self, carry: Carry, first_layer_index, states, start_b, valid_b, page_table_bp):
         new_states = []
         for j, layer in enumerate(self.layers):
-            carry, st = layer.forward_cached(carry, first_layer_index + j, states[j], start_b, valid_b)
+            carry, st = layer.forward_cached(carry, first_layer_index + j, states[j], start_b, valid_b,
+                                             page_table_bp)
             new_states.append(st)
         return carry, tuple(new_states)
 
@@ -167,7 +198,7 @@ class ScannedUnits(nnx.Module):
 
         return run(carry, self.units, starts, segment_ids_bt)
 
-    def forward_cached(self, carry: Carry, states, start_b, valid_b):
+    def forward_cached(self, carry: Carry, states, start_b, valid_b, page_table_bp):
         """Scans the units with their stacked states as scanned input and the updated states as scanned output."""
         unit_len = len(self.group.pattern)
         starts = self.group.start + unit_len * jnp.arange(self.group.num_repeats, dtype=jnp.int32)
@@ -175,7 +206,7 @@ class ScannedUnits(nnx.Module):
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0),
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
         def run(carry, unit, start, unit_states):
-            return unit.forward_cached(carry, start, unit_states, start_b, valid_b)
+            return unit.forward_cached(carry, start, unit_states, start_b, valid_b, page_table_bp)
 
         return run(carry, self.units, starts, states)
 
@@ -233,8 +264,8 @@ class K3Model(nnx.Module):
             h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
         return self.norm(h)
 
-    def init_cache(self, batch_size: int, max_len: int) -> DecodeCache:
-        return init_cache(self.cfg, batch_size, max_len)
+    def init_cache(self, batch_size: int, max_len: int, **paging) -> DecodeCache:
+        return init_cache(self.cfg, batch_size, max_len, **paging)
 
     def hidden_states_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
                              valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
@@ -251,14 +282,14 @@ class K3Model(nnx.Module):
         new_layers = []
         for start, group, states in zip(self.group_starts, self.groups, cache.layers):
             if isinstance(group, ScannedUnits):
-                carry, states = group.forward_cached(carry, states, start_b, valid_len_b)
+                carry, states = group.forward_cached(carry, states, start_b, valid_len_b, cache.page_table)
             else:
-                carry, states = group.forward_cached(carry, start, states, start_b, valid_len_b)
+                carry, states = group.forward_cached(carry, start, states, start_b, valid_len_b, cache.page_table)
             new_layers.append(states)
         h, bank = carry
         if cfg.uses_attn_res:
             h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
-        return self.norm(h), DecodeCache(tuple(new_layers), start_b + valid_len_b)
+        return self.norm(h), DecodeCache(tuple(new_layers), cache.page_table, start_b + valid_len_b)
 
     def forward_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
                        valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
@@ -267,8 +298,9 @@ class K3Model(nnx.Module):
         Token t of sequence b is at position `cache.lengths[b] + t`. Only its first `valid_len_b[b]` tokens are
         real (right padding; default all T): padded tokens leave every cache untouched (KDA: β = g = 0 and conv
         history at the true end; MLA: their latent rows are not written), and `lengths` advances by `valid_len_b`.
-        Logits at padded positions are meaningless. The caller keeps `lengths + T <= max_len` for valid tokens.
-        Jittable: shapes are static given (B, T, max_len).
+        Logits at padded positions are meaningless. MLA rows are written and read through `cache.page_table`
+        (unchanged here: allocating pages is the caller's job); the caller keeps `lengths + T <= max_len` and the
+        pages of those positions mapped for valid tokens. Jittable: shapes are static given (B, T, the cache's).
         """
         h, cache = self.hidden_states_cached(input_ids_bt, cache, valid_len_b)
         return self.logits(h), cache

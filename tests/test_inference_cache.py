@@ -106,7 +106,8 @@ def test_right_padded_batch_matches_each_sequence(jm):
             if active[i]:
                 np.testing.assert_allclose(np.asarray(logits)[i, 0], ref[i, fed[i]], **TOL)
                 fed[i] += 1
-        # the paused sequence's caches are untouched (KDA states and MLA latent rows)
+        # the paused sequence's caches are untouched (KDA states and MLA latent rows: with init_cache's default
+        # layout and one page per sequence here, pool page b is sequence b's)
         for a, b in zip(jax.tree.leaves(before.layers), jax.tree.leaves(cache.layers)):
             batch_axis = 0 if a.shape[0] == 3 else 1
             same = np.array_equal(np.take(np.asarray(a), 1, batch_axis), np.take(np.asarray(b), 1, batch_axis))
@@ -121,17 +122,17 @@ def test_absorbed_mla_equals_expanded(name):
     rng = np.random.RandomState(3)
     x = jnp.asarray(rng.randn(2, 9, cfg.hidden_size), jnp.float32)
     full = np.asarray(mla(x))
-    cache = mla.init_cache(2, 12)
-    y0, cache = mla.forward_cached(x[:, :6], cache, jnp.zeros((2,), jnp.int32))
+    cache, table = mla.init_cache(2, 12)  # one 12-token page per sequence: page b holds sequence b
+    y0, cache = mla.forward_cached(x[:, :6], cache, table, jnp.zeros((2,), jnp.int32))
     np.testing.assert_allclose(np.asarray(y0), full[:, :6], **TOL)
     start = jnp.full((2,), 6, jnp.int32)
-    y_abs, c_abs = mla.forward_cached(x[:, 6:7], cache, start, absorb=True)
-    y_exp, c_exp = mla.forward_cached(x[:, 6:7], cache, start, absorb=False)
+    y_abs, c_abs = mla.forward_cached(x[:, 6:7], cache, table, start, absorb=True)
+    y_exp, c_exp = mla.forward_cached(x[:, 6:7], cache, table, start, absorb=False)
     np.testing.assert_allclose(np.asarray(y_abs), np.asarray(y_exp), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(y_abs), full[:, 6:7], **TOL)
     np.testing.assert_array_equal(np.asarray(c_abs), np.asarray(c_exp))
     # multi-token queries in the absorbed form too (e.g. speculative or chunked decode)
-    y3 = mla.forward_cached(x[:, 6:9], cache, start, absorb=True)[0]
+    y3 = mla.forward_cached(x[:, 6:9], cache, table, start, absorb=True)[0]
     np.testing.assert_allclose(np.asarray(y3), full[:, 6:9], **TOL)
     # the cache row is exactly [kv_a_layernorm(latent) | k_r]
     np.testing.assert_array_equal(np.asarray(c_abs)[:, :7], np.asarray(mla.latent(x[:, :7])))

@@ -15,7 +15,8 @@ from flax import nnx
 
 import configs
 from k3jax.inference.engine import SamplingParams
-from k3jax.inference.scheduler import TRACE_COUNTS, Request, Scheduler, cache_batch_axes, write_slots
+from k3jax.inference.scheduler import (SHARED, TRACE_COUNTS, Request, Scheduler, cache_batch_axes,
+                                      write_slots)
 from k3jax.model import init_cache
 from tests.test_inference_cache import tiny_model
 
@@ -122,8 +123,10 @@ def test_mixed_sampling_is_independent_of_neighbours_and_arrival():
 
 def test_prefix_cache_hit_equals_cold_run():
     """16-token boundaries: a cold run snapshots the 16-token prefix; two later prompts sharing it (one identical,
-    one with another suffix) resume from the snapshot and produce the cold run's / the reference's tokens."""
-    s = Scheduler(tiny_model(NAME), **SLOTS, prefix_block=16)
+    one with another suffix) resume from the snapshot and produce the cold run's / the reference's tokens.
+    8-token latent pages (a pool of 8): the entry's 2 full pages are shared, and the pool holds them next to both
+    slots' requests (tests/test_inference_paged_cache.py checks the page sharing itself)."""
+    s = Scheduler(tiny_model(NAME), **SLOTS, prefix_block=16, page_size=8)
     shared = [256] + list(range(1, 20))  # 20 tokens: one full block
     a, b, short = shared + [30, 31], shared + [40], shared[:15]
     cold = s.generate([Request("a", a, 6, eos_ids=[])])
@@ -157,21 +160,28 @@ def test_request_validation(sched):
 
 def test_write_slots_uses_the_batch_axis_of_scanned_groups():
     """`tiny` stacks its scanned unit's states as [repeats, B, ...]: writing sequence i of a batch-2 cache into
-    slots (3, 0) of a batch-4 cache changes exactly those rows along each leaf's batch axis."""
+    slots (3, 0) of a batch-4 cache changes exactly those rows along each leaf's batch axis; the MLA page pools
+    (shared by all slots: no batch axis) are taken whole from the new cache."""
     cfg = configs.get_config("tiny")
     axes = cache_batch_axes(cfg, 8)
     leaves = jax.tree.leaves(axes)
-    assert set(leaves) == {0, 1} and 1 in leaves  # the scanned group's leaves have batch axis 1
-    shapes = jax.tree.leaves(jax.eval_shape(lambda: init_cache(cfg, 4, 8)))
-    assert all(s.shape[a] == 4 for s, a in zip(shapes, leaves))
-    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), init_cache(cfg, 4, 8))
-    new = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), init_cache(cfg, 2, 8))
-    new = jax.tree.map(lambda x, a: x * jnp.expand_dims(jnp.array([1, 2], x.dtype), tuple(
+    assert set(leaves) == {0, 1, SHARED} and 1 in leaves  # the scanned group's leaves have batch axis 1
+    pools = [a == SHARED for a in leaves]
+    assert sum(pools) == sum(attn == "mla" for g in cfg.layer_groups() for attn, _ in g.pattern)
+    paged = lambda b: init_cache(cfg, b, 8, num_pages=3)  # noqa: E731
+    shapes = jax.tree.leaves(jax.eval_shape(lambda: paged(4)))
+    assert all(s.shape[a] == 4 for s, a in zip(shapes, leaves) if a != SHARED)
+    cache = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), paged(4))
+    new = jax.tree.map(lambda x: jnp.ones(x.shape, x.dtype), paged(2))
+    new = jax.tree.map(lambda x, a: x if a == SHARED else x * jnp.expand_dims(jnp.array([1, 2], x.dtype), tuple(
         i for i in range(x.ndim) if i != a)), new, axes)
     out = write_slots(cache, new, jnp.array([3, 0]), axes)
     for leaf, a in zip(jax.tree.leaves(out), leaves):
+        if a == SHARED:
+            assert np.all(np.asarray(leaf) == 1)
+            continue
         rows = np.moveaxis(np.asarray(leaf), a, 0)
         for slot, value in [(0, 2), (1, 0), (2, 0), (3, 1)]:
             assert np.all(rows[slot] == value)
     dropped = write_slots(cache, new, jnp.array([4, 4]), axes)  # out-of-range slots: no write
-    assert all(not np.any(np.asarray(x)) for x in jax.tree.leaves(dropped))
+    assert all(not np.any(np.asarray(x)) for x, a in zip(jax.tree.leaves(dropped), leaves) if a != SHARED)

@@ -1,9 +1,11 @@
 """Batched generation: jitted prefill (bucketed prompt lengths) + a jitted decode step that never recompiles.
 
 Caches (`k3jax.model.DecodeCache`): each KDA layer keeps its fixed-size state (conv history + f32 recurrent state),
-each MLA layer a latent buffer [B, max_len, kv_lora_rank + rope] (the 576-wide row for K3), plus per-sequence
-lengths. Prefill uses the chunked KDA core and the expanded MLA form; decode the recurrent KDA step and the absorbed
-(MQA-over-latent) MLA form.
+each MLA layer a pool of latent pages [pages, page_size, kv_lora_rank + rope] (the 576-wide row for K3) read and
+written through the cache's page table, plus per-sequence lengths. A one-shot batch needs no allocator: each
+sequence owns its own consecutive pages (`init_cache`'s default layout); the continuous-batching `Scheduler`
+allocates and shares pages. Prefill uses the chunked KDA core and the expanded MLA form; decode the recurrent KDA
+step and the absorbed (MQA-over-latent) MLA form.
 
 Padding: prompts are RIGHT-padded to a power-of-two bucket and prefilled in one call with per-sequence valid
 lengths. Padded tokens are exact no-ops for KDA (β = 0 and g = 0 there, conv history taken at each prompt's true end);

@@ -85,40 +85,45 @@ class MLA(nnx.Module):
         return jnp.einsum("bthv,hvd->btd", o_bthv.astype(dt), self.o_proj[...].astype(dt))
 
     # ---------------------------------------------------------------------------------------------
-    # Incremental decoding over a latent cache
+    # Incremental decoding over a paged latent cache
     # ---------------------------------------------------------------------------------------------
 
-    def init_cache(self, batch_size: int, max_len: int) -> jax.Array:
-        """An empty latent cache [B, max_len, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
-        return init_latent_cache(self.cfg, batch_size, max_len)
+    def init_cache(self, batch_size: int, max_len: int, page_size: int | None = None
+                   ) -> tuple[jax.Array, jax.Array]:
+        """(pages [B * P, page_size, C], page_table int32 [B, P]): sequence b owning pages b*P .. b*P + P - 1."""
+        page_size = page_size or min(DEFAULT_PAGE_SIZE, max_len)
+        per_seq = pages_per_sequence(max_len, page_size)
+        return (init_latent_pages(self.cfg, batch_size * per_seq, page_size),
+                contiguous_page_table(batch_size, per_seq))
 
-    def forward_cached(self, x_btd: jax.Array, cache_bsc: jax.Array, start_b: jax.Array,
+    def forward_cached(self, x_btd: jax.Array, pages_npc: jax.Array, page_table_bp: jax.Array, start_b: jax.Array,
                        valid_len_b: jax.Array | None = None, *,
                        absorb: bool | None = None) -> tuple[jax.Array, jax.Array]:
-        """Runs T new tokens per sequence against the latent cache.
+        """Runs T new tokens per sequence against the paged latent cache.
 
-        Token t of sequence b sits at position `start_b[b] + t`: its latent row is written there (rows that fall
-        past the buffer are dropped) and its query attends causally to cache positions <= its own. With
-        `valid_len_b`, only the first valid_len_b[b] tokens are written (right padding: padded tokens leave the
-        cache untouched; their outputs are meaningless).
+        `pages_npc` [N, page_size, C] is the layer's page pool; `page_table_bp` int32 [B, P] maps page j of
+        sequence b (its positions j*page_size ..) to a pool page, -1 (or any id outside [0, N)) = none. Token t of
+        sequence b sits at position `start_b[b] + t`: its latent row is written through the table (rows with no
+        page are dropped) and its query attends causally to positions <= its own, read through the table (pages
+        with no id read as zeros, and only ever sit past the sequence's length, so they are masked). With
+        `valid_len_b` only the first valid_len_b[b] tokens are written (right padding: padded tokens leave the
+        cache untouched; their outputs are meaningless). Several sequences may map the same page (a shared
+        prefix) as long as none of them writes it.
         `absorb` (static): attend in the MQA-over-latent form (kv_b_proj folded into q and the output);
-        None picks it for decode (T == 1) and the expanded form otherwise. Returns (y [B,T,D], new cache).
+        None picks it for decode (T == 1) and the expanded form otherwise. Returns (y [B,T,D], new pages).
         """
-        b, t, _ = x_btd.shape
-        s = cache_bsc.shape[1]
+        t = x_btd.shape[1]
         rows_btc = self.latent(x_btd)
+        pages_npc = write_latent_rows(pages_npc, page_table_bp, start_b, rows_btc, valid_len_b)
+        cache_bsc = gather_latent_rows(pages_npc, page_table_bp)
         pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        write_bt = pos_bt
-        if valid_len_b is not None:
-            write_bt = jnp.where(jnp.arange(t)[None, :] < valid_len_b[:, None], pos_bt, s)  # s: out of bounds
-        cache_bsc = cache_bsc.at[jnp.arange(b)[:, None], write_bt].set(rows_btc.astype(cache_bsc.dtype), mode="drop")
-        mask_bts = jnp.arange(s, dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
+        mask_bts = jnp.arange(cache_bsc.shape[1], dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
         q_bthk = self.queries(x_btd)
         if absorb is None:
             absorb = t == 1
         attend = self._attend_absorbed if absorb else self._attend_expanded
         o_bthv = attend(q_bthk, cache_bsc, mask_bts)
-        return self._output(x_btd, o_bthv), cache_bsc
+        return self._output(x_btd, o_bthv), pages_npc
 
     def _attend_expanded(self, q_bthk, cache_bsc, mask_bts):
         """Standard MLA over cached latents: expand every cached row to per-head k_nope / v with kv_b_proj."""
@@ -149,9 +154,54 @@ class MLA(nnx.Module):
         return jnp.einsum("bthr,rhv->bthv", o_lat, w_v.astype(o_lat.dtype))
 
 
-def init_latent_cache(cfg: ModelConfig, batch_size: int, max_len: int) -> jax.Array:
-    """Zeros [B, max_len, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
-    return jnp.zeros((batch_size, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.jnp_dtype)
+DEFAULT_PAGE_SIZE = 64  # tokens per latent page: one 64-token prefill chunk
+
+
+def pages_per_sequence(max_len: int, page_size: int) -> int:
+    """Page-table width: pages needed for `max_len` positions."""
+    if page_size < 1 or max_len < 1:
+        raise ValueError(f"page_size and max_len must be >= 1, got page_size={page_size}, max_len={max_len}")
+    return -(-max_len // page_size)
+
+
+def init_latent_pages(cfg: ModelConfig, num_pages: int, page_size: int) -> jax.Array:
+    """A zeroed page pool [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
+    return jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.jnp_dtype)
+
+
+def contiguous_page_table(batch_size: int, pages_per_seq: int) -> jax.Array:
+    """int32 [B, P] with sequence b owning pages b*P .. b*P + P - 1 (the layout of a plain, unshared batch)."""
+    return jnp.arange(batch_size * pages_per_seq, dtype=jnp.int32).reshape(batch_size, pages_per_seq)
+
+
+def _page_ids(page_table_bp: jax.Array, num_pages: int) -> jax.Array:
+    """The table with every id outside [0, num_pages) (-1: no page) mapped to num_pages (out of bounds)."""
+    table = page_table_bp.astype(jnp.int32)
+    return jnp.where((table >= 0) & (table < num_pages), table, num_pages)
+
+
+def write_latent_rows(pages_npc: jax.Array, page_table_bp: jax.Array, start_b: jax.Array, rows_btc: jax.Array,
+                      valid_len_b: jax.Array | None = None) -> jax.Array:
+    """Scatters rows_btc[b, t] to position start_b[b] + t of sequence b through the page table. Rows at t >=
+    valid_len_b[b], past the table, or on a page with no id are dropped (static shapes: one scatter)."""
+    n, page_size, _ = pages_npc.shape
+    t, width = rows_btc.shape[1], page_table_bp.shape[1]
+    pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    slot_bt = pos_bt // page_size
+    page_bt = jnp.take_along_axis(_page_ids(page_table_bp, n), jnp.clip(slot_bt, 0, width - 1), axis=1)
+    keep_bt = (slot_bt < width) & (pos_bt >= 0)
+    if valid_len_b is not None:
+        keep_bt &= jnp.arange(t, dtype=jnp.int32)[None, :] < valid_len_b.astype(jnp.int32)[:, None]
+    page_bt = jnp.where(keep_bt, page_bt, n)  # n: out of bounds, dropped
+    return pages_npc.at[page_bt, pos_bt % page_size].set(rows_btc.astype(pages_npc.dtype), mode="drop")
+
+
+def gather_latent_rows(pages_npc: jax.Array, page_table_bp: jax.Array) -> jax.Array:
+    """Every sequence's rows [B, P * page_size, C] in position order; pages with no id read as zeros."""
+    n, page_size, c = pages_npc.shape
+    b, width = page_table_bp.shape
+    rows = jnp.take(pages_npc, _page_ids(page_table_bp, n), axis=0, mode="fill", fill_value=0)
+    return rows.reshape(b, width * page_size, c)
 
 
 def _masked_softmax(logits_bhts: jax.Array, mask_bts: jax.Array) -> jax.Array:
