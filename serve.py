@@ -16,7 +16,9 @@ Server mode (continuous batching over `--slots` decode slots; see k3jax/inferenc
 
 Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat template are used) or `--checkpoint`
 (k3jax Orbax checkpoint); with neither, the `--config` model is randomly initialised (a warning says so) and the
-byte tokenizer is used. SIGINT / SIGTERM shut the server down gracefully.
+byte tokenizer is used. `--expert_weights=mxfp4` keeps the routed experts packed at 4.25 bits per weight in device
+memory (MXFP4 experts of the HF release / an `--experts mxfp4` checkpoint copied as-is, bf16 ones quantized),
+run by the MXFP4 grouped matmul. SIGINT / SIGTERM shut the server down gracefully.
 """
 
 import sys
@@ -31,6 +33,9 @@ _CONFIG = flags.DEFINE_string("config", "tiny", f"Named config (ignored with --h
 _SET = flags.DEFINE_multi_string("set", [], "Config override key=value (repeatable).")
 _CHECKPOINT = flags.DEFINE_string("checkpoint", None, "k3jax Orbax checkpoint directory (default: random init).")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF model directory (K3 or Kimi-Linear format).")
+_EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", None, ["bf16", "mxfp4"], "How the routed experts are held "
+                                     "in device memory: bf16 (the parameter dtype) or mxfp4 (packed, 4.25 bits "
+                                     "per weight; inference only). Default: the config's (bf16).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Max tokens per sequence (prompt + generated); default: the "
                                 "config's max_position_embeddings in batch mode, 2048 in server mode.")
@@ -96,8 +101,14 @@ class _Opts:
     """The model-loading options `load_model` reads, from the flags."""
 
     def __init__(self):
-        self.config, self.overrides = _CONFIG.value, tuple(_SET.value)
+        self.config, self.overrides = _CONFIG.value, _overrides()
         self.checkpoint, self.hf_dir, self.seed = _CHECKPOINT.value, _HF_DIR.value, _SEED.value
+
+
+def _overrides() -> tuple[str, ...]:
+    """`--set` overrides plus `--expert_weights` (a runtime choice the loaders and configs all accept)."""
+    extra = (f"expert_weights={_EXPERT_WEIGHTS.value}",) if _EXPERT_WEIGHTS.value else ()
+    return tuple(_SET.value) + extra
 
 
 def main(argv):
@@ -106,13 +117,13 @@ def main(argv):
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if not (_CHECKPOINT.value or _HF_DIR.value):
-            configs.get_config(_CONFIG.value, list(_SET.value))  # fail fast on a bad config name / override
+            configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override
         if _PORT.value is not None:
             _serve(log)
             return
         from k3jax.inference.batch import BatchOptions, run_batch
 
-        opts = BatchOptions(config=_CONFIG.value, overrides=tuple(_SET.value), checkpoint=_CHECKPOINT.value,
+        opts = BatchOptions(config=_CONFIG.value, overrides=_overrides(), checkpoint=_CHECKPOINT.value,
                             hf_dir=_HF_DIR.value, prompts_file=_PROMPTS.value or "", out=_OUT.value or "",
                             max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)

@@ -101,6 +101,9 @@ class ModelConfig:
     # expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless there),
     # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'
     moe_expert_parallel: str = "auto"
+    # how the routed experts are held: 'bf16' (parameters in param_dtype, trainable) or 'mxfp4' (inference only:
+    # E2M1 nibbles + E8M0 scales as uint8, 4.25 bits per weight, decoded inside the grouped matmul)
+    expert_weights: Literal["bf16", "mxfp4"] = "bf16"
     # --- Block Attention Residuals
     attn_res_block_size: int | None = 12  # None: plain residual stream (Kimi-Linear)
     # --- MTP
@@ -183,6 +186,17 @@ class ModelConfig:
                               f"got {self.moe_expert_parallel!r}")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise ConfigError("latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
+        if self.expert_weights == "mxfp4":
+            bad = {n: v for n, v in (("expert width (routed_expert_hidden_size or hidden_size)",
+                                      self.expert_input_size), ("moe_intermediate_size", self.moe_intermediate_size))
+                   if v % 32}
+            if bad:
+                raise ConfigError(f"expert_weights='mxfp4' needs both expert matmul input widths divisible by the "
+                                  f"MXFP4 group of 32; got {', '.join(f'{n}={v}' for n, v in bad.items())}")
+            if self.record_routing_stats:
+                raise ConfigError("expert_weights='mxfp4' is inference-only (packed experts have no gradients); "
+                                  "training (record_routing_stats=True, set by the trainer) needs "
+                                  "expert_weights='bf16'")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod

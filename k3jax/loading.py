@@ -2,24 +2,36 @@
 
     config, model = k3jax.load_hf("/path/to/Kimi-K3")            # or a Kimi-Linear directory
     config, model = k3jax.load_checkpoint("/path/to/orbax_out")   # written by `python -m k3jax.convert`
+    config, model = k3jax.load_hf("/path/to/Kimi-K3", expert_weights="mxfp4")   # serving: experts kept at 4 bits
     logits = model(input_ids)                                     # int32[B, T] -> [B, T, V]
     tokenizer = k3jax.load_tokenizer("/path/to/Kimi-K3", config)
 
 The model is built without random initialisation (`nnx.eval_shape`) and filled one checkpoint item (one layer)
 at a time, each tensor placed straight into its device sharding (`mesh=`), so host memory never holds the model.
+
+`expert_weights="mxfp4"` (or the override `expert_weights=mxfp4`) builds the inference-only model whose routed
+experts stay packed (uint8 E2M1 nibbles + E8M0 scales, 4.25 bits per weight): MXFP4 experts of an HF release or of a
+checkpoint converted with `--experts mxfp4` are copied byte for byte (never decoded); bf16/f32 experts are quantized
+(round to nearest, `k3jax.ops.gmm.quantize_mxfp4`) on the host CPU one layer at a time.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 
 import numpy as np
 
-from k3jax.config import ModelConfig
+from k3jax.config import ConfigError, ModelConfig
+
+EXPERT_WEIGHTS = ("bf16", "mxfp4")
+_QUANTIZE_CHUNK_BYTES = 256 << 20  # f32 bytes of dense experts quantized per host call
 
 
-def _assemble(plan, values, mesh=None):
-    """A model for `plan.cfg` filled from `(slot, value)` pairs (one layer's tensors on the host at a time).
+def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None):
+    """A model for `cfg` (default `plan.cfg`) filled from `(slot, value)` pairs (one layer's tensors on the host at
+    a time; a slot's `path` names the model variable, so packed experts arrive as `wN_packed` / `wN_scale`).
 
     Each value goes straight to its parameter's sharding: with `mesh`, the one `sharding.shard.plan_shardings`
     gives it (`jax.make_array_from_callback`: every device receives only its slice; a scan-stacked parameter is
@@ -27,13 +39,12 @@ def _assemble(plan, values, mesh=None):
     default device. Missing or unknown parameters are errors naming them.
     """
     import jax
-    import jax.numpy as jnp
     from flax import nnx
     from jax.sharding import NamedSharding, PartitionSpec
 
     from k3jax.convert.checkpoint import _abstract_model
 
-    graphdef, state = nnx.split(_abstract_model(plan.cfg))
+    graphdef, state = nnx.split(_abstract_model(plan.cfg if cfg is None else cfg))
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(state)}
     if mesh is not None:
         from sharding.shard import plan_shardings
@@ -53,15 +64,6 @@ def _assemble(plan, values, mesh=None):
             return NamedSharding(sharding.mesh, PartitionSpec(*tuple(sharding.spec)[1:]))
         return sharding
 
-    set_row_fns = {}
-
-    def set_row(stack, index, row, sharding):
-        key = (stack.shape, stack.dtype, sharding)
-        if key not in set_row_fns:
-            set_row_fns[key] = jax.jit(lambda s, i, r: jax.lax.dynamic_update_index_in_dim(s, r, i, 0),
-                                       out_shardings=sharding, donate_argnums=0)
-        return set_row_fns[key](stack, index, row)
-
     filled: dict[tuple[str, ...], object] = {}
     rows_left: dict[tuple[str, ...], int] = {}
     for slot, value in values:
@@ -70,14 +72,18 @@ def _assemble(plan, values, mesh=None):
             raise KeyError(f"value for unknown parameter {'.'.join(key)}")
         sharding = shardings[key]
         value = np.asarray(value, dtype=flat[key].get_value().dtype)
+        want = flat[key].get_value().shape[0 if slot.index is None else 1:]
+        if tuple(value.shape) != tuple(want):
+            raise ValueError(f"value for {'.'.join(key)} has shape {list(value.shape)}; the model expects "
+                             f"{list(want)}")
         if slot.index is None:
             filled[key] = place(value, sharding)
             continue
         if key not in filled:
             shape, dtype = flat[key].get_value().shape, flat[key].get_value().dtype
-            filled[key] = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+            filled[key] = _zeros_maker(tuple(shape), np.dtype(dtype), sharding)()
             rows_left[key] = shape[0]
-        filled[key] = set_row(filled[key], slot.index, place(value, row_sharding(sharding)), sharding)
+        filled[key] = _row_setter(sharding)(filled[key], slot.index, place(value, row_sharding(sharding)))
         rows_left[key] -= 1
     missing = sorted(".".join(k) for k in flat if k not in filled)
     incomplete = sorted(".".join(k) for k, n in rows_left.items() if n)
@@ -86,6 +92,42 @@ def _assemble(plan, values, mesh=None):
     for key, var in flat.items():
         var.set_value(filled[key])
     return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_setter(sharding):
+    """Jitted in-place `stack[i] = row` (donated) with the output in `sharding`; kept across loads, so loading the
+    same model again in one process reuses the compiled programs."""
+    import jax
+
+    return jax.jit(lambda s, i, r: jax.lax.dynamic_update_index_in_dim(s, r, i, 0), out_shardings=sharding,
+                   donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _zeros_maker(shape: tuple, dtype: np.dtype, sharding):
+    import jax
+    import jax.numpy as jnp
+
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+def _expert_weights_choice(overrides, expert_weights, config=None):
+    """(overrides without `expert_weights=...`, the requested expert format or None): the argument wins over an
+    override, which wins over a given ModelConfig's own field. Raises ConfigError for an unknown format."""
+    rest, chosen = [], None
+    for o in overrides:
+        key, _, value = str(o).partition("=")
+        if key.strip() == "expert_weights":
+            chosen = value.strip()
+        else:
+            rest.append(o)
+    chosen = expert_weights if expert_weights is not None else chosen
+    if chosen is None and isinstance(config, ModelConfig) and config.expert_weights != "bf16":
+        chosen = config.expert_weights
+    if chosen is not None and chosen not in EXPERT_WEIGHTS:
+        raise ConfigError(f"expert_weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {chosen!r}")
+    return rest, chosen
 
 
 def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
@@ -99,35 +141,118 @@ def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
     return cfg.with_overrides(list(overrides))
 
 
-def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, overrides=(), mesh=None):
-    """(config, model) from an HF directory (K3 or Kimi-Linear format; MXFP4 experts decoded).
+def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, overrides=(), mesh=None,
+            expert_weights: str | None = None):
+    """(config, model) from an HF directory (K3 or Kimi-Linear format).
 
     `dtype`: "bf16"/"f32" (or "bfloat16"/"float32"); None takes the config.json `torch_dtype` (bf16 default).
     `config`: a ModelConfig or registry name to check the HF config against (and to take runtime choices from).
     `overrides`: `key=value` runtime choices (kda_impl, moe_impl, kda_chunk_size, scan_layers, remat, ...).
     `mesh`: place every parameter directly in its sharding on this mesh (`sharding.mesh.make_mesh`); tensors are
     read and converted one layer at a time, so host memory holds at most one layer besides the devices' shards.
+    `expert_weights`: "bf16" (default: MXFP4 experts decoded exactly to the parameter dtype) or "mxfp4" (kept
+    packed; inference only, see the module docstring).
     """
     from k3jax.convert.checkpoint import hf_values, make_plan, open_hf
 
+    overrides, chosen = _expert_weights_choice(overrides, expert_weights, config)
+    if isinstance(config, ModelConfig):
+        config = config.replace(expert_weights="bf16")  # the plan (HF names) is for the parameter layout
     src = open_hf(hf_dir, config=config, dtype=_dtype_name(dtype))
     if overrides:
         src.plan = make_plan(_runtime(src.plan.cfg, overrides))
-    return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh)
+    if chosen != "mxfp4":
+        return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh)
+    cfg = src.plan.cfg.replace(expert_weights="mxfp4")
+    return cfg, _assemble(src.plan, _hf_packed_values(src), mesh, cfg)
 
 
-def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None):
-    """(config, model) from a k3jax Orbax checkpoint (kept MXFP4 experts are decoded to the parameter dtype).
-    `overrides`, `mesh`: as for `load_hf`."""
+def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None):
+    """(config, model) from a k3jax Orbax checkpoint. `expert_weights`: "bf16" (default: experts kept MXFP4 by
+    `--experts mxfp4` are decoded to the parameter dtype) or "mxfp4" (kept packed, byte for byte; bf16 experts are
+    quantized). `overrides`, `mesh`: as for `load_hf`."""
     from k3jax.convert.checkpoint import checkpoint_values
 
+    overrides, chosen = _expert_weights_choice(overrides, expert_weights)
     plan, values = checkpoint_values(orbax_dir, _dtype_name(dtype), lambda c: _runtime(c, overrides))
-    return plan.cfg, _assemble(plan, values, mesh)
+    if chosen != "mxfp4":
+        return plan.cfg, _assemble(plan, values, mesh)
+    values.close()  # not started: nothing was read
+    cfg = plan.cfg.replace(expert_weights="mxfp4")
+    return cfg, _assemble(plan, _checkpoint_packed_values(orbax_dir, plan), mesh, cfg)
+
+
+def _hf_packed_values(src):
+    """`(slot, value)` of an opened HF directory with the routed experts as MXFP4 bytes, one layer at a time."""
+    from k3jax.convert.checkpoint import convert_item
+
+    for slots in src.plan.items.values():
+        item = convert_item(src, slots, "mxfp4")  # MXFP4 sources: experts come back packed, unread by any decoder
+        for slot in slots:
+            yield from _packed_slot_values(slot, item)
+        del item
+
+
+def _checkpoint_packed_values(ckpt: str, plan):
+    """`(slot, value)` of a k3jax checkpoint with the routed experts as MXFP4 bytes, one item at a time."""
+    from k3jax.convert.checkpoint import _restore_item
+
+    for name, slots in plan.items.items():
+        item = _restore_item(os.path.join(ckpt, "params", name))
+        for slot in slots:
+            yield from _packed_slot_values(slot, item)
+        del item
+
+
+def _packed_slot_values(slot, item: dict):
+    """One slot's values from an item: experts as `wN_packed` u8 [E, out, in/2] and `wN_scale` u8 [E, out, in/32]
+    (stored packed: as is; stored dense [E, in, out]: quantized), every other tensor unchanged."""
+    if slot.kind != "experts":
+        yield slot, item.pop(slot.local)
+        return
+    if slot.local + ".packed" in item:
+        packed, scales = item.pop(slot.local + ".packed"), item.pop(slot.local + ".scale")
+    else:
+        packed, scales = quantize_experts_on_host(item.pop(slot.local))
+    for suffix, value in (("_packed", packed), ("_scale", scales)):
+        yield dataclasses.replace(slot, local=slot.local + suffix, path=slot.path[:-1] + (slot.path[-1] + suffix,),
+                                  shape=tuple(value.shape), dtype=np.dtype(np.uint8)), value
+
+
+def quantize_experts_on_host(w_ein: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Dense experts [E, in, out] -> MXFP4 (packed u8 [E, out, in/2], scales u8 [E, out, in/32]), computed on the
+    host CPU a few experts at a time (never on the accelerator, never the whole f32 stack at once)."""
+    import jax
+
+    e_count, in_f, out_f = w_ein.shape
+    packed = np.empty((e_count, out_f, in_f // 2), np.uint8)
+    scales = np.empty((e_count, out_f, in_f // 32), np.uint8)
+    chunk = max(1, _QUANTIZE_CHUNK_BYTES // (4 * in_f * out_f))
+    quantize = _host_quantizer()
+    with jax.default_device(jax.devices("cpu")[0]):
+        for start in range(0, e_count, chunk):
+            p, s = quantize(np.asarray(w_ein[start:start + chunk]))
+            packed[start:start + chunk], scales[start:start + chunk] = np.asarray(p), np.asarray(s)
+    return packed, scales
+
+
+@functools.lru_cache(maxsize=None)
+def _host_quantizer():
+    import jax
+
+    from k3jax.ops.gmm import MXFP4Experts
+
+    return jax.jit(lambda w: tuple(MXFP4Experts.quantize(w)))
 
 
 def save_checkpoint(model, out: str, overwrite: bool = False) -> str:
     """Writes `model` as a k3jax Orbax checkpoint (convertible to HF with `python -m k3jax.convert --to_hf`)."""
     from k3jax.convert.checkpoint import save_checkpoint as _save
+
+    if model.cfg.expert_weights != "bf16":
+        raise ConfigError(f"save_checkpoint writes parameter (bf16/f32) experts; this model holds them as "
+                          f"{model.cfg.expert_weights!r} (inference-only). Keep MXFP4 experts in a checkpoint by "
+                          f"converting the HF release with `python -m k3jax.convert --experts mxfp4`")
 
     return _save(model, out, overwrite=overwrite)
 

@@ -6,6 +6,8 @@ Without a latent (`routed_expert_hidden_size=None`, Kimi-Linear) the experts act
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -16,7 +18,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu
 from k3jax.layers.norms import rms_norm
-from k3jax.ops.gmm import gmm
+from k3jax.ops.gmm import MXFP4Experts, dense_expert_weights, expert_weights, gmm, inference_only
 from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
@@ -59,7 +61,11 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
 
 
 def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
-    """Every expert on every token, combined with the sparse routing weights (tests and tiny runs only)."""
+    """Every expert on every token, combined with the sparse routing weights (tests and tiny runs only).
+    MXFP4 weights are dequantized here (materialised in the compute dtype)."""
+    if isinstance(w1_elm, MXFP4Experts):
+        z_nl = inference_only(z_nl)
+    w1_elm, w3_elm, w2_eml = (dense_expert_weights(w, z_nl.dtype) for w in (w1_elm, w3_elm, w2_eml))
     combine_ne = jnp.zeros((z_nl.shape[0], cfg.num_experts), weights_nk.dtype)
     combine_ne = combine_ne.at[jnp.arange(z_nl.shape[0])[:, None], experts_nk].add(weights_nk)
     hidden = glu(jnp.einsum("nl,elm->enm", z_nl, w1_elm), jnp.einsum("nl,elm->enm", z_nl, w3_elm), cfg)
@@ -67,7 +73,26 @@ def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: Mod
     return jnp.einsum("enl,ne->nl", out, combine_ne)
 
 
+class PackedExpertWeight(nnx.Variable):
+    """MXFP4 bytes of the routed experts (E2M1 codes or E8M0 scales, uint8): inference-only state, not a gradient
+    parameter (`cfg.expert_weights == 'mxfp4'`)."""
+
+
+def _packed_experts(w: nnx.Param) -> tuple[PackedExpertWeight, PackedExpertWeight]:
+    """Quantizes an initialised [E, in, out] expert stack to (packed [E, out, in/2], scales [E, out, in/32]),
+    with the logical axes moved to match the HF orientation."""
+    q = MXFP4Experts.quantize(w.get_value())
+    e_axis, in_axis, out_axis = w.get_metadata()["out_sharding"]
+    axes = (e_axis, out_axis, in_axis)
+    return (PackedExpertWeight(q.packed, out_sharding=axes, eager_sharding=False),
+            PackedExpertWeight(q.scales, out_sharding=axes, eager_sharding=False))
+
+
 class LatentMoE(nnx.Module):
+    """Routed experts held as `w1, w3 [E, L, M], w2 [E, M, L]` parameters, or with `cfg.expert_weights == 'mxfp4'`
+    as packed bytes `wN_packed` u8 [E, out, in/2] + `wN_scale` u8 [E, out, in/32] (HF orientation; inference only:
+    random init is the quantized normal init, loading fills them straight from an MXFP4 checkpoint)."""
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, e, m, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_param_dtype
@@ -82,6 +107,12 @@ class LatentMoE(nnx.Module):
         self.w1 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
         self.w3 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
         self.w2 = params.normal(rngs, (e, m, lat), ("experts", "expert_mlp", "expert_latent"), pd, fan_in=m)
+        if cfg.expert_weights == "mxfp4":
+            for name in ("w1", "w3", "w2"):
+                packed, scales = _packed_experts(getattr(self, name))
+                delattr(self, name)
+                setattr(self, f"{name}_packed", packed)
+                setattr(self, f"{name}_scale", scales)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * m, rngs=rngs)
         if cfg.record_routing_stats:  # this step's routing statistics, overwritten by every forward pass
@@ -117,8 +148,10 @@ class LatentMoE(nnx.Module):
         under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
         Records the expert-rank load statistics when the layer keeps them."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        w1, w3, w2 = self.w1[...].astype(dt), self.w3[...].astype(dt), self.w2[...].astype(dt)
+        w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
         ep = expert_parallel.active_mode(cfg, b, t)
+        if ep is not None and isinstance(w1, MXFP4Experts) and not _packed_expert_parallel_ok(cfg):
+            ep = None  # 'auto' falls back to the single-program path (an explicit mode raised)
         if ep is None:
             combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
             u_nl = combine(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
@@ -134,6 +167,13 @@ class LatentMoE(nnx.Module):
             self.expert_parallel_stats[...] = stats
         return u_nl
 
+    def routed_expert_weights(self) -> tuple:
+        """(w1, w3, w2) as stored: arrays [E, L, M] / [E, M, L], or `MXFP4Experts` with the same logical shapes."""
+        if self.cfg.expert_weights == "mxfp4":
+            return tuple(MXFP4Experts(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
+                         for n in ("w1", "w3", "w2"))
+        return self.w1[...], self.w3[...], self.w2[...]
+
     def _record_routing(self, scores_ne: jax.Array, experts_nk: jax.Array) -> None:
         """Histogram of this batch's routing margins (for Quantile Balancing) and the expert loads (metrics)."""
         cfg = self.cfg
@@ -142,3 +182,21 @@ class LatentMoE(nnx.Module):
         self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.routing_histogram_bins)
         self.expert_loads[...] = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_nk.reshape(-1)].add(1.0)
 
+
+def _packed_expert_parallel_ok(cfg: ModelConfig) -> bool:
+    """Expert parallelism runs MXFP4 experts only when the model axis does not split the expert width M:
+    `sharding.expert_parallel.routed_experts` gives each weight one PartitionSpec over its logical [E, in, out]
+    dims, which for a split M would cut the packed arrays ([E, out, in/2]) on the wrong axis. False (logged) for
+    'auto'; an explicit mode raises `ExpertParallelError`."""
+    mesh = jax.sharding.get_abstract_mesh()
+    model = mesh.shape[expert_parallel.MODEL_AXIS] if expert_parallel.MODEL_AXIS in mesh.axis_names else 1
+    if model == 1 or cfg.moe_intermediate_size % model:
+        return True
+    problem = (f"expert_weights='mxfp4' with expert parallelism needs a mesh whose {expert_parallel.MODEL_AXIS!r} "
+               f"axis does not split the expert width (moe_intermediate_size={cfg.moe_intermediate_size}, "
+               f"{expert_parallel.MODEL_AXIS}={model})")
+    if cfg.moe_expert_parallel == "auto":
+        logging.getLogger(__name__).warning("expert parallelism off for this MoE call: %s", problem)
+        return False
+    raise expert_parallel.ExpertParallelError(
+        f"{problem}; use a model axis of 1, moe_expert_parallel='off', or expert_weights='bf16'")
