@@ -76,7 +76,10 @@ class ModelConfig:
     kda_gate_lower_bound: float = -5.0
     kda_output_gate: Literal["full_rank", "low_rank"] = "full_rank"
     kda_chunk_size: int = 64
-    kda_impl: Literal["chunked", "recurrent"] = "chunked"
+    # "auto": the Pallas kernel on GPU when the gate is the K3 lower-bounded one (>= -5, the kernel's f32 range)
+    # and head dims are powers of two >= 16, else the pure-JAX chunked path; "pallas" forces the kernel (the Pallas
+    # interpreter on CPU: exact but slow, for debugging).
+    kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -149,6 +152,11 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
+        if self.kda_impl == "pallas" and not self.kda_kernel_compatible:
+            raise ConfigError(
+                "kda_impl='pallas' needs kda_gate='lower_bound' with kda_gate_lower_bound >= -5 (the kernel's f32 "
+                f"range) and a power-of-two kda_head_dim >= 16; got kda_gate={self.kda_gate!r}, "
+                f"kda_gate_lower_bound={self.kda_gate_lower_bound}, kda_head_dim={self.kda_head_dim}")
         bad = [i for i in self.full_attn_layers if not 1 <= i <= self.num_hidden_layers]
         if bad:
             raise ConfigError(
@@ -242,6 +250,13 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
     # ------------------------------------------------------------------ derived structure
+    @property
+    def kda_kernel_compatible(self) -> bool:
+        """Whether the Pallas KDA kernel can run this config's KDA layers (gate range and head dims)."""
+        d = self.kda_head_dim
+        return (self.kda_gate == "lower_bound" and self.kda_gate_lower_bound >= -5.0
+                and d >= 16 and d & (d - 1) == 0)
+
     @property
     def kda_projection_size(self) -> int:
         return self.kda_num_heads * self.kda_head_dim

@@ -260,3 +260,97 @@ def test_k128_pallas_backward_equals_token_recurrence_and_xla_backward():
     for name, x, ref, alt in zip(_GRAD_NAMES, got, want, via_xla):
         assert _rel_err(x, ref) < 2e-5, name
         assert _rel_err(alt, ref) < 2e-5, name
+
+
+def _segment_ids(b, t, starts_per_row):
+    """int32 [B, T] document ids: a new id at each listed start (per row)."""
+    ids = np.zeros((b, t), np.int32)
+    for row, starts in enumerate(starts_per_row):
+        for s in starts:
+            ids[row, s:] += 1
+    return jnp.asarray(ids)
+
+
+def test_traced_segment_ids_reset_state_like_the_token_recurrence_forward_and_gradients():
+    # Two rows, 3 chunks (last partial). Documents start mid-chunk, exactly on a chunk start (64), inside the same
+    # 16-row sub-chunk as another start (70, 75), and a one-token document (140); the second row has none.
+    b, t, h, d = 2, 150, 2, 32
+    q, k, v, g, beta, h0 = _inputs(b=b, t=t, h=h, kd=d, vd=d, seed=21)
+    seg = _segment_ids(b, t, [[5, 64, 70, 75, 140, 141], []])
+    w_o, w_s = _cotangents(v, h0, seed=22)
+
+    def pallas(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], segment_ids=a[6], output_final_state=True,
+                         backend="interpret", config=KernelConfig(block_k=16))
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=a[6])
+
+    args = (q, k, v, g, beta, h0, seg)
+    o, s = jax.jit(pallas)(*args)
+    ro, rs = jax.jit(recurrent)(*args)
+    assert _rel_err(o, ro) < 2e-5 and _rel_err(s, rs) < 2e-5
+    # The masks matter: without segment ids the result differs.
+    o_plain, _ = jax.jit(lambda *a: pallas(*a[:6], None))(*args)
+    assert _rel_err(o_plain, ro) > 1e-2
+
+    def grads(core):
+        loss = _weighted_loss(lambda *a: core(*a, seg), w_o, w_s)
+        return jax.jit(jax.grad(loss, argnums=tuple(range(6))))(*args[:6])
+
+    for name, x, ref in zip(_GRAD_NAMES, grads(pallas), grads(recurrent)):
+        assert _rel_err(x, ref) < 2e-5, name
+
+
+def test_segment_ids_and_cu_seqlens_are_exclusive():
+    q, k, v, g, beta, _ = _inputs(b=1, t=20, h=1, kd=16, vd=16)
+    with pytest.raises(ValueError, match="not both"):
+        chunk_kda(q, k, v, g, beta, cu_seqlens=[0, 10, 20], segment_ids=jnp.zeros((1, 20), jnp.int32),
+                  backend="interpret")
+    with pytest.raises(ValueError, match="segment_ids must have shape"):
+        chunk_kda(q, k, v, g, beta, segment_ids=jnp.zeros((1, 19), jnp.int32), backend="interpret")
+
+
+def test_kda_layer_with_the_kernel_equals_the_chunked_path_on_packed_documents():
+    """The model's KDA layer (tiny config, f32) with kda_impl="pallas" (the kernel through the Pallas interpreter on
+    CPU) gives the output and parameter/input gradients of kda_impl="chunked" on a packed batch with traced segment
+    ids; "auto" picks the chunked path on CPU."""
+    import configs
+    from flax import nnx
+
+    from k3jax.layers.kda import KDA, resolve_kda_impl
+
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
+    assert resolve_kda_impl(base) == "chunked"
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 40, base.hidden_size)), jnp.float32)
+    seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [9, 20, 11], axis=1).astype(np.int32))
+
+    def output_and_grads(impl):
+        layer = KDA(base.replace(kda_impl=impl), rngs=nnx.Rngs(7))
+
+        @nnx.jit
+        def run(m, x):
+            def loss(m, x):
+                y = m(x, seg)
+                return jnp.sum(jnp.sin(y)), y
+
+            (_, y), (g_params, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
+            return y, g_params, g_x
+
+        y, g_params, g_x = run(layer, x)
+        return y, [np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(g_params))] + [g_x]
+
+    y_kernel, g_kernel = output_and_grads("pallas")
+    y_chunked, g_chunked = output_and_grads("chunked")
+    assert _rel_err(y_kernel, y_chunked) < 2e-5
+    assert len(g_kernel) == len(g_chunked) > 5
+    for x_, ref in zip(g_kernel, g_chunked):
+        assert _rel_err(x_, ref) < 2e-5
+
+
+def test_kda_impl_pallas_is_refused_for_an_unbounded_gate():
+    import configs
+    from k3jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="kda_impl='pallas' needs"):
+        configs.get_config("tiny_kimi_linear", ["kda_impl=pallas"])

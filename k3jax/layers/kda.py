@@ -165,7 +165,10 @@ class KDA(nnx.Module):
         v, conv_v = project_conv("v", hist.conv_v_bwp)
         g = self.decay(x)
         beta = jax.nn.sigmoid(upcast(x @ self.b_proj[...].astype(dt)))
-        impl = cfg.kda_impl
+        impl = resolve_kda_impl(cfg)
+        q, k_ = l2_normalize(q), l2_normalize(k_)
+        if impl == "pallas":  # the kernel's numerics policy: model-dtype q/k/v operands, f32 state and accumulation
+            q, k_, v = (x.astype(dt) for x in (q, k_, v))
         if valid_len_b is not None:
             valid_bt = jnp.arange(t)[None, :] < valid_len_b[:, None]
             g = jnp.where(valid_bt[:, :, None, None], g, 0.0)
@@ -175,13 +178,23 @@ class KDA(nnx.Module):
         core = kda_ops.kda
         if cp_mesh is not None:
             core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)
+            impl = "chunked" if impl == "pallas" else impl  # the context-parallel pass runs the XLA cores
         o_bthv, new_s = core(
-            l2_normalize(q), l2_normalize(k_), v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
+            q, k_, v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
         y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))
         return y, KDAState(conv_q, conv_k, conv_v, new_s)
+
+
+def resolve_kda_impl(cfg) -> str:
+    """The KDA core for this config on this platform: ``kda_impl``, with "auto" = the Pallas kernel on GPU when
+    the config suits it (``cfg.kda_kernel_compatible``), else the pure-JAX chunked path."""
+    if cfg.kda_impl != "auto":
+        return cfg.kda_impl
+    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+    return "pallas" if on_gpu and cfg.kda_kernel_compatible else "chunked"
 
 
 def history_at(history_bwp: jax.Array | None, x_btp: jax.Array, end_b: jax.Array) -> jax.Array:

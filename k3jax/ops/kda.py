@@ -21,10 +21,9 @@ Per (batch, head) the layer keeps an f32 state ``S`` of shape ``[K, V]``; for ev
   the final state is the state after the row's last token, i.e. of its last document. With
   ``segment_ids_bt=None`` nothing extra is computed.
 
-Entry points: :func:`kda` (dispatch), :func:`kda_chunked` (chunkwise-parallel, the default for
-sequences), :func:`kda_recurrent` (token-by-token reference) and :func:`kda_step` (one decode
-token).
-A Pallas kernel will later be added behind :func:`kda`.
+Entry points: :func:`kda` (dispatch, also to the Pallas kernel ``pallas_kernels.kda``),
+:func:`kda_chunked` (chunkwise-parallel, the default for sequences off GPU), :func:`kda_recurrent`
+(token-by-token reference) and :func:`kda_step` (one decode token).
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ SUB_CHUNK = 16
 # f32 everywhere: ask accelerators for full-precision matmuls (a no-op on CPU).
 _PREC = jax.lax.Precision.HIGHEST
 
-_IMPLS = ("chunked", "recurrent")
+_IMPLS = ("chunked", "recurrent", "pallas")
 
 
 def _compute_dtype(*xs):
@@ -553,9 +552,17 @@ def kda(
     Returns ``(o [B, T, H, V], final_state [B, H, K, V])`` in float32.
 
     Args:
-      impl: ``"chunked"`` (default) or ``"recurrent"``.
-      chunk_size: used by ``"chunked"`` only.
+      impl: ``"chunked"`` (default), ``"recurrent"`` or ``"pallas"`` (``pallas_kernels.kda.chunk_kda``: the
+        GPU kernel on a GPU, the Pallas interpreter elsewhere; needs gates >= -5 per token and power-of-two
+        head dims; ``o`` comes back in q's dtype).
+      chunk_size: used by ``"chunked"`` only (the kernel's chunk is 64).
     """
+    if impl == "pallas":
+        from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
+
+        backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "interpret"
+        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
+                         segment_ids=segment_ids, backend=backend)
     if impl == "chunked":
         return kda_chunked(
             q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, chunk_size=chunk_size,

@@ -39,23 +39,26 @@ def _loss(core, w_o, w_s):
 
 
 def lower_for_cuda(t=1000, h=2, d=128):
-    """Lower value_and_grad of chunk_kda(backend='gpu') for CUDA; returns one dict per case."""
+    """Lower value_and_grad of chunk_kda(backend='gpu') for CUDA; returns one dict per case (plain, cu_seqlens,
+    traced segment ids)."""
     sd = jax.ShapeDtypeStruct
     rows = []
     for dtype in (jnp.bfloat16, jnp.float32):
-        for cu_seqlens in (None, (0, 70, 70, t)):
+        for packing in (None, (0, 70, 70, t), "segment_ids"):
+            cu_seqlens = packing if isinstance(packing, tuple) else None
             n_states = 1 if cu_seqlens is None else len(cu_seqlens) - 1
             args = (sd((1, t, h, d), dtype), sd((1, t, h, d), dtype), sd((1, t, h, d), dtype),
-                    sd((1, t, h, d), jnp.float32), sd((1, t, h), jnp.float32), sd((n_states, h, d, d), jnp.float32))
+                    sd((1, t, h, d), jnp.float32), sd((1, t, h), jnp.float32), sd((n_states, h, d, d), jnp.float32),
+                    sd((1, t), jnp.int32))
 
-            def core(*a, cu_seqlens=cu_seqlens):
+            def core(*a, cu_seqlens=cu_seqlens, segmented=packing == "segment_ids"):
                 return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, cu_seqlens=cu_seqlens,
-                                 backend="gpu")
+                                 segment_ids=a[6] if segmented else None, backend="gpu")
 
             loss = _loss(core, jnp.ones((1, t, h, d), jnp.float32), jnp.ones((n_states, h, d, d), jnp.float32))
             calls, kernels = triton_kernels(jax.value_and_grad(loss, argnums=tuple(range(6))), *args,
                                             name_pattern=r"kda_[a-z_]+")
-            rows.append({"dtype": jnp.dtype(dtype).name, "cu_seqlens": cu_seqlens, "triton_calls": calls,
+            rows.append({"dtype": jnp.dtype(dtype).name, "packing": packing, "triton_calls": calls,
                          "kernels": kernels})
     return rows
 
@@ -75,14 +78,20 @@ def run_on_gpu(b=2, t=1000, h=3, d=128):
     w_o = jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32)
     w_s = jnp.asarray(rng.standard_normal((b, h, d, d)), jnp.float32)
 
-    def ours(*a):
-        return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="gpu")
-
-    def reference(*a):
-        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5])
+    seg = np.zeros((b, t), np.int32)
+    for start in (5, 64, 70, 75, 400, 401):  # mid-chunk, on a chunk start, two in one sub-chunk, 1-token document
+        seg[0, start:] += 1
 
     rows, ok = [], True
-    for dtype in (jnp.float32, jnp.bfloat16):
+    for dtype, segmented in ((jnp.float32, False), (jnp.bfloat16, False), (jnp.float32, True)):
+        seg_ids = jnp.asarray(seg) if segmented else None
+
+        def ours(*a, seg_ids=seg_ids):
+            return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, segment_ids=seg_ids, backend="gpu")
+
+        def reference(*a, seg_ids=seg_ids):
+            return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg_ids)
+
         args = tuple(jnp.asarray(x, dtype) for x in (q, k, v)) + tuple(
             jnp.asarray(x, jnp.float32) for x in (g, beta, h0))
         grad = jax.value_and_grad(_loss(ours, w_o, w_s), argnums=tuple(range(6)))
@@ -91,7 +100,7 @@ def run_on_gpu(b=2, t=1000, h=3, d=128):
         with jax.default_matmul_precision("float32"):
             want_out = jax.jit(reference)(*args)
             want = jax.jit(jax.grad(_loss(reference, w_o, w_s), argnums=tuple(range(6))))(*args)
-        row = {"check": "gpu_grads", "dtype": jnp.dtype(dtype).name, "shape": [b, t, h, d]}
+        row = {"check": "gpu_grads", "dtype": jnp.dtype(dtype).name, "segment_ids": segmented, "shape": [b, t, h, d]}
         for name, x, ref in zip(("o", "final_state") + _NAMES, tuple(got_out) + tuple(got),
                                 tuple(want_out) + tuple(want)):
             x, ref = (np.asarray(jnp.asarray(a, jnp.float32), np.float64) for a in (x, ref))

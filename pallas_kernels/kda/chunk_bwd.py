@@ -71,6 +71,10 @@ from pallas_kernels.kda.chunk_fwd import (
     _matmul_policy,
     SequentialSpecs,
     _row,
+    _rows_masked,
+    document_layout,
+    document_masks,
+    document_operands,
     check_dims,
     chunk_layout,
     chunk_states,
@@ -160,8 +164,8 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
 
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
-                      dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref,
-                      dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, *, scale, precision, solve, block_k):
+                      dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref, *refs, scale, precision, solve, block_k,
+                      segmented):
     """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas.
 
     Column-blocked like the forward's intra kernel (everything but the 16x16 sub-chunk products is elementwise in
@@ -169,7 +173,15 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     over key blocks; pass B (value blocks) forms ``y = A^T du``, writes ``dv`` and accumulates its part of ``dakk``
     and ``dbeta``; pass C (key blocks) does the same for ``z = A^T dw``; pass D (key blocks) recomputes the decay
     factors and ``z`` and writes ``dq``, ``dk``, ``dg``. Only [16, block_k] tiles and 16x16 blocks are live.
+
+    ``segmented``: the forward's document masks (fixed 0/1 factors) multiply the same terms here: pairwise
+    products and their cotangents across documents, ``2^G`` on rows outside the carried-in document and the
+    chunk-end factor on rows outside the last document (the chunk decay's cotangent is masked by the caller).
     """
+    if segmented:
+        doc_ref, carry_ref, last_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
+    else:
+        dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
     s = SUB_CHUNK
     kd = q_ref.shape[-1]
     vd = v_ref.shape[-1]
@@ -182,6 +194,12 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
     zeros_ss = jnp.zeros((s, s), _F32)
     zeros_s = jnp.zeros((s,), _F32)
+    masks = document_masks(doc_ref, carry_ref, last_ref) if segmented else None
+    carry_rows = masks["carry"] if segmented else [None] * _N_SUB
+    last_rows = masks["last"] if segmented else [None] * _N_SUB
+
+    def same_doc(blocks):
+        return blocks if not segmented else {p: jnp.where(masks["same"][p], x, 0.0) for p, x in blocks.items()}
 
     def cols(kb):
         return pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
@@ -203,7 +221,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         f = dict(local=local, total=total, first=first, before=before, after=after,
                  g_last=before[-1] + total[-1],
                  to_end=[jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs],  # 2^(G_end - G)
-                 gamma=[jnp.exp2(before[i][None, :] + local[i]) for i in subs],  # 2^G
+                 gamma=[_rows_masked(jnp.exp2(before[i][None, :] + local[i]), carry_rows[i]) for i in subs],  # 2^G
                  left=[jnp.exp2(local[i] - mid[i][None, :]) for i in subs],
                  right=[jnp.exp2(mid[i][None, :] - local[i]) for i in subs],
                  from_first=[jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs])  # 2^(G - G_n)
@@ -224,7 +242,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                 kk[i, j] = kk[i, j] + _dot_nt(k_first, k[j] * f["col"][i, j], precision)
         return [kk[p] for p in pairs]
 
-    kk = dict(zip(pairs, lax.fori_loop(0, kd // block_k, pass_a, [zeros_ss] * len(pairs))))
+    kk = same_doc(dict(zip(pairs, lax.fori_loop(0, kd // block_k, pass_a, [zeros_ss] * len(pairs)))))
     kk = {(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in kk.items()}
     akk = {(i, j): beta[i] * x for (i, j), x in kk.items()}
     inv = [_INVERSES[solve](akk[i, i]) for i in subs]
@@ -271,7 +289,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     carry = ([zeros_ss] * len(pairs), [zeros_s] * _N_SUB)
     carry = lax.fori_loop(0, vd // block_k, pass_b, carry)
     dakk_acc, dbeta = lax.fori_loop(0, kd // block_k, pass_c, carry)
-    dakk = {(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in zip(pairs, dakk_acc)}
+    dakk = same_doc({(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in zip(pairs, dakk_acc)})
     for i in subs:
         db = dbeta[i]
         for j in range(i + 1):
@@ -279,7 +297,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         dbeta_ref[pl.ds(i * s, s)] = db.astype(dbeta_ref.dtype)
     p_blk = {(i, j): beta[i] * x for (i, j), x in dakk.items()}
     daqk = {(i, j): daqk_ref[pl.ds(i * s, s), pl.ds(j * s, s)].astype(_F32) for (i, j) in pairs}
-    daqk = {(i, j): jnp.where(incl_ss, x, 0.0) if i == j else x for (i, j), x in daqk.items()}
+    daqk = same_doc({(i, j): jnp.where(incl_ss, x, 0.0) if i == j else x for (i, j), x in daqk.items()})
 
     # Pass D (key blocks): dq, dk, dg through the pairwise products and the decay factors.
     def pass_d(kb, carry):
@@ -309,7 +327,8 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                 dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk[i, j], q_first[i], precision)
                                                      + _dot_tn(p_blk[i, j], k_first[i], precision))
         dkg = [load(dkg_ref, i, c) for i in subs]
-        kg_factor = [f["to_end"][i] * jnp.exp2(f["after"][i])[None, :] for i in subs]  # 2^(G_L - G)
+        kg_factor = [_rows_masked(f["to_end"][i] * jnp.exp2(f["after"][i])[None, :], last_rows[i])
+                     for i in subs]  # 2^(G_L - G)
         dg_last = ddecay_ref[c].astype(_F32) * jnp.exp2(f["g_last"])
         dgrow = []
         for i in subs:
@@ -415,8 +434,10 @@ def state_grads(d_o, v_new, dv_new, states, ds_end, *, precision, config, interp
     )(d_o, v_new, dv_new, states, ds_end)
 
 
-def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision, config, interpret):
-    """Kernel 5 (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)``, f32, on chunk-padded inputs."""
+def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision, config, interpret,
+              documents=None):
+    """Kernel 5 (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)``, f32, on chunk-padded inputs.
+    ``documents``: the forward's ``document_layout`` for packed documents."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
 
@@ -425,9 +446,10 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
 
     decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
     beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve,
-                          block_k=min(config.block_k, kd, vd)),
+                          block_k=min(config.block_k, kd, vd), segmented=documents is not None),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
@@ -437,17 +459,17 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
         in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec,
                   chunk_spec(vd), chunk_spec(kd),
                   chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
-                  decay_chunk_spec],
+                  decay_chunk_spec] + doc_specs,
         out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_chunk_spec],
         interpret=interpret,
         compiler_params=triton_params(interpret, config.warps[0]),
         name="kda_bwd_intra",
-    )(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay)
+    )(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *doc_ops)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale, interpret=False,
-                  config=_DEFAULT_CONFIG, cu_seqlens=None):
+                  config=_DEFAULT_CONFIG, cu_seqlens=None, segment_ids=None):
     """Gradients of ``chunk_kda_fwd`` (same arguments) for the cotangents ``d_o`` ``[B, T, H, V]`` and
     ``d_final_state`` (the final-state shape).
 
@@ -465,7 +487,9 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     q, k, v, g, beta, d_o = (to_padded(x) for x in (q, k, v, g, beta, d_o))
 
     # 1. Recompute the forward's per-chunk quantities.
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret)
+    documents = None if segment_ids is None else document_layout(segment_ids, n)
+    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                           documents=documents)
 
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     kw = dict(precision=precision, config=config, interpret=interpret)
@@ -476,9 +500,11 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     ds_end, dv_new, d_initial = reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs, **kw)
     # 4. Gradients through the state products.
     dqg, dkg, dw, daqk, d_decay = state_grads(d_o, v_new, dv_new, states, ds_end, **kw)
+    if documents is not None:  # the forward's chunk decay is masked where a document starts inside the chunk
+        d_decay = d_decay * documents["keep"][:, None, :, None]
     # 5. Back through the intra-chunk algebra.
     dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, scale=scale,
-                                      **kw)
+                                      documents=documents, **kw)
 
     grads = tuple(from_padded(x) for x in (dq, dk, dv, dg, dbeta))
     if layout is not None:  # empty sequences own no chunk: their state passes straight through

@@ -40,7 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd", "chunk_layout",
-           "chunk_output", "chunk_states", "fused_recurrence", "intra_chunk", "triton_params", "varlen_layout"]
+           "chunk_output", "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
+           "triton_params", "varlen_layout"]
 
 CHUNK = 64
 SUB_CHUNK = 16
@@ -153,8 +154,45 @@ def _unit_lower_inverse_doubling(l_cc):
 _INVERSES = {"substitution": _unit_lower_inverse, "doubling": _unit_lower_inverse_doubling}
 
 
-def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
-                  qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *, scale, precision, solve, block_k):
+def _rows_masked(x_rc, mask_r1):
+    """``x`` with rows zeroed where the ``[rows, 1]`` 0/1 mask is 0 (``mask=None``: unchanged)."""
+    return x_rc if mask_r1 is None else x_rc * mask_r1
+
+
+def document_masks(doc_ref, carry_ref, last_ref):
+    """Per sub-chunk row masks of one chunk (packed documents): ``carry``/``last`` ``[16, 1]`` f32 and ``same``
+    ``{(i, j): [16, 16] bool}`` for the sub-chunk pairs ``j <= i``."""
+    s = SUB_CHUNK
+    doc = [doc_ref[pl.ds(i * s, s)] for i in range(_N_SUB)]
+    return {
+        "carry": [carry_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in range(_N_SUB)],
+        "last": [last_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in range(_N_SUB)],
+        "same": {(i, j): doc[i][:, None] == doc[j][None, :] for i in range(_N_SUB) for j in range(i + 1)},
+    }
+
+
+def document_layout(segment_ids, n_chunks):
+    """Packed-document masks for the kernels from traced segment ids ``[B, T]`` (a document starts wherever the
+    id changes; T <= n_chunks * 64, padding joins the last document).
+
+    Returns f32/int32 arrays: ``doc [B, Tp]`` document index, ``carry [B, Tp]`` (token is in the document running
+    before its chunk began: it may read the incoming state), ``last [B, Tp]`` (token is in its chunk's last
+    document: it writes the outgoing state) and ``keep [B, N]`` (no document starts inside the chunk: the
+    incoming state survives it), the same masks as ``k3jax.ops.kda``'s chunked path.
+    """
+    b, t = segment_ids.shape
+    tp = n_chunks * CHUNK
+    starts = jnp.concatenate([jnp.zeros((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    doc = jnp.pad(jnp.cumsum(starts, axis=1, dtype=jnp.int32), ((0, 0), (0, tp - t)), mode="edge")
+    doc_bnc = doc.reshape(b, n_chunks, CHUNK)
+    before_bn = jnp.concatenate([doc_bnc[:, :1, 0], doc_bnc[:, :-1, -1]], axis=1)
+    return {"doc": doc,
+            "carry": (doc_bnc == before_bn[..., None]).astype(_F32).reshape(b, tp),
+            "last": (doc_bnc == doc_bnc[..., -1:]).astype(_F32).reshape(b, tp),
+            "keep": (doc_bnc[..., -1] == before_bn).astype(_F32)}
+
+
+def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented):
     """One chunk of one (batch, head): refs are ``[C, K]`` / ``[C, V]`` / ``[C]``; outputs per module docstring.
 
     Columns are processed ``block_k`` at a time (the decay bookkeeping is per key column, so every column block is
@@ -162,7 +200,15 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     writes ``qg``, ``kg``, ``decay``; then the diagonal blocks of ``I + akk`` are inverted and ``u`` (value blocks)
     and ``w`` (key blocks, gate recomputed) come from blocked forward substitution. Only [16, block_k] tiles and
     the 16x16 blocks are live at a time, which keeps register pressure (and so occupancy) independent of K.
+
+    ``segmented`` (packed documents, ``document_layout``): three more inputs per row (document index, "in the
+    document carried into the chunk", "in the chunk's last document") mask the pairwise products across
+    documents, the rows reading the incoming state (qg, w) and the rows writing the outgoing one (kg).
     """
+    if segmented:
+        doc_ref, carry_ref, last_ref, qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = refs
+    else:
+        qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = refs
     s = SUB_CHUNK
     kd = q_ref.shape[-1]
     vd = v_ref.shape[-1]
@@ -174,6 +220,9 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     subs = range(_N_SUB)
     pairs = [(i, j) for i in subs for j in range(i + 1)]
     beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
+    masks = document_masks(doc_ref, carry_ref, last_ref) if segmented else None
+    carry_rows = masks["carry"] if segmented else [None] * _N_SUB
+    last_rows = masks["last"] if segmented else [None] * _N_SUB
 
     def cols(kb, width):
         return pl.ds(pl.multiple_of(kb * width, width), width)
@@ -214,8 +263,9 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
                 aqk[i, j] = aqk[i, j] + _dot_nt(q_first, k_bridged, precision)
                 kk[i, j] = kk[i, j] + _dot_nt(k_first, k_bridged, precision)
             rows = pl.ds(i * s, s)
-            qg_ref[rows, c] = (q[i] * jnp.exp2(before[i][None, :] + local[i])).astype(inter_dtype)
-            kg_ref[rows, c] = (k_to_end[i] * jnp.exp2(after[i])[None, :]).astype(inter_dtype)
+            qg_ref[rows, c] = _rows_masked(q[i] * jnp.exp2(before[i][None, :] + local[i]),
+                                           carry_rows[i]).astype(inter_dtype)
+            kg_ref[rows, c] = _rows_masked(k_to_end[i] * jnp.exp2(after[i])[None, :], last_rows[i]).astype(inter_dtype)
         decay_ref[c] = jnp.exp2(before[-1] + total[-1])
         return [aqk[p] for p in pairs], [kk[p] for p in pairs]
 
@@ -223,6 +273,9 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     init = ([zeros_ss] * len(pairs), [zeros_ss] * len(pairs))
     aqk_acc, kk_acc = lax.fori_loop(0, kd // block_k, pass1, init)
     aqk, kk = dict(zip(pairs, aqk_acc)), dict(zip(pairs, kk_acc))
+    if segmented:
+        aqk = {p: jnp.where(masks["same"][p], x, 0.0) for p, x in aqk.items()}
+        kk = {p: jnp.where(masks["same"][p], x, 0.0) for p, x in kk.items()}
     akk = {(i, j): beta[i] * (jnp.where(strict_ss, x, 0.0) if i == j else x) for (i, j), x in kk.items()}
     for i in subs:
         for j in subs:
@@ -251,8 +304,8 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref,
     def w_block(kb, carry):
         c = cols(kb, block_k)
         local, _, before, _ = decay_terms(kb)
-        w = substitute([beta[i] * k_ref[pl.ds(i * s, s), c].astype(_F32) * jnp.exp2(before[i][None, :] + local[i])
-                        for i in subs])
+        w = substitute([_rows_masked(beta[i] * k_ref[pl.ds(i * s, s), c].astype(_F32)
+                                     * jnp.exp2(before[i][None, :] + local[i]), carry_rows[i]) for i in subs])
         for i in subs:
             w_ref[pl.ds(i * s, s), c] = w[i].astype(inter_dtype)
         return carry
@@ -372,10 +425,11 @@ def _is_pow2(n):
     return n >= 16 and n & (n - 1) == 0
 
 
-def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False):
+def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, documents=None):
     """Kernel 1 on chunk-padded inputs ``[B, Tp, H, *]`` (Tp a multiple of 64; g, beta f32).
 
     Returns ``(qg, kg, w, u, aqk)`` as ``[B, Tp, H, *]`` (bf16 for bf16/f16 q, else f32) and ``decay [B, H, N, K]``.
+    ``documents``: ``document_layout(...)`` for packed documents (decay is then zero where ``keep`` is).
     """
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
@@ -396,18 +450,35 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False):
         jax.ShapeDtypeStruct((b, tp, h, CHUNK), inter_dtype),  # aqk
         jax.ShapeDtypeStruct((b, h, n, kd), _F32),  # decay
     )
-    return pl.pallas_call(
-        functools.partial(_intra_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k),
+    segmented = documents is not None
+    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+    qg, kg, w, u, aqk, decay = pl.pallas_call(
+        functools.partial(_intra_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
+                          segmented=segmented),
         out_shape=inter_shapes,
         grid=(n, b * h),
         in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd),
-                  pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))],
+                  pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))] + doc_specs,
         out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
                    pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))],
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_intra",
-    )(q, k, v, g, beta)
+    )(q, k, v, g, beta, *doc_ops)
+    if segmented:
+        decay = decay * documents["keep"][:, None, :, None]
+    return qg, kg, w, u, aqk, decay
+
+
+def document_operands(documents, h, *, three_d_grid):
+    """``(operands, block specs)`` of the per-row document masks for a (chunk, batch*head[, x]) grid."""
+    if documents is None:
+        return [], []
+    if three_d_grid:
+        spec = pl.BlockSpec((None, CHUNK), lambda c, bh, j: (bh // h, c))
+    else:
+        spec = pl.BlockSpec((None, CHUNK), lambda c, bh: (bh // h, c))
+    return [documents["doc"], documents["carry"], documents["last"]], [spec] * 3
 
 
 def _matmul_policy(dtype):
@@ -596,7 +667,7 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
-                  cu_seqlens=None):
+                  cu_seqlens=None, segment_ids=None):
     """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the split or fused recurrence).
 
     Args:
@@ -606,10 +677,15 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
       scale: multiplier for q. interpret: run the kernels with the Pallas interpreter (CPU tests).
       config: GPU tuning knobs (KernelConfig).
       cu_seqlens: None, or a tuple of host ints ``(0, ..., T)`` for B = 1 packed sequences (state reset at each).
+      segment_ids: None, or traced int ``[B, T]`` packed documents (state reset wherever the id changes; the
+        initial state belongs to each row's first document, the final state is its last document's), by masks
+        inside the kernels (no relayout); exclusive with cu_seqlens.
 
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B or N_seq, H, K, V] f32)``.
     """
+    if cu_seqlens is not None and segment_ids is not None:
+        raise ValueError("chunk_kda: pass cu_seqlens or segment_ids, not both")
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     block_v = check_dims(kd, vd, config)
@@ -620,7 +696,9 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
 
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret)
+    documents = None if segment_ids is None else document_layout(segment_ids, n)
+    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                           documents=documents)
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     kw = dict(precision=precision, config=config, interpret=interpret)
     if config.recurrence == "fused":

@@ -72,11 +72,12 @@ def _static_cu_seqlens(cu_seqlens):
                          "static argument") from err
 
 
-def _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens):
+def _xla_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens):
     """The pure-XLA chunked core; with cu_seqlens, one ``kda_chunked`` call per (non-empty) sequence."""
     def core(sl, state):
         return kda_chunked(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=scale,
-                           initial_state_bhkv=state, chunk_size=CHUNK)
+                           initial_state_bhkv=state, chunk_size=CHUNK,
+                           segment_ids_bt=None if segment_ids is None else segment_ids[:, sl])
 
     if cu_seqlens is None:
         return core(slice(None), initial_state)
@@ -91,38 +92,39 @@ def _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens):
     return jnp.concatenate(outs, axis=1), jnp.stack(finals)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
-def _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
+def _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, config, bwd):
     del bwd
     return chunk_kda_fwd(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret, config=config,
-                         cu_seqlens=cu_seqlens)
+                         cu_seqlens=cu_seqlens, segment_ids=segment_ids)
 
 
-def _pallas_kda_fwd(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd):
-    out = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, interpret, config, bwd)
-    return out, (q, k, v, g, beta, initial_state)
+def _pallas_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, config, bwd):
+    out = _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, config, bwd)
+    return out, (q, k, v, g, beta, initial_state, segment_ids)
 
 
 def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, bwd, residuals, cotangents):
     """Pallas backward kernels (``bwd="pallas"``) or the autodiff of the XLA chunked core (``bwd="xla"``)."""
     do, d_final = cotangents
+    *inputs, segment_ids = residuals
     if bwd == "pallas":
-        grads = chunk_kda_bwd(*residuals, do, d_final, scale=scale, interpret=interpret, config=config,
-                              cu_seqlens=cu_seqlens)
+        grads = chunk_kda_bwd(*inputs, do, d_final, scale=scale, interpret=interpret, config=config,
+                              cu_seqlens=cu_seqlens, segment_ids=segment_ids)
     else:
         def xla_forward(*args):
-            return _xla_kda(*args, scale, cu_seqlens)
+            return _xla_kda(*args, segment_ids, scale, cu_seqlens)
 
-        _, vjp = jax.vjp(xla_forward, *residuals)
+        _, vjp = jax.vjp(xla_forward, *inputs)
         grads = vjp((do.astype(jnp.float32), d_final.astype(jnp.float32)))
-    return tuple(gr.astype(x.dtype) for gr, x in zip(grads, residuals))
+    return (*(gr.astype(x.dtype) for gr, x in zip(grads, inputs)), None)
 
 
 _pallas_kda.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              backend=None, config=None, bwd="pallas"):
+              segment_ids=None, backend=None, config=None, bwd="pallas"):
     """Chunkwise KDA (chunk 64); same result as the token recurrence ``k3jax.ops.kda.kda_recurrent``.
 
     Args:
@@ -135,6 +137,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       output_final_state: return the final state (else None).
       cu_seqlens: None, or host ints ``[0, ..., T]`` (N_seq + 1 of them) delimiting packed sequences (B = 1); the
         state restarts from ``initial_state[n]`` at each sequence and final_state is per sequence.
+      segment_ids: None, or int ``[B, T]`` (may be traced) packed documents per row: the state resets to zero
+        wherever the id changes (initial_state belongs to each row's first document, final_state is the state
+        after its last token); the kernels mask instead of relaying out. Exclusive with cu_seqlens.
       backend: one of ``BACKENDS`` or None (``default_backend()``).
       config: ``KernelConfig`` GPU tuning knobs for the Pallas backends (None: defaults).
       bwd: gradient implementation for the Pallas backends: ``"pallas"`` (the backward kernels) or ``"xla"``
@@ -145,6 +150,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """
     cu_seqlens = _static_cu_seqlens(cu_seqlens)
     _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if segment_ids is not None:
+        if cu_seqlens is not None:
+            raise ValueError("chunk_kda: pass cu_seqlens or segment_ids, not both")
+        if segment_ids.shape != q.shape[:2]:
+            raise ValueError(f"chunk_kda: segment_ids must have shape [B, T] = {q.shape[:2]}, "
+                             f"got {segment_ids.shape}")
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
@@ -159,9 +171,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         initial_state = jnp.zeros((n_states, h, kd, v.shape[-1]), jnp.float32)
 
     if backend == "xla":
-        o, final_state = _xla_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens)
+        o, final_state = _xla_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens)
         o = o.astype(q.dtype)
     else:
-        o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, scale, cu_seqlens, backend == "interpret",
-                                     config or KernelConfig(), bwd)
+        o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens,
+                                     backend == "interpret", config or KernelConfig(), bwd)
     return o, (final_state if output_final_state else None)
