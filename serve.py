@@ -8,7 +8,8 @@ Batch mode:
 line. Output: one JSON object per prompt, in input order: index, [id], [prompt], completion, completion_ids,
 finish_reason, token counts.
 
-Server mode (continuous batching over `--slots` decode slots; see k3jax/inference/server.py):
+Server mode (continuous batching over `--slots` decode slots; MLA latents in a pool of `--num_pages` pages of
+`--page_size` tokens per layer; see k3jax/inference/server.py and scheduler.py):
 
     python serve.py --config=tiny --port=8000
     curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "temperature": 0}'
@@ -58,6 +59,12 @@ _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "Server mode: decode ste
 _PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 0, "Server mode: prefix cache boundary in tokens (a power of "
                                      "two >= 16, e.g. 512); 0 = no prefix cache.")
 _PREFIX_CAPACITY = flags.DEFINE_integer("prefix_capacity", 64, "Server mode: prefix cache snapshots kept (LRU).")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "Server mode: tokens per MLA latent page (>= 1; capped at "
+                                  "--max_len; a multiple of 64, the prefill chunk, suits real models).")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "Server mode: pages in each MLA layer's latent pool; 0 = "
+                                  "automatic, slots x ceil(max_len / page_size) (every slot at full length). Fewer "
+                                  "pages use less memory; requests then wait for pages, and one needing more than "
+                                  "the pool gets a 400.")
 _DEFAULT_MAX = flags.DEFINE_integer("default_max_tokens", 256, "Server mode: chat max_tokens when not given.")
 _GRACE = flags.DEFINE_float("shutdown_grace_s", 10.0, "Server mode: seconds in-flight requests get to finish "
                             "on shutdown before they are cancelled.")
@@ -74,7 +81,8 @@ def _serve(log) -> None:
 
     for name, flag, low in (("--slots", _SLOTS, 1), ("--max_queue", _MAX_QUEUE, 0), ("--decode_steps",
                                                                                        _DECODE_STEPS, 1),
-                            ("--default_max_tokens", _DEFAULT_MAX, 1), ("--max_prefill_batch", _PREFILL_BATCH, 1)):
+                            ("--default_max_tokens", _DEFAULT_MAX, 1), ("--max_prefill_batch", _PREFILL_BATCH, 1),
+                            ("--page_size", _PAGE_SIZE, 1), ("--num_pages (0 = automatic)", _NUM_PAGES, 0)):
         if flag.value < low:
             raise ValueError(f"{name} must be >= {low}, got {flag.value}")
     if not 0 < _PORT.value < 65536:
@@ -89,7 +97,11 @@ def _serve(log) -> None:
     max_len = _MAX_LEN.value or min(2048, cfg.max_position_embeddings)
     scheduler = Scheduler(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
                           decode_steps=_DECODE_STEPS.value, prefix_block=_PREFIX_BLOCK.value or None,
-                          prefix_capacity=_PREFIX_CAPACITY.value)
+                          prefix_capacity=_PREFIX_CAPACITY.value, page_size=_PAGE_SIZE.value,
+                          num_pages=_NUM_PAGES.value or None)
+    if scheduler.num_pages < scheduler.pages_per_seq:
+        log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
+            f"less than one sequence of --max_len={max_len}: longer requests get a 400")
     warm_up(scheduler, log)
     server = K3Server(EngineLoop(scheduler, log), tokenizer, chat,
                       ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,

@@ -23,7 +23,10 @@ Modes (the config field `moe_expert_parallel`):
 Model axis: the expert widths M are split over 'model' when divisible (w1/w3 on M, w2 on its M rows); each model rank
 dispatches the same tokens and computes its M slice, and the combined [tokens, L] output is summed over 'model'
 (psum). Otherwise the weights are replicated over 'model' inside (gathered on entry). The latent L dim (FSDP over
-'data' in the rules) is gathered on entry.
+'data' in the rules) is gathered on entry. MXFP4 experts (`k3jax.ops.gmm.MXFP4Experts`, stored [E, out, in]) get
+their own specs (`expert_weight_specs`): w1/w3 packed [E, M, L/2] + scales [E, M, L/32] split on dim 1, w2 packed
+[E, L, M/2] + scales [E, L, M/32] on dim 2; M is split only when each rank's slice is whole 32-column scale groups
+(M divisible by 32 * model).
 
 Statistics (per MoE layer and step, f32 [4]): max and mean over expert ranks of the routed rows each rank is sent
 (global batch, before drops), dropped rows, routed rows (tokens * k). Recorded by `LatentMoE` in its
@@ -43,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax.config import ModelConfig
 from k3jax.layers.mlp import glu
 from k3jax.numerics import wide
-from k3jax.ops.gmm import gmm
+from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +248,11 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     """Σ_j w_j E_{idx_j}(z) with the experts partitioned over the 'expert' mesh axis.
 
     z [B, T, L] (compute dtype), weights f32 [B, T, k], experts int32 [B, T, k], expert weights [E, L, M] / [E, M, L]
-    (global arrays, any sharding). `mode`: 'dropless' or 'capacity' (with `capacity_factor`). `mesh`: default the
-    context mesh. `ragged` (dropless): 'native' (`jax.lax.ragged_all_to_all`), 'emulated', or 'auto' (native except
-    on CPU). `recv_rows`: dropless receive buffer rows per device (default the worst case R * local tokens *
-    min(k, E/R); a smaller bound is the caller's promise that no rank receives more).
+    (global arrays, any sharding; or `MXFP4Experts` of those logical shapes, see `expert_weight_specs`). `mode`:
+    'dropless' or 'capacity' (with `capacity_factor`). `mesh`: default the context mesh. `ragged` (dropless):
+    'native' (`jax.lax.ragged_all_to_all`), 'emulated', or 'auto' (native except on CPU). `recv_rows`: dropless
+    receive buffer rows per device (default the worst case R * local tokens * min(k, E/R); a smaller bound is the
+    caller's promise that no rank receives more).
     Returns (u [B, T, L] in the wide dtype, stats f32 [4] as in `STATS_FIELDS`).
     """
     if mode not in ("dropless", "capacity"):
@@ -270,9 +274,7 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)
     token_axes = batch_axes + tuple(a for a in (SEQ_AXIS,) if a in mesh.axis_names)
     tokens = P(batch_axes, SEQ_AXIS if SEQ_AXIS in mesh.axis_names else None, None)
-    m = w1_elm.shape[2]
-    split_m = MODEL_AXIS in mesh.axis_names and _axis(mesh, MODEL_AXIS) > 1 and m % _axis(mesh, MODEL_AXIS) == 0
-    m_axis = MODEL_AXIS if split_m else None
+    w13_spec, w2_spec, split_m = expert_weight_specs(w1_elm, w2_eml, mesh)
 
     def body(z_btl, weights_btk, experts_btk, w1, w3, w2):
         bl, tl, l = z_btl.shape
@@ -301,10 +303,31 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     # rejects; autodiff stays exact without it (the gradient tests compare against the dense reference).
     fn = jax.shard_map(
         body, mesh=mesh,
-        in_specs=(tokens, tokens, tokens, P(EXPERT_AXIS, None, m_axis), P(EXPERT_AXIS, None, m_axis),
-                  P(EXPERT_AXIS, m_axis, None)),
+        in_specs=(tokens, tokens, tokens, w13_spec, w13_spec, w2_spec),
         out_specs=(tokens, P()), check_vma=False)
     return fn(z_btl, weights_btk, experts_btk.astype(jnp.int32), w1_elm, w3_elm, w2_eml)
+
+
+def expert_weight_specs(w1_elm, w2_eml, mesh) -> tuple:
+    """(spec of w1 and w3, spec of w2, whether 'model' splits the expert width M) for `routed_experts`' shard_map.
+
+    Array weights [E, L, M] / [E, M, L]: P(expert, None, model) / P(expert, model, None). `MXFP4Experts` (stored in
+    the HF orientation [E, out, in], a (packed, scales) pytree): w1/w3 packed [E, M, L/2] + scales [E, M, L/32] ->
+    P(expert, model, None) each, w2 packed [E, L, M/2] + scales [E, L, M/32] -> P(expert, None, model) each.
+    M is split when 'model' > 1 divides it (packed: into whole 32-column scale groups, M % (32 * model) == 0),
+    else the weights are replicated over 'model'."""
+    packed = isinstance(w1_elm, MXFP4Experts)
+    if packed != isinstance(w2_eml, MXFP4Experts):
+        raise ValueError("w1 and w2 must both be arrays or both MXFP4Experts")
+    model = _axis(mesh, MODEL_AXIS) if MODEL_AXIS in mesh.axis_names else 1
+    m = w1_elm.shape[2]
+    split_m = model > 1 and m % (model * (MXFP4_GROUP if packed else 1)) == 0
+    m_axis = MODEL_AXIS if split_m else None
+    if packed:
+        w13 = P(EXPERT_AXIS, m_axis, None)
+        w2 = P(EXPERT_AXIS, None, m_axis)
+        return MXFP4Experts(w13, w13), MXFP4Experts(w2, w2), split_m
+    return P(EXPERT_AXIS, None, m_axis), P(EXPERT_AXIS, m_axis, None), split_m
 
 
 def single_program_stats(routed_rows: int) -> jax.Array:

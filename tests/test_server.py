@@ -139,8 +139,10 @@ def test_concurrent_completions_and_chat_match_the_scheduler(scheduler, tokenize
     assert chunks[-1]["choices"][0]["finish_reason"] == chat[1]["choices"][0]["finish_reason"]
     assert stopped[1]["choices"][0]["text"] == text3[:text3.index(stop)]
     assert stopped[1]["choices"][0]["finish_reason"] == "stop"
+    # pages: max_len 64 in one default 64-token page per slot; every page back in the pool once requests finish
     assert models["data"][0]["id"] == "tiny" and health == (200, {"status": "ok", "in_flight": 0, "capacity": 10,
-                                                                  "slots": 2, "max_len": 64})
+                                                                  "slots": 2, "max_len": 64, "pages": {
+                                                                      "size": 64, "total": 2, "free": 2}})
     lines = [m for m in logs if '"POST /v1/' in m]
     assert len(lines) == 6 and all(" 200 id=" in m for m in lines)
 
@@ -224,7 +226,9 @@ def test_full_queue_gets_503_and_shutdown_cancels_in_flight(scheduler, tokenizer
                 if server.in_flight == 0 and not server.scheduler.has_work:
                     break
                 await asyncio.sleep(0.01)
-            disconnected = server.in_flight, server.scheduler.has_work
+            async with client.get("/health") as r:
+                pages = (await r.json())["pages"]
+            disconnected = server.in_flight, server.scheduler.has_work, pages["free"] == pages["total"]
 
             engine.pause()  # a request that cannot finish before shutdown
             pending = asyncio.create_task(stream(client, "/v1/completions", {**body, "max_tokens": 30}))
@@ -240,7 +244,7 @@ def test_full_queue_gets_503_and_shutdown_cancels_in_flight(scheduler, tokenizer
     full, done, disconnected, chunks, saw_done, took, alive, logs = asyncio.run(go())
     assert full[0] == 503 and full[1]["error"]["code"] == "queue_full" and full[2] == "1"
     assert [st for st, _ in done] == [200] * 3 and len({json.dumps(r["choices"]) for _, r in done}) == 1
-    assert disconnected == (0, False) and any(" 499 " in m and "client_disconnected" in m for m in logs)
+    assert disconnected == (0, False, True) and any(" 499 " in m and "client_disconnected" in m for m in logs)
     assert saw_done and chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
     assert not alive and took < 10
     assert any("cancelling 1 request" in m for m in logs) and logs[-1] == "engine stopped"
@@ -316,14 +320,19 @@ def test_serve_cli_rejects_bad_server_flags():
     r = subprocess.run([sys.executable, "serve.py", "--config=tiny", "--port=8000", "--prompts_file=x.txt"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "cannot be combined" in r.stderr
+    r = subprocess.run([sys.executable, "serve.py", "--config=tiny", "--port=8000", "--page_size=0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--page_size must be >= 1, got 0" in r.stderr
 
 
 @pytest.mark.slow
 def test_serve_cli_serves_and_stops_on_sigterm():
-    """`python serve.py --port` end to end: health, one completion, SIGTERM → clean exit 0."""
+    """`python serve.py --port` end to end: health (with the --page_size / --num_pages pool), one completion,
+    SIGTERM → clean exit 0."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "serve.py", f"--config={NAME}", f"--port={port}", "--slots=2",
-                             "--max_len=64"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             "--max_len=64", "--page_size=16", "--num_pages=5"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         async def go():
             async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as client:
@@ -331,12 +340,15 @@ def test_serve_cli_serves_and_stops_on_sigterm():
                     try:
                         async with client.get("/health") as r:
                             if r.status == 200:
+                                pages = (await r.json())["pages"]
                                 break
                     except aiohttp.ClientConnectionError:
                         await asyncio.sleep(0.25)
-                return await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 5, "temperature": 0})
+                return pages, await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 5,
+                                                                     "temperature": 0})
 
-        status, body = asyncio.run(go())
+        pages, (status, body) = asyncio.run(go())
+        assert pages == {"size": 16, "total": 5, "free": 5}
         assert status == 200 and body["usage"]["completion_tokens"] <= 5
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)

@@ -5,7 +5,9 @@ enqueue and await that request's token events. At most `num_slots + max_queue` r
 waiting for a slot); more get 503. Streaming (`"stream": true`) sends Server-Sent Events: `data: {chunk}` lines and
 a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with 400
 (bad JSON, unknown fields, wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 404
-(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down).
+(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down). `/health` reports the state
+(status, in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
+prefix cache when enabled).
 Shutdown (SIGINT / SIGTERM under `run_server`, or `runner.cleanup()`): stop accepting, let in-flight requests
 finish for up to `shutdown_grace_s`, cancel the rest (streams end with finish_reason "cancelled"), stop the engine.
 One log line per request: peer, route, status, id, token counts, finish reason, time to first token, total time.
@@ -88,7 +90,9 @@ class K3Server:
         ok = self.engine.alive and not self.draining
         body = {"status": "ok" if ok else ("draining" if self.draining else "engine stopped"),
                 "in_flight": self.in_flight, "capacity": self.capacity, "slots": self.scheduler.num_slots,
-                "max_len": self.scheduler.max_len}
+                "max_len": self.scheduler.max_len,
+                "pages": {"size": self.scheduler.page_size, "total": self.scheduler.num_pages,
+                          "free": self.scheduler.num_free_pages}}
         pc = self.scheduler.prefix_cache
         if pc is not None:
             body["prefix_cache"] = {"block": pc.block, "entries": len(pc), "hits": pc.hits,
@@ -361,7 +365,8 @@ def run_server(server: K3Server, host: str, port: int) -> None:
     sched = server.scheduler
     prefix = f"{sched.prefix_cache.block}-token blocks" if sched.prefix_cache is not None else "off"
     server.log(f"serving {server.options.model_name!r} on http://{host}:{port} ({sched.num_slots} slots x "
-               f"{sched.max_len} tokens, queue {server.options.max_queue}, prefix cache {prefix}, chat template: "
+               f"{sched.max_len} tokens, {sched.num_pages} latent pages of {sched.page_size} tokens, queue "
+               f"{server.options.max_queue}, prefix cache {prefix}, chat template: "
                f"{server.chat.name})")
     web.run_app(server.app, host=host, port=port, access_log=None, print=None,
                 shutdown_timeout=server.options.shutdown_grace_s + 10, handle_signals=True)

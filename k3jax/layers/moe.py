@@ -6,8 +6,6 @@ Without a latent (`routed_expert_hidden_size=None`, Kimi-Linear) the experts act
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -150,8 +148,6 @@ class LatentMoE(nnx.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
         ep = expert_parallel.active_mode(cfg, b, t)
-        if ep is not None and isinstance(w1, MXFP4Experts) and not _packed_expert_parallel_ok(cfg):
-            ep = None  # 'auto' falls back to the single-program path (an explicit mode raised)
         if ep is None:
             combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
             u_nl = combine(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
@@ -181,22 +177,3 @@ class LatentMoE(nnx.Module):
                                      cfg.num_experts_per_token)
         self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.routing_histogram_bins)
         self.expert_loads[...] = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_nk.reshape(-1)].add(1.0)
-
-
-def _packed_expert_parallel_ok(cfg: ModelConfig) -> bool:
-    """Expert parallelism runs MXFP4 experts only when the model axis does not split the expert width M:
-    `sharding.expert_parallel.routed_experts` gives each weight one PartitionSpec over its logical [E, in, out]
-    dims, which for a split M would cut the packed arrays ([E, out, in/2]) on the wrong axis. False (logged) for
-    'auto'; an explicit mode raises `ExpertParallelError`."""
-    mesh = jax.sharding.get_abstract_mesh()
-    model = mesh.shape[expert_parallel.MODEL_AXIS] if expert_parallel.MODEL_AXIS in mesh.axis_names else 1
-    if model == 1 or cfg.moe_intermediate_size % model:
-        return True
-    problem = (f"expert_weights='mxfp4' with expert parallelism needs a mesh whose {expert_parallel.MODEL_AXIS!r} "
-               f"axis does not split the expert width (moe_intermediate_size={cfg.moe_intermediate_size}, "
-               f"{expert_parallel.MODEL_AXIS}={model})")
-    if cfg.moe_expert_parallel == "auto":
-        logging.getLogger(__name__).warning("expert parallelism off for this MoE call: %s", problem)
-        return False
-    raise expert_parallel.ExpertParallelError(
-        f"{problem}; use a model axis of 1, moe_expert_parallel='off', or expert_weights='bf16'")
