@@ -18,6 +18,19 @@ Bandwidth floor of one decode step = bytes that must move / 4.8 TB/s (H200 HBM3e
            valid positions + one row written per sequence and layer.
 Reported: median step time, tokens/s, floor, and floor / step (the fraction of the bandwidth roofline reached).
 The implementation reads the MLA buffer to its capacity (context + room), slightly more than the floor counts.
+
+--hf_peer: the issue-8 side-by-side peer, HF transformers `KimiLinearForCausalLM.generate` vs our `Engine.generate`
+on the same random weights of a Kimi-Linear-shaped config (`benchmarks/hf_generate_peer.py`; needs torch and
+transformers, imported only then). Order of a run: --profile, then the peer (which frees torch's memory when done),
+then the sweep.
+
+--profile: captures a `jax.profiler` trace of `--profile_calls` decode calls (`--decode_steps` steps each) of
+`--config` at `--profile_batch` slots and prints where the step's time goes: device busy time vs the call's span,
+kernels per step, kernel categories, top kernels by total time, device copies and time by JAX name stack (jax 0.11
+puts it on every kernel), host CUDA-API calls (graph launches). The raw .xplane.pb is copied to --out_dir.
+
+--device_smoke: tiny shapes everywhere (CPU check of every path): `--config=tiny --hf_peer --profile --device_smoke`.
+    python benchmarks/decode_bench.py --config=k3_gpu --batches= --hf_peer --profile --out_dir=$OUT
 """
 
 from __future__ import annotations
@@ -25,12 +38,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+if "--hf_peer" in sys.argv:  # torch shares the device: JAX must not grab 75% of it at start-up
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -138,11 +155,243 @@ def bench_prefill(cfg, spec, params, n, context, iters):
     return {"prefill_ms": call_s * 1e3, "tokens_per_s": n * context / call_s, "compile_s": compile_s}
 
 
+# ---------------------------------------------------------------------- --profile
+
+# Name-stack components that say how an op was traced, not which part of the model it belongs to.
+_NOISE_SCOPES = {"while", "body", "cond", "eval_jaxpr", "closed_call", "core_call", "checkpoint", "remat",
+                 "custom_jvp_call", "custom_vjp_call"}
+
+
+def _stats(event) -> dict:
+    try:
+        return {str(k): v for k, v in event.stats}
+    except Exception:  # noqa: BLE001 -- stats are best-effort metadata
+        return {}
+
+
+# Kernel-name patterns -> category (first match wins), for a per-step breakdown by kind of work.
+_KERNEL_CATEGORIES = (
+    ("copy/memset", r"memcpy|memset|copy"),
+    ("matmul (cuBLAS/cutlass/XLA gemm)", r"gemm|cublas|cutlass|nvjet|xmma|sm90|dot"),
+    ("Triton / Pallas (incl. gmm)", r"triton|pallas|gmm|kernel_call"),
+    ("sort / top-k / scan (cub)", r"sort|cub|topk|top_k|scan"),
+    ("reductions", r"reduce|reduction"),
+    ("other fusions", r"fusion"),
+)
+
+
+def _categories(kernels: dict) -> dict:
+    out = {}
+    for name, (t, c) in kernels.items():
+        cat = next((k for k, pat in _KERNEL_CATEGORIES if re.search(pat, name, re.IGNORECASE)), "other")
+        tt, cc = out.get(cat, (0, 0))
+        out[cat] = (tt + t, cc + c)
+    return out
+
+
+def _scope_group(name_stack: str) -> str:
+    """A JAX name stack (`jit(_decode)/while/body/.../dot_general`) without its transform scopes."""
+    parts = [p for p in name_stack.split("/") if p and p not in _NOISE_SCOPES]
+    if parts and parts[0].startswith("jit("):  # the jitted entry point itself (jit(_decode))
+        parts = parts[1:]
+    return "/".join(parts)[-100:] or name_stack[-100:]
+
+
+def _short_source(src: str) -> str:
+    """`/abs/path/k3jax/layers/moe.py:123` -> `k3jax/layers/moe.py:123` (from the repo's top-level package on)."""
+    m = re.search(r"((?:k3jax|pallas_kernels|sharding|benchmarks|flax|jax|optax)/.*)$", src)
+    return m.group(1) if m else src[-100:]
+
+
+def _union_ns(intervals) -> int:
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _top(agg: dict, steps: int, n: int) -> list[dict]:
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k[:140], "total_ms": t / 1e6, "per_step_us": t / 1e3 / steps, "count_per_step": c / steps,
+             "avg_us": t / 1e3 / max(c, 1)} for k, (t, c) in rows]
+
+
+def summarize_xplane(path: str, steps: int, top: int = 25) -> dict:
+    """Where the time of `steps` traced decode steps goes, from a jax.profiler .xplane.pb (no TensorBoard needed).
+
+    GPU: the "/device:*" planes' "Stream*" lines hold kernels and copies, "XLA Ops" the HLO ops (with their JAX name
+    stack in a stat when present), "XLA Modules" the executions (one per jitted call). CPU (smoke runs): the host
+    plane's XLA threads, summarised by event name only."""
+    from jax.profiler import ProfileData
+
+    pd = path if isinstance(path, ProfileData) else ProfileData.from_file(path)
+    planes = [p for p in pd.planes if p.name.startswith("/device:")]
+    out = {"planes": [p.name for p in pd.planes], "steps": steps}
+    if not planes:  # CPU: XLA work runs on the host's client/Eigen threads
+        agg, count = {}, 0
+        for p in pd.planes:
+            if p.name != "/host:CPU":
+                continue
+            for line in p.lines:
+                if line.name == "python" or not line.name.startswith("tf_XLA"):
+                    continue
+                for e in line.events:
+                    t, c = agg.get(e.name, (0, 0))
+                    agg[e.name] = (t + e.duration_ns, c + 1)
+                    count += 1
+        out.update(backend="cpu", events=count, top_events=_top(agg, steps, top))
+        return out
+    plane = planes[0]
+    kernels, ops, scopes, sources, copies, modules, intervals, stat_names = {}, {}, {}, {}, {}, [], [], {}
+    n_kernels = copy_bytes = 0
+    line_counts = []
+    for line in plane.lines:
+        events = list(line.events)
+        line_counts.append((line.name, len(events)))
+        names = set()
+        if line.name.startswith("Stream"):
+            for e in events:
+                t, c = kernels.get(e.name, (0, 0))
+                kernels[e.name] = (t + e.duration_ns, c + 1)
+                intervals.append((e.start_ns, e.start_ns + e.duration_ns))
+                n_kernels += 1
+                st = _stats(e)
+                names.update(st)
+                if "name" in st:  # jax 0.11 puts the op's JAX name stack on each kernel / copy
+                    g = _scope_group(str(st["name"]))
+                    t, c = scopes.get(g, (0, 0))
+                    scopes[g] = (t + e.duration_ns, c + 1)
+                m = re.search(r"size:(\d+)", str(st.get("memcpy_details", "")))
+                if m:
+                    copy_bytes += int(m.group(1))
+                    g = _scope_group(str(st.get("name", e.name)))
+                    t, c = copies.get(g, (0, 0))
+                    copies[g] = (t + e.duration_ns, c + 1)
+        elif "Ops" in line.name:
+            for e in events:
+                st = _stats(e)
+                names.update(st)
+                t, c = ops.get(e.name, (0, 0))
+                ops[e.name] = (t + e.duration_ns, c + 1)
+                stack = next((str(st[k]) for k in ("tf_op", "name_stack") if k in st), None)
+                hlo = str(st.get("long_name", ""))
+                if stack is None and hlo:  # HLO text: the name stack is in its metadata
+                    m = re.search(r'op_name="([^"]+)"', hlo)
+                    stack = m.group(1) if m else None
+                src = next((str(st[k]) for k in ("source", "source_info") if k in st), None)
+                m = re.search(r'source_file="([^"]+)" source_line=(\d+)', hlo) if src is None and hlo else None
+                src = f"{m.group(1)}:{m.group(2)}" if m else src
+                for key, agg in ((_scope_group(stack) if stack else None, scopes),
+                                 (_short_source(src) if src else None, sources)):
+                    if key:
+                        t, c = agg.get(key, (0, 0))
+                        agg[key] = (t + e.duration_ns, c + 1)
+        elif "Modules" in line.name:
+            modules += [(e.name, e.duration_ns) for e in events]
+        stat_names[line.name] = sorted(names)[:20]
+    host_api = {}  # CUDA driver/runtime calls the host made (CUPTI): launches, copies, synchronisations
+    for p in pd.planes:
+        if p.name == "/host:CPU":
+            for line in p.lines:
+                for e in line.events:
+                    if e.name.startswith(("cu", "Cu")):
+                        t, c = host_api.get(e.name, (0, 0))
+                        host_api[e.name] = (t + e.duration_ns, c + 1)
+    busy = _union_ns(intervals)
+    span = sum(d for _, d in modules) or (max(e for _, e in intervals) - min(s for s, _ in intervals))
+    out.update(backend="gpu", plane=plane.name, lines=line_counts, op_stat_names=stat_names,
+               modules=[(n[:80], d / 1e6) for n, d in modules[:8]], span_ms=span / 1e6,
+               span_per_step_ms=span / 1e6 / steps, busy_per_step_ms=busy / 1e6 / steps,
+               idle_per_step_ms=(span - busy) / 1e6 / steps, kernels_per_step=n_kernels / steps,
+               mean_kernel_us=(sum(t for t, _ in kernels.values()) / 1e3 / max(n_kernels, 1)),
+               top_kernels=_top(kernels, steps, top), top_ops=_top(ops, steps, top),
+               top_scopes=_top(scopes, steps, top), top_sources=_top(sources, steps, top),
+               host_cuda_api=_top(host_api, steps, 12), copies_by_scope=_top(copies, steps, 12),
+               copy_mb_per_step=copy_bytes / 1e6 / steps,
+               kernel_categories=_top(_categories(kernels), steps, len(_KERNEL_CATEGORIES) + 1))
+    return out
+
+
+def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
+    """Traces `calls` jitted decode calls (after a compile + warm call) and returns the trace summary."""
+    import glob
+    import shutil
+    import tempfile
+
+    max_len = context + steps * (calls + 3)
+    cache = init_cache(cfg, batch, max_len)
+    cache = jax.tree.map(lambda x: jnp.array(x, copy=True), cache)._replace(
+        lengths=jnp.full((batch,), context, jnp.int32))
+    state = slot_state(batch, 1 << 30)
+
+    def call(cache, state):
+        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps)
+        tok.block_until_ready()
+        return cache, state
+
+    for _ in range(2):  # compile, then one warm call
+        cache, state = call(cache, state)
+    t0 = time.perf_counter()
+    cache, state = call(cache, state)
+    untraced_step_ms = (time.perf_counter() - t0) / steps * 1e3
+    log_dir = tempfile.mkdtemp(prefix="decode_profile_")
+    try:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0  # device activity only: keeps the trace small
+        ctx = jax.profiler.trace(log_dir, profiler_options=opts)
+    except (AttributeError, TypeError):
+        ctx = jax.profiler.trace(log_dir)
+    with ctx:
+        for _ in range(calls):
+            cache, state = call(cache, state)
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
+    summary = summarize_xplane(paths[-1], steps * calls)
+    summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
+                   untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(paths[-1]))
+    if out_dir and os.path.getsize(paths[-1]) < 15 << 20:
+        shutil.copy(paths[-1], os.path.join(out_dir, f"decode_profile_b{batch}.xplane.pb"))
+    shutil.rmtree(log_dir, ignore_errors=True)
+    return summary
+
+
+def print_profile(s: dict) -> None:
+    print(f"\nprofile: {s['batch']} slots x {s['context']} cached tokens, {s['calls']} calls x {s['steps_per_call']} "
+          f"steps; untraced step {s['untraced_step_ms']:.3f} ms; trace {s['xplane_bytes'] / 1e6:.1f} MB")
+    if s.get("backend") == "gpu":
+        print(f"per step: span {s['span_per_step_ms']:.3f} ms = device busy {s['busy_per_step_ms']:.3f} ms + idle "
+              f"{s['idle_per_step_ms']:.3f} ms; {s['kernels_per_step']:.0f} kernels/step, mean "
+              f"{s['mean_kernel_us']:.1f} us; device copies {s['copy_mb_per_step']:.1f} MB/step; lines {s['lines']}")
+        sections = [("kernel category", "kernel_categories"), ("kernels", "top_kernels"), ("XLA ops", "top_ops"),
+                    ("source line", "top_sources"), ("JAX scope", "top_scopes"), ("device copies by JAX scope",
+                    "copies_by_scope"), ("host CUDA API", "host_cuda_api")]
+    else:
+        sections = [("host XLA events", "top_events")]
+    for title, key in sections:
+        if not s.get(key):
+            continue
+        print(f"\n| {title} (top by total time) | us/step | count/step | avg us |")
+        print("|---|---:|---:|---:|")
+        for r in s[key]:
+            print(f"| `{r['name']}` | {r['per_step_us']:.1f} | {r['count_per_step']:.1f} | {r['avg_us']:.2f} |")
+
+
+SMOKE = dict(batches="1,2", context=16, decode_steps=2, iters=1, prefill_iters=1, prefill_max_batch=2,
+             peer_config="tiny_kimi_linear", peer_batches="2,1", peer_prompt_len=8, peer_new_tokens=6, peer_iters=1,
+             profile_batch=2, profile_calls=1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_gpu")
     ap.add_argument("--set", action="append", default=[], help="config override key=value")
-    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--batches", default="1,16,64,256", help="decode/prefill sweep batches ('' skips the sweep)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--decode_steps", type=int, default=16)
     ap.add_argument("--iters", type=int, default=5)
@@ -150,49 +399,113 @@ def main():
     ap.add_argument("--prefill_max_batch", type=int, default=64)
     ap.add_argument("--budget_s", type=float, default=1e9, help="skip what would start after this many seconds")
     ap.add_argument("--out_dir", default=None)
+    ap.add_argument("--hf_peer", action="store_true", help="HF KimiLinearForCausalLM.generate vs ours (first)")
+    ap.add_argument("--peer_config", default="kimi_linear_small",
+                    help="a hf_generate_peer.PEER_PRESETS name or a Kimi-Linear-shaped registry config")
+    ap.add_argument("--peer_batches", default="64,1,16", help="in this order (the target batch first)")
+    ap.add_argument("--peer_prompt_len", type=int, default=128)
+    ap.add_argument("--peer_new_tokens", type=int, default=64)
+    ap.add_argument("--peer_iters", type=int, default=3)
+    ap.add_argument("--peer_agree_prompt_len", type=int, default=None, help="default: --peer_prompt_len")
+    ap.add_argument("--peer_agree_new_tokens", type=int, default=None, help="default: --peer_new_tokens")
+    ap.add_argument("--peer_no_fla", action="store_true", help="force HF's pure-torch KDA (no fla kernels)")
+    ap.add_argument("--peer_budget_s", type=float, default=1e9, help="skip peer batches starting after this")
+    ap.add_argument("--profile", action="store_true", help="trace decode calls of --config and summarise (last)")
+    ap.add_argument("--profile_batch", type=int, default=64)
+    ap.add_argument("--profile_calls", type=int, default=2)
+    ap.add_argument("--init_prng", default=None,
+                    help="PRNG for the random init only, e.g. unsafe_rbg (same distributions; compiles faster than "
+                         "threefry on GPU); default: JAX's")
+    ap.add_argument("--device_smoke", action="store_true", help="tiny shapes for every path (CPU check)")
     args = ap.parse_args()
+    if args.device_smoke:
+        explicit = {a.split("=")[0].lstrip("-") for a in sys.argv[1:]}
+        for k, v in SMOKE.items():
+            if k not in explicit:
+                setattr(args, k, v)
     start = time.perf_counter()
     cfg = configs.get_config(args.config, args.set)
-    batches = [int(b) for b in args.batches.split(",")]
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype})",
           flush=True)
-    spec, params, abstract = build_params(cfg)
-    jax.block_until_ready(params)
-    wb = weight_bytes(abstract, cfg)
-    print(f"init {time.perf_counter() - start:.1f}s; weight bytes: {json.dumps(wb)}", flush=True)
     records = []
+    if args.out_dir:
+        os.makedirs(args.out_dir, exist_ok=True)
     out = open(os.path.join(args.out_dir, "decode_bench.jsonl"), "a") if args.out_dir else None
 
     def record(rec):
         records.append(rec)
-        print(json.dumps(rec), flush=True)
+        line = rec if isinstance(rec, str) else json.dumps(rec, default=lambda x: x.tolist() if hasattr(
+            x, "tolist") else str(x))
+        print(line, flush=True)
         if out:
-            out.write(json.dumps(rec) + "\n")
+            out.write(line + "\n")
             out.flush()
 
+    spec = params = None
+    if batches or args.profile:
+        t0 = time.perf_counter()
+        if args.init_prng:
+            jax.config.update("jax_default_prng_impl", args.init_prng)
+        spec, params, abstract = build_params(cfg)
+        jax.block_until_ready(params)
+        wb = weight_bytes(abstract, cfg)
+        print(f"init {time.perf_counter() - t0:.1f}s; weight bytes: {json.dumps(wb)}", flush=True)
+
+    # order: the profile (fixed cost, what the team needs first), the HF peer, then the sweep
+    jobs = [("profile", args.profile_batch)] if args.profile else []
+    jobs += [("hf_peer", 0)] if args.hf_peer else []
     order = sorted(batches, key=lambda b: (b != 64, b))  # the target batch first
-    jobs = [("decode", b) for b in order] + [("prefill", n) for n in sorted(
+    jobs += [("decode", b) for b in order] + [("prefill", n) for n in sorted(
         {min(b, args.prefill_max_batch) for b in batches}, key=lambda n: (n != 16, n))]
+    peer_rows = []
+    sweep = []
     for kind, b in jobs:
-        if time.perf_counter() - start > args.budget_s:
+        if kind != "hf_peer" and time.perf_counter() - start > args.budget_s:  # the peer has its own budget
             record({"kind": kind, "batch": b, "skipped": "budget"})
             continue
+        if kind == "hf_peer":
+            try:
+                import hf_generate_peer as peer_lib  # torch + transformers are imported inside, lazily
+
+                peer_rows = peer_lib.run_peer(
+                    peer=args.peer_config, batches=[int(b) for b in args.peer_batches.split(",") if b.strip()],
+                    prompt_len=args.peer_prompt_len, new_tokens=args.peer_new_tokens, iters=args.peer_iters,
+                    agree_prompt_len=args.peer_agree_prompt_len, agree_new_tokens=args.peer_agree_new_tokens,
+                    no_fla=args.peer_no_fla, deadline=start + args.peer_budget_s, record=record)
+                peer_lib.print_table(peer_rows)
+            except Exception as e:  # keep going: the JAX-only parts must still run
+                traceback.print_exc()
+                record({"kind": "peer", "error": repr(e)[:500]})
+            continue
         try:
-            if kind == "decode":
+            if kind == "profile":
+                summary = profile_decode(cfg, spec, params, b, args.context, args.decode_steps, args.profile_calls,
+                                         args.out_dir)
+                record({"kind": "profile", **summary})
+                print_profile(summary)
+                if args.out_dir:
+                    with open(os.path.join(args.out_dir, f"decode_profile_b{b}.json"), "w") as f:
+                        json.dump(summary, f, indent=1)
+            elif kind == "decode":
                 r = bench_decode(cfg, spec, params, b, args.context, args.decode_steps, args.iters)
                 fb = floor_bytes(cfg, wb, b, args.context)
                 floor_ms = fb["total"] / HBM_BYTES_PER_S * 1e3
-                record({"kind": kind, "batch": b, "context": args.context, **r, "floor_ms": floor_ms,
-                        "floor_frac": floor_ms / r["step_ms"], "floor_bytes": fb})
+                sweep.append({"kind": kind, "batch": b, "context": args.context, **r, "floor_ms": floor_ms,
+                              "floor_frac": floor_ms / r["step_ms"], "floor_bytes": fb})
+                record(sweep[-1])
             else:
-                record({"kind": kind, "batch": b, "context": args.context,
-                        **bench_prefill(cfg, spec, params, b, args.context, args.prefill_iters)})
+                sweep.append({"kind": kind, "batch": b, "context": args.context,
+                              **bench_prefill(cfg, spec, params, b, args.context, args.prefill_iters)})
+                record(sweep[-1])
         except Exception as e:  # keep going: one OOM must not lose the other rows
-            record({"kind": kind, "batch": b, "error": repr(e)[:500]})
+            sweep.append({"kind": kind, "batch": b, "error": repr(e)[:500]})
+            record(sweep[-1])
             traceback.print_exc()
-    print("\n| kind | batch | step / call ms | tokens/s | floor ms | floor/step | compile s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for r in records:
+    if sweep:
+        print("\n| kind | batch | step / call ms | tokens/s | floor ms | floor/step | compile s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in sweep:
         if "error" in r or "skipped" in r:
             print(f"| {r['kind']} | {r['batch']} | {r.get('error') or r.get('skipped')} | | | | |")
         elif r["kind"] == "decode":
@@ -201,6 +514,8 @@ def main():
         else:
             print(f"| prefill | {r['batch']}x{r['context']} | {r['prefill_ms']:.1f} | {r['tokens_per_s']:,.0f} | | | "
                   f"{r['compile_s']:.0f} |")
+    if peer_rows:
+        peer_lib.print_table(peer_rows)  # again at the end, next to the sweep
     print(f"total {time.perf_counter() - start:.0f}s")
 
 
