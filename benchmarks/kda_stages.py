@@ -75,10 +75,33 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
     return stages, out
 
 
-def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False):
+def check_forward(config, interpret=False, b=1, t=1000, h=2, d=128):
+    """max |o - o_ref| / max |o_ref| (and the same for the final state) vs the token recurrence, f32 and bf16."""
+    from k3jax.ops.kda import kda_recurrent
+    from pallas_kernels.kda import chunk_kda
+
+    q, k, v, g, beta, s0, _ = _inputs(b, t, h, d, jnp.float32, seed=3)
+    s0 = s0 + 0.1
+    row = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, s0)
+        o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, config=config,
+                                            backend="interpret" if interpret else "gpu"))(*args)
+        with jax.default_matmul_precision("float32"):
+            ro, rs = jax.jit(lambda *a: kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5]))(*args)
+        name = jnp.dtype(dtype).name
+        row[f"{name}_o"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)) / jnp.max(jnp.abs(ro)))
+        row[f"{name}_state"] = float(jnp.max(jnp.abs(s - rs)) / jnp.max(jnp.abs(rs)))
+    return row
+
+
+def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, only=None):
     stages, out = stage_fns(b, t, h, d, dtype, config, interpret)
     rows = {}
+    needed = {"intra"} if only is None else set(only) | {"intra"}
     for name, make, args, names in stages:
+        if only is not None and name not in needed and not _feeds(name, only):
+            continue
         try:
             fn = make()
             a = args()
@@ -102,6 +125,15 @@ def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False):
     return rows
 
 
+_ORDER = ["intra", "states", "output", "fused_recurrence", "bwd_reverse", "bwd_state_grads", "bwd_intra"]
+
+
+def _feeds(name, only):
+    """Whether stage `name` must run because a later requested stage reads its outputs (they run in order)."""
+    last = max(_ORDER.index(x) for x in only)
+    return _ORDER.index(name) < last
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shape", default="1x8192x96")
@@ -109,16 +141,22 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no_compile_check", action="store_true")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (Pallas interpreter)")
+    p.add_argument("--stages", default=None, help="comma list of stage names to time (default: all)")
+    p.add_argument("--check", action="store_true",
+                   help="first compare each variant's forward with the token recurrence (f32 and bf16, B=1 T=1000 H=2)")
     args = p.parse_args()
     b, t, h = (int(x) for x in args.shape.split("x"))
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     for index, text in enumerate(args.variants.split(",")):
         config = KernelConfig.parse(text)
+        if args.check:
+            print(json.dumps({"variant": text, "check": check_forward(config, args.interpret)}), flush=True)
         if not args.no_compile_check and index == 0:
             for dtype in (jnp.float32, jnp.bfloat16):
                 rows = run_stages(1, 256, 2, 128, dtype, config, 0, timed=False, interpret=args.interpret)
                 print(json.dumps({"variant": text, "compile_check": jnp.dtype(dtype).name, **rows}), flush=True)
-        rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret)
+        only = None if args.stages is None else args.stages.split(",")
+        rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only)
         fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
         split = sum(fwd.get(k, 0) for k in ("intra", "states", "output"))
         fused = sum(fwd.get(k, 0) for k in ("intra", "fused_recurrence"))

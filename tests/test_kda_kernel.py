@@ -354,3 +354,35 @@ def test_kda_impl_pallas_is_refused_for_an_unbounded_gate():
 
     with pytest.raises(ConfigError, match="kda_impl='pallas' needs"):
         configs.get_config("tiny_kimi_linear", ["kda_impl=pallas"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dtype):
+    """KernelConfig(intra="split") (cumulative gate in XLA, gram / solve / apply kernels) gives the single intra
+    kernel's results: forward vs the token recurrence, and gradients (the backward recomputes through it), with
+    packed documents."""
+    b, t, h, d = 1, 150, 2, 32
+    q, k, v, g, beta, h0 = _inputs(b=b, t=t, h=h, kd=d, vd=d, seed=31)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    seg = _segment_ids(b, t, [[5, 64, 70, 75, 140, 141]])
+    tol = 2e-5 if dtype == jnp.float32 else 1.5e-2
+
+    def core(config):
+        def f(*a):
+            return chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True,
+                             backend="interpret", config=config)
+        return f
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    split, single = core(KernelConfig(intra="split", block_k=16)), core(KernelConfig())
+    args = (q, k, v, g, beta, h0)
+    o, s = jax.jit(split)(*args)
+    ro, rs = jax.jit(recurrent)(*args)
+    assert _rel_err(o.astype(jnp.float32), ro) < tol and _rel_err(s, rs) < tol
+    w_o, w_s = _cotangents(v, h0, seed=32)
+    got = _grad_all(split, args, w_o, w_s)
+    want = _grad_all(single, args, w_o, w_s)
+    for name, x, ref in zip(_GRAD_NAMES, got, want):
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol / 4, name

@@ -63,6 +63,8 @@ class KernelConfig:
     stages: Triton ``num_stages`` of the sequential kernels (> 1 lets Triton software-pipeline the chunk loop's
       loads).
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
+    intra: "single" (one intra-chunk kernel per chunk and head) or "split" (intra_split.py: cumulative gate in XLA,
+      then gram / solve / apply kernels with less serial work per program).
     """
 
     block_v: int = 64
@@ -71,23 +73,26 @@ class KernelConfig:
     recurrence: str = "fused"
     stages: int = 1
     block_k: int = 32
+    intra: str = "single"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """``block_v-warps-warps[-solve[-recurrence[-stages[-block_k]]]]``, e.g. ``64-4-4`` or
-        ``32-4-4-doubling-split-2-64`` (the benchmarks' variant syntax)."""
+        """``block_v-warps-warps[-solve[-recurrence[-stages[-block_k[-intra]]]]]``, e.g. ``64-4-4`` or
+        ``32-4-4-doubling-split-2-64-split`` (the benchmarks' variant syntax)."""
         parts = text.split("-")
-        if len(parts) < 3 or len(parts) > 7:
+        if len(parts) < 3 or len(parts) > 8:
             raise ValueError(f"KernelConfig.parse: expected block_v-warps-warps[-solve[-recurrence[-stages"
-                             f"[-block_k]]]], got {text!r}")
+                             f"[-block_k[-intra]]]]], got {text!r}")
         kw = dict(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])))
-        for name, value in zip(("solve", "recurrence", "stages", "block_k"), parts[3:]):
+        for name, value in zip(("solve", "recurrence", "stages", "block_k", "intra"), parts[3:]):
             kw[name] = int(value) if name in ("stages", "block_k") else value
         return cls(**kw)
 
     def __post_init__(self):
         if self.solve not in ("substitution", "doubling"):
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
+        if self.intra not in ("single", "split"):
+            raise ValueError(f"KernelConfig.intra must be 'single' or 'split', got {self.intra!r}")
         if self.recurrence not in ("split", "fused"):
             raise ValueError(f"KernelConfig.recurrence must be 'split' or 'fused', got {self.recurrence!r}")
         if self.stages < 1:
@@ -431,11 +436,16 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, docume
     Returns ``(qg, kg, w, u, aqk)`` as ``[B, Tp, H, *]`` (bf16 for bf16/f16 q, else f32) and ``decay [B, H, N, K]``.
     ``documents``: ``document_layout(...)`` for packed documents (decay is then zero where ``keep`` is).
     """
+    config = config or KernelConfig()
+    if config.intra == "split":
+        from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
+
+        return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                 documents=documents)
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
     inter_dtype, precision = _matmul_policy(q.dtype)
-    config = config or KernelConfig()
     block_k = min(config.block_k, kd, vd)
     params = triton_params(interpret, config.warps[0])
 
