@@ -198,7 +198,7 @@ def _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg, *, native: bool, recv_r
     # Each source's slice is sorted by expert: segment (source s, local expert j) starts at seg_start[s, j].
     seg_start = (recv_offsets[:, None] + _exclusive_cumsum(recv_counts_re, axis=1)).reshape(-1)
     pos = jnp.arange(capacity, dtype=jnp.int32)
-    segment = jnp.searchsorted(seg_start, pos, side="right").astype(jnp.int32) - 1
+    segment = jnp.searchsorted(seg_start, pos, side="right", method="compare_all").astype(jnp.int32) - 1
     local_expert = jnp.where(pos < recv_sizes.sum(), segment % n_local, n_local)
     out = _local_experts(received, local_expert, w1, w3, w2, cfg)
     back = exchange(out, jnp.zeros((rows, out.shape[1]), out.dtype), recv_offsets, recv_sizes, back_offsets,

@@ -55,7 +55,9 @@ def group_tiles(bounds: GroupBounds, m: int, tm: int) -> GroupTiles:
     counts = (bounds.ends_v - bounds.starts_v + tm - 1) // tm
     cum = jnp.cumsum(counts)
     slot = jnp.arange(slots, dtype=jnp.int32)
-    grp = jnp.searchsorted(cum, slot, side="right").astype(jnp.int32)  # = g + 1 past the last real tile
+    # compare_all: one fused comparison instead of a scan loop of tiny kernels (the decode profile showed ~390
+    # launches per step from the default method).
+    grp = jnp.searchsorted(cum, slot, side="right", method="compare_all").astype(jnp.int32)  # g + 1 past the end
     real = grp <= num_groups
     grp_c = jnp.minimum(grp, num_groups)
     first_slot = cum[grp_c] - counts[grp_c]
@@ -85,7 +87,7 @@ def aligned_items(bounds: GroupBounds, m: int, tm: int, *, include_tail: bool, v
     cum = jnp.cumsum(counts)
     total = cum[-1]
     item = jnp.minimum(jnp.arange(items, dtype=jnp.int32), total - 1)  # padding items repeat the last real one
-    grp = jnp.searchsorted(cum, item, side="right").astype(jnp.int32)
+    grp = jnp.searchsorted(cum, item, side="right", method="compare_all").astype(jnp.int32)
     tile = first_tile[grp] + item - (cum[grp] - counts[grp])
     valid = (jnp.arange(items) < total).astype(jnp.int32)
     return AlignedItems(grp, tile.astype(jnp.int32), valid)
