@@ -83,6 +83,8 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
+from pallas_kernels.kda.intra_split import chunk_cumulative_gate  # noqa: E402 -- after chunk_fwd, which it imports
+
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 
 _N_SUB = CHUNK // SUB_CHUNK
@@ -166,7 +168,7 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                       dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref, *refs, scale, precision, solve, block_k,
-                      segmented):
+                      segmented, cumulative_gate):
     """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas.
 
     Column-blocked like the forward's intra kernel (everything but the 16x16 sub-chunk products is elementwise in
@@ -174,6 +176,8 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     over key blocks; pass B (value blocks) forms ``y = A^T du``, writes ``dv`` and accumulates its part of ``dakk``
     and ``dbeta``; pass C (key blocks) does the same for ``z = A^T dw``; pass D (key blocks) recomputes the decay
     factors and ``z`` and writes ``dq``, ``dk``, ``dg``. Only [16, block_k] tiles and 16x16 blocks are live.
+
+    ``cumulative_gate``: ``g_ref`` holds the chunk-relative cumulative gate in base 2 (``intra="split"``), not g.
 
     ``segmented``: the forward's document masks (fixed 0/1 factors) multiply the same terms here: pairwise
     products and their cotangents across documents, ``2^G`` on rows outside the carried-in document and the
@@ -208,7 +212,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     def load(ref, i, c):
         return ref[pl.ds(i * s, s), c].astype(_F32)
 
-    def factors(kb):
+    def factors_from_gate(kb):
         """Decay bookkeeping of one key block, as in the forward kernel (base 2)."""
         c = cols(kb)
         g = [load(g_ref, i, c) * _LOG2E for i in subs]
@@ -219,17 +223,37 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         zeros_k = jnp.zeros_like(total[0])
         before = [sum(total[:i], zeros_k) for i in subs]
         after = [sum(total[i + 1:], zeros_k) for i in subs]
-        f = dict(local=local, total=total, first=first, before=before, after=after,
-                 g_last=before[-1] + total[-1],
-                 to_end=[jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs],  # 2^(G_end - G)
+        to_end = [jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs]  # 2^(G_end - G)
+        f = dict(g_last=before[-1] + total[-1],
+                 kg_factor=[to_end[i] * jnp.exp2(after[i])[None, :] for i in subs],  # 2^(G_L - G)
                  gamma=[_rows_masked(jnp.exp2(before[i][None, :] + local[i]), carry_rows[i]) for i in subs],  # 2^G
                  left=[jnp.exp2(local[i] - mid[i][None, :]) for i in subs],
                  right=[jnp.exp2(mid[i][None, :] - local[i]) for i in subs],
                  from_first=[jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs])  # 2^(G - G_n)
         # col[i, j] (i > j): 2^(G_n(i) - G) on the rows of sub-chunk j.
-        f["col"] = {(i, j): f["to_end"][j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
+        f["col"] = {(i, j): to_end[j] * jnp.exp2(sum(total[j + 1:i], zeros_k) + first[i])[None, :]
                     for i in subs for j in range(i)}
         return f
+
+    def factors_from_cumulative(kb):
+        """The same factors read from the precomputed chunk-relative cumulative gate (``cumulative_gate``): row
+        loads instead of cross-row reductions."""
+        c = cols(kb)
+        gc = [load(g_ref, i, c) for i in subs]
+
+        def row(r):
+            return g_ref[pl.ds(r, 1), c].astype(_F32)  # [1, BK]
+
+        last, first, mid = row(CHUNK - 1), [row(i * s) for i in subs], [row(i * s + s // 2) for i in subs]
+        return dict(g_last=jnp.sum(last, axis=0),
+                    kg_factor=[jnp.exp2(last - gc[i]) for i in subs],
+                    gamma=[_rows_masked(jnp.exp2(gc[i]), carry_rows[i]) for i in subs],
+                    left=[jnp.exp2(gc[i] - mid[i]) for i in subs],
+                    right=[jnp.exp2(mid[i] - gc[i]) for i in subs],
+                    from_first=[jnp.exp2(gc[i] - first[i]) for i in subs],
+                    col={(i, j): jnp.exp2(first[i] - gc[j]) for i in subs for j in range(i)})
+
+    factors = factors_from_cumulative if cumulative_gate else factors_from_gate
 
     # Pass A: kk = akk / beta (pairwise key products) over key blocks.
     def pass_a(kb, acc):
@@ -328,8 +352,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                 dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk[i, j], q_first[i], precision)
                                                      + _dot_tn(p_blk[i, j], k_first[i], precision))
         dkg = [load(dkg_ref, i, c) for i in subs]
-        kg_factor = [_rows_masked(f["to_end"][i] * jnp.exp2(f["after"][i])[None, :], last_rows[i])
-                     for i in subs]  # 2^(G_L - G)
+        kg_factor = [_rows_masked(f["kg_factor"][i], last_rows[i]) for i in subs]  # 2^(G_L - G)
         dg_last = ddecay_ref[c].astype(_F32) * jnp.exp2(f["g_last"])
         dgrow = []
         for i in subs:
@@ -438,7 +461,11 @@ def state_grads(d_o, v_new, dv_new, states, ds_end, *, precision, config, interp
 def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision, config, interpret,
               documents=None):
     """Kernel 5 (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)``, f32, on chunk-padded inputs.
-    ``documents``: the forward's ``document_layout`` for packed documents."""
+    ``documents``: the forward's ``document_layout`` for packed documents. With ``config.intra == "split"`` the
+    gate enters as its chunk cumulative sum (computed here in XLA), as in the split forward."""
+    cumulative = config.intra == "split"
+    if cumulative:
+        g = chunk_cumulative_gate(g)
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
 
@@ -450,7 +477,8 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
     doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve,
-                          block_k=min(config.block_k, kd, vd), segmented=documents is not None),
+                          block_k=min(config.block_k, kd, vd), segmented=documents is not None,
+                          cumulative_gate=cumulative),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
