@@ -190,7 +190,9 @@ class KDA(nnx.Module):
 
 def resolve_kda_impl(cfg) -> str:
     """The KDA core for this config on this platform: ``kda_impl``, with "auto" = the Pallas kernel on GPU when
-    the config suits it (``cfg.kda_kernel_compatible``), else the pure-JAX chunked path."""
+    the config suits it (``cfg.kda_kernel_compatible``), else the pure-JAX chunked path. On TPU "auto" stays on
+    the chunked path for now: the Mosaic kernel is verified (interpret mode, libtpu compile) but untimed, and under
+    a multi-chip mesh it must be called inside ``shard_map``; ``kda_impl="pallas"`` forces it."""
     if cfg.kda_impl != "auto":
         return cfg.kda_impl
     on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")

@@ -553,14 +553,15 @@ def kda(
 
     Args:
       impl: ``"chunked"`` (default), ``"recurrent"`` or ``"pallas"`` (``pallas_kernels.kda.chunk_kda``: the
-        GPU kernel on a GPU, the Pallas interpreter elsewhere; needs gates >= -5 per token and power-of-two
+        GPU kernel on a GPU, the Mosaic kernel on a TPU, the Pallas interpreter elsewhere; needs gates >= -5 per token and power-of-two
         head dims; ``o`` comes back in q's dtype).
       chunk_size: used by ``"chunked"`` only (the kernel's chunk is 64).
     """
     if impl == "pallas":
         from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
 
-        backend = "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "interpret"
+        platform = jax.default_backend()
+        backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu" if platform == "tpu" else "interpret"
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                          segment_ids=segment_ids, backend=backend)
     if impl == "chunked":

@@ -4,11 +4,14 @@ Backends:
   ``"gpu"``       Pallas kernels (chunk_fwd.py) compiled by the Pallas Triton GPU backend.
   ``"interpret"`` the same kernels through the Pallas interpreter (CPU tests).
   ``"xla"``       the pure-JAX chunked core ``k3jax.ops.kda.kda_chunked``.
-  ``"tpu"``       Mosaic TPU kernel: not written yet (raises).
-``backend=None`` picks ``"gpu"`` on a GPU and ``"xla"`` elsewhere.
+  ``"tpu"``       Mosaic TPU kernels (tpu.py: one fused forward kernel; backward = forward again saving the
+                  chunk-entry states, then one reverse-chunk kernel).
+  ``"tpu_interpret"`` the TPU kernels through the TPU interpreter (``pltpu.InterpretParams``; CPU tests).
+``backend=None`` picks ``"gpu"`` on a GPU, ``"tpu"`` on a TPU and ``"xla"`` elsewhere.
 
 Gradients: ``jax.custom_vjp`` saving only the inputs. ``bwd="pallas"`` (default) runs the Pallas backward kernels
-(chunk_bwd.py: recompute per chunk, reverse chunk loop for the state gradient; also with cu_seqlens);
+(chunk_bwd.py, or tpu.py for the TPU backends: recompute per chunk, reverse chunk loop for the state gradient;
+also with cu_seqlens);
 ``bwd="xla"`` differentiates the XLA chunked path instead (recomputes its forward in XLA), for comparison.
 
 Packed variable-length sequences (``cu_seqlens``, B = 1): host values (a list, tuple or numpy array; under ``jit``
@@ -28,16 +31,20 @@ import numpy as np
 from k3jax.ops.kda import kda_chunked
 from pallas_kernels.kda.chunk_bwd import chunk_kda_bwd
 from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
+from pallas_kernels.kda.tpu import chunk_kda_bwd_tpu, chunk_kda_fwd_tpu
 
 __all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "default_backend"]
 
-BACKENDS = ("gpu", "tpu", "interpret", "xla")
+BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret", "xla")
 BWD_IMPLS = ("pallas", "xla")
 
 
 def default_backend() -> str:
-    """``"gpu"`` when JAX's default device is a GPU, else ``"xla"`` (no TPU kernel yet)."""
-    return "gpu" if jax.default_backend() in ("gpu", "cuda", "rocm") else "xla"
+    """``"gpu"`` when JAX's default device is a GPU, ``"tpu"`` on a TPU, else ``"xla"``."""
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return "tpu"
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else "xla"
 
 
 def _check(q, k, v, g, beta, initial_state, cu_seqlens):
@@ -123,6 +130,32 @@ def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, bwd, residuals, cotang
 _pallas_kda.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _tpu_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, bwd):
+    """The Mosaic TPU forward; gradients by the TPU backward kernels (``bwd="pallas"``) or the XLA path."""
+    del bwd
+    return chunk_kda_fwd_tpu(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret,
+                             cu_seqlens=cu_seqlens, segment_ids=segment_ids)
+
+
+def _tpu_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, bwd):
+    out = _tpu_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, bwd)
+    return out, (q, k, v, g, beta, initial_state, segment_ids)
+
+
+def _tpu_kda_bwd(scale, cu_seqlens, interpret, bwd, residuals, cotangents):
+    if bwd == "xla":
+        return _pallas_kda_bwd(scale, cu_seqlens, interpret, None, "xla", residuals, cotangents)
+    do, d_final = cotangents
+    *inputs, segment_ids = residuals
+    grads = chunk_kda_bwd_tpu(*inputs, do, d_final, scale=scale, interpret=interpret, cu_seqlens=cu_seqlens,
+                              segment_ids=segment_ids)
+    return (*(gr.astype(x.dtype) for gr, x in zip(grads, inputs)), None)
+
+
+_tpu_kda.defvjp(_tpu_kda_fwd, _tpu_kda_bwd)
+
+
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
               segment_ids=None, backend=None, config=None, bwd="pallas"):
     """Chunkwise KDA (chunk 64); same result as the token recurrence ``k3jax.ops.kda.kda_recurrent``.
@@ -162,8 +195,6 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
     if bwd not in BWD_IMPLS:
         raise ValueError(f"chunk_kda: unknown bwd {bwd!r}; expected one of {BWD_IMPLS}")
-    if backend == "tpu":
-        raise NotImplementedError("chunk_kda: the Mosaic TPU kernel is not written yet; use backend='xla' on TPU")
     b, _, h, kd = q.shape
     n_states = b if cu_seqlens is None else len(cu_seqlens) - 1
     scale = float(kd ** -0.5 if scale is None else scale)
@@ -173,6 +204,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     if backend == "xla":
         o, final_state = _xla_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens)
         o = o.astype(q.dtype)
+    elif backend in ("tpu", "tpu_interpret"):
+        o, final_state = _tpu_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens,
+                                  backend == "tpu_interpret", bwd)
     else:
         o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens,
                                      backend == "interpret", config or KernelConfig(), bwd)
