@@ -20,6 +20,10 @@ Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat templ
 byte tokenizer is used. `--expert_weights=mxfp4` keeps the routed experts packed at 4.25 bits per weight in device
 memory (MXFP4 experts of the HF release / an `--experts mxfp4` checkpoint copied as-is, bf16 ones quantized),
 run by the MXFP4 grouped matmul. SIGINT / SIGTERM shut the server down gracefully.
+
+`--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
+are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
+over data x expert, KDA heads over model) and the MoE runs expert-parallel when E > 1 (k3jax/inference/sharded.py).
 """
 
 import sys
@@ -38,6 +42,8 @@ _EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", None, ["bf16", "mxfp4"], "
                                      "in device memory: bf16 (the parameter dtype) or mxfp4 (packed, 4.25 bits "
                                      "per weight; inference only). Default: the config's (bf16).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
+_MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 1,2,1,4; context must be 1) to "
+                            "serve on a device mesh; default: one device.")
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Max tokens per sequence (prompt + generated); default: the "
                                 "config's max_position_embeddings in batch mode, 2048 in server mode.")
 # batch mode
@@ -72,8 +78,8 @@ _MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id
                                   "config name).")
 
 
-def _serve(log) -> None:
-    from k3jax.inference.batch import load_model, make_tokenizer
+def _serve(log, mesh) -> None:
+    from k3jax.inference.batch import make_tokenizer
     from k3jax.inference.chat import load_chat_template
     from k3jax.inference.engine_loop import EngineLoop
     from k3jax.inference.scheduler import Scheduler
@@ -90,7 +96,7 @@ def _serve(log) -> None:
     if _PROMPTS.value or _OUT.value:
         raise ValueError("--port (server mode) cannot be combined with --prompts_file/--out (batch mode)")
     opts = _Opts()
-    cfg, model = load_model(opts, log)
+    cfg, model = _load_model(opts, mesh, log)
     source = _HF_DIR.value or _CHECKPOINT.value
     tokenizer = make_tokenizer(cfg, source)
     chat = load_chat_template(tokenizer, source)
@@ -98,7 +104,7 @@ def _serve(log) -> None:
     scheduler = Scheduler(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
                           decode_steps=_DECODE_STEPS.value, prefix_block=_PREFIX_BLOCK.value or None,
                           prefix_capacity=_PREFIX_CAPACITY.value, page_size=_PAGE_SIZE.value,
-                          num_pages=_NUM_PAGES.value or None)
+                          num_pages=_NUM_PAGES.value or None, mesh=mesh)
     if scheduler.num_pages < scheduler.pages_per_seq:
         log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
             f"less than one sequence of --max_len={max_len}: longer requests get a 400")
@@ -107,6 +113,24 @@ def _serve(log) -> None:
                       ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,
                                     default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value), log)
     run_server(server, _HOST.value, _PORT.value)
+
+
+def _load_model(opts, mesh, log):
+    """(config, model): `k3jax.inference.batch.load_model`, except that with a mesh the weights are loaded straight
+    into their shardings on it (a random init is built on one device and placed by the Engine / Scheduler)."""
+    from k3jax.inference.batch import load_model
+
+    if mesh is None or not (opts.hf_dir or opts.checkpoint):
+        return load_model(opts, log)
+    import k3jax
+    from sharding.mesh import describe
+
+    if opts.checkpoint and opts.hf_dir:
+        raise ValueError("give --checkpoint or --hf_dir, not both")
+    log(f"loading onto the mesh {describe(mesh)}")
+    if opts.hf_dir:
+        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh)
+    return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh)
 
 
 class _Opts:
@@ -130,16 +154,27 @@ def main(argv):
     try:
         if not (_CHECKPOINT.value or _HF_DIR.value):
             configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override
+        from k3jax.inference.sharded import mesh_from_spec
+
+        mesh = mesh_from_spec(_MESH.value)
         if _PORT.value is not None:
-            _serve(log)
+            _serve(log, mesh)
             return
         from k3jax.inference.batch import BatchOptions, run_batch
+        from k3jax.inference.engine import Engine
 
         opts = BatchOptions(config=_CONFIG.value, overrides=_overrides(), checkpoint=_CHECKPOINT.value,
                             hf_dir=_HF_DIR.value, prompts_file=_PROMPTS.value or "", out=_OUT.value or "",
                             max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)
-        run_batch(opts)
+        engine = None
+        if mesh is not None:
+            from k3jax.inference.batch import read_prompts, validate
+
+            validate(opts)  # flag and prompts-file errors before loading
+            read_prompts(opts.prompts_file)
+            engine = Engine(_load_model(opts, mesh, log)[1], mesh=mesh)
+        run_batch(opts, engine=engine)
     except (ValueError, ConfigError, NotImplementedError) as e:
         print(f"serve.py: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -13,6 +13,11 @@ their MLA latent rows are not written (and valid queries only look at positions 
 are per token. So each sequence's state after prefill is the state of that prompt alone.
 During decode, finished sequences run with valid length 0: their caches freeze.
 
+On a device mesh (`Engine(model, mesh=make_mesh(data, expert, 1, model))`): parameters by the sharding rules, the
+cache and per-sequence fields in the layouts of `k3jax.inference.sharded` (sequences over ('data', 'expert'), KDA
+heads over 'model', page pools replicated), the MoE expert-parallel when 'expert' > 1. The batch is padded to a
+multiple of data * expert with one-token dummy prompts, so every device gets an equal share.
+
     engine = Engine(model)
     results = engine.generate([[256, 72, 105], [256, 65]], max_new_tokens=32,
                               sampling=SamplingParams(temperature=0.8, top_p=0.95), eos_id=257,
@@ -32,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
+from k3jax.inference import sharded
 from k3jax.model import DecodeCache, K3Model, init_cache
 
 MIN_PROMPT_BUCKET = 16
@@ -81,19 +87,26 @@ def bucket(n: int, minimum: int) -> int:
 class Engine:
     """Holds the model's split state and the jitted prefill / decode functions (one compile per shape bucket).
 
-    `trace_counts["prefill"|"decode"]` counts traces (= compilations) of each function, for tests and logs.
+    `trace_counts["prefill"|"decode"|"forward_cached"]` counts traces (= compilations) of each function (tests, logs).
     `max_len`: fixed cache capacity (tokens per sequence, prompt + generated); None sizes it per call to a power of
     two >= the longest prompt + max_new_tokens.
+    `mesh`: a `sharding.mesh.make_mesh` mesh with context == 1 (see `k3jax.inference.sharded`): the parameters are
+    placed on it by the rules (a copy unless the model was loaded onto it, `k3jax.load_hf(..., mesh=mesh)`), caches
+    are created sharded, and prefill / decode run under it with their outputs pinned to the same layouts.
     """
 
-    def __init__(self, model: K3Model, *, max_len: int | None = None, steps_per_sync: int = 8):
+    def __init__(self, model: K3Model, *, max_len: int | None = None, steps_per_sync: int = 8, mesh=None):
         self.cfg = model.cfg
+        self.mesh = None if mesh is None else sharded.check_mesh(mesh)
         self.graphdef, self.params = nnx.split(model)
+        if self.mesh is not None:
+            self.params = sharded.place_params(self.params, self.mesh)
         self.max_len = max_len
         self.steps_per_sync = steps_per_sync
         self.trace_counts: collections.Counter = collections.Counter()
         self._prefill = jax.jit(self._prefill_impl, static_argnames=("greedy_only", "out_len"))
         self._decode = jax.jit(self._decode_impl, static_argnames=("greedy_only",), donate_argnums=(1, 2))
+        self._forward = jax.jit(self._forward_impl)
 
     # ------------------------------------------------------------------ jitted pieces
 
@@ -116,7 +129,9 @@ class Engine:
         tok = self._sample(logits_bv, keys_b, jnp.zeros((b,), jnp.int32), sp, greedy_only)
         out = jnp.zeros((b, out_len), jnp.int32).at[:, 0].set(tok)
         done = jnp.isin(tok, eos_e) | (max_new_b <= 1)
-        return DecodeState(tok, done, jnp.ones((b,), jnp.int32), out), cache, logits_bv
+        state = DecodeState(tok, done, jnp.ones((b,), jnp.int32), out)
+        return (sharded.constrain_batch(state, self.mesh), sharded.constrain_cache(cache, self.mesh),
+                sharded.constrain_logits(logits_bv, self.mesh))
 
     def _decode_impl(self, params, cache: DecodeCache, state: DecodeState, keys_b, sp, max_new_b, eos_e, *,
                      greedy_only):
@@ -132,9 +147,31 @@ class Engine:
         count = state.num_generated_b + active.astype(jnp.int32)
         done = state.done_b | (active & jnp.isin(tok, eos_e)) | (count >= max_new_b)
         last = jnp.where(active, tok, state.last_b)
-        return cache, DecodeState(last, done, count, out)
+        return (sharded.constrain_cache(cache, self.mesh),
+                sharded.constrain_batch(DecodeState(last, done, count, out), self.mesh))
+
+    def _forward_impl(self, params, ids_bt, cache, valid_len_b):
+        self.trace_counts["forward_cached"] += 1
+        logits_btv, cache = self._model(params).forward_cached(ids_bt, cache, valid_len_b)
+        return sharded.constrain_logits(logits_btv, self.mesh), sharded.constrain_cache(cache, self.mesh)
 
     # ------------------------------------------------------------------ API
+
+    def init_cache(self, batch_size: int, max_len: int, **paging) -> DecodeCache:
+        """An empty cache (`k3jax.model.init_cache`), created in its mesh layout when the engine has a mesh."""
+        if self.mesh is None:
+            return init_cache(self.cfg, batch_size, max_len, **paging)
+        return sharded.init_cache_on(self.cfg, self.mesh, batch_size, max_len, **paging)
+
+    def forward_cached(self, ids_bt, cache: DecodeCache, valid_len_b=None) -> tuple[jax.Array, DecodeCache]:
+        """`K3Model.forward_cached` jitted (on the engine's mesh when it has one): (logits [B, T, V], new cache).
+        For scoring and teacher forcing; `cache` from `init_cache` (not donated)."""
+        ids_bt = jnp.asarray(ids_bt, jnp.int32)
+        b, t = ids_bt.shape
+        valid = jnp.full((b,), t, jnp.int32) if valid_len_b is None else jnp.asarray(valid_len_b, jnp.int32)
+        ids_bt, valid = sharded.put_batch((ids_bt, valid), self.mesh)
+        with sharded.context(self.mesh):
+            return self._forward(self.params, ids_bt, cache, valid)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int],
                  sampling: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
@@ -176,13 +213,17 @@ class Engine:
         pad = cfg.pad_token_id if pad_id is None else pad_id
         pad = 0 if pad is None else int(pad)
 
+        extra = sharded.round_up_batch(b, self.mesh) - b
+        if extra:  # on a mesh: a batch every device gets an equal share of, padded with one-token greedy dummies
+            keys = keys[np.concatenate([np.arange(b), np.zeros(extra, np.int64)])]
+            prompts, max_new, sps = prompts + [[pad]] * extra, max_new + [1] * extra, sps + [SamplingParams()] * extra
         lens = np.array([len(p) for p in prompts], np.int32)
         need = int(max(lens + np.asarray(max_new)))  # last position written: prompt + generated - 1
         max_len = self.max_len or bucket(need, MIN_CACHE_BUCKET)
         if need - 1 > max_len:
             raise ValueError(f"prompt + max_new_tokens ({need}) exceeds the cache capacity max_len={max_len}")
         t = min(bucket(int(lens.max()), MIN_PROMPT_BUCKET), max(max_len, int(lens.max())))
-        ids = np.full((b, t), pad, np.int32)
+        ids = np.full((len(prompts), t), pad, np.int32)
         for i, p in enumerate(prompts):
             ids[i, :len(p)] = p
 
@@ -190,15 +231,20 @@ class Engine:
               jnp.asarray([s.top_p for s in sps], jnp.float32))
         max_new_b = jnp.asarray(max_new, jnp.int32)
         eos_e = jnp.asarray(eos, jnp.int32)
-        cache = init_cache(cfg, b, max_len)
-        state, cache, _ = self._prefill(self.params, jnp.asarray(ids), jnp.asarray(lens), cache, keys, sp,
-                                        max_new_b, eos_e, greedy_only=greedy_only, out_len=bucket(max(max_new), 16))
-        steps = max(max_new) - 1
-        for i in range(steps):
-            cache, state = self._decode(self.params, cache, state, keys, sp, max_new_b, eos_e,
-                                        greedy_only=greedy_only)
-            if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.done_b)):
-                break
+        ids_b, lens_b, keys, sp, max_new_b = sharded.put_batch(
+            (jnp.asarray(ids), jnp.asarray(lens), keys, sp, max_new_b), self.mesh)
+        if self.mesh is not None:
+            eos_e = jax.device_put(eos_e, sharded.replicated(self.mesh))
+        cache = self.init_cache(len(prompts), max_len)
+        with sharded.context(self.mesh):
+            state, cache, _ = self._prefill(self.params, ids_b, lens_b, cache, keys, sp, max_new_b, eos_e,
+                                            greedy_only=greedy_only, out_len=bucket(max(max_new), 16))
+            steps = max(max_new) - 1
+            for i in range(steps):
+                cache, state = self._decode(self.params, cache, state, keys, sp, max_new_b, eos_e,
+                                            greedy_only=greedy_only)
+                if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.done_b)):
+                    break
         out = np.asarray(state.out_bn)
         counts = np.asarray(state.num_generated_b)
         results = []

@@ -23,6 +23,12 @@ are masked (queries see positions <= their own) until overwritten.
 Token i of a request is drawn with `fold_in(request.key, i)` exactly as `Engine.generate` does with one key per
 sequence, so a request's tokens do not depend on which slot or pages it gets, on its neighbours or arrival times.
 
+On a device mesh (`Scheduler(model, ..., mesh=make_mesh(data, expert, 1, model))`) the parameters, the slots'
+cache and fields sit in the layouts of `k3jax.inference.sharded` (slots over ('data', 'expert') when num_slots
+divides, KDA heads over 'model', page pools replicated); every jitted function runs under the mesh (the MoE
+expert-parallel when 'expert' > 1) and pins its outputs to those layouts. Admission prefills a multiple of
+data * expert rows (padding rows write nothing), so the expert-parallel MoE can split them too.
+
     sched = Scheduler(model, num_slots=8, max_len=1024)            # page_size=64, num_pages: 8 * 1024 / 64
     sched.add(Request("a", prompt_ids, max_tokens=32))
     for event in sched.events():           # runs until every request has finished
@@ -35,6 +41,7 @@ import collections
 import dataclasses
 import functools
 import itertools
+import logging
 from typing import Any, Hashable, Iterator, NamedTuple, Sequence
 
 import jax
@@ -43,10 +50,13 @@ import numpy as np
 from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
+from k3jax.inference import sharded
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, pages_per_sequence
 from k3jax.model import NO_PAGE, DecodeCache, K3Model, init_cache
+
+log = logging.getLogger(__name__)
 
 TRACE_COUNTS: collections.Counter = collections.Counter()  # traces (= compilations) of _admit / _decode
 MAX_EOS_IDS = 8  # EOS ids per request (static width of the per-slot EOS table)
@@ -218,11 +228,15 @@ class Scheduler:
     `page_size`: tokens per MLA latent page (default 64, capped at max_len; a multiple of the 64-token prefill chunk
     suits real models). `num_pages`: pages per MLA layer pool (default num_slots * ceil(max_len / page_size): every
     slot at full length; fewer pages hold less memory and make requests wait when their reservations do not fit).
+    `mesh`: a `sharding.mesh.make_mesh` mesh with context == 1 (see the module docstring and
+    `k3jax.inference.sharded`); the parameters are placed on it by the rules (no copy when the model was loaded
+    onto it, `k3jax.load_hf(..., mesh=mesh)`). num_slots should be a multiple of data * expert.
     """
 
     def __init__(self, model: K3Model, *, num_slots: int = 8, max_len: int = 1024, max_prefill_batch: int = 1,
                  decode_steps: int = 1, pad_id: int | None = None, prefix_block: int | None = None,
-                 prefix_capacity: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None):
+                 prefix_capacity: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 mesh=None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if max_len < 2:
@@ -236,12 +250,20 @@ class Scheduler:
         if num_pages is not None and num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.cfg = model.cfg
+        self.mesh = None if mesh is None else sharded.check_mesh(mesh)
+        self._mesh = _intern(self.mesh)
+        if num_slots % sharded.batch_ways(self.mesh):
+            log.warning("num_slots=%d is not a multiple of data * expert = %d: the slot axis is replicated over the "
+                        "mesh and the MoE runs without expert parallelism in decode", num_slots,
+                        sharded.batch_ways(self.mesh))
         self.num_slots, self.max_len = num_slots, max_len
         self.max_prefill_batch = min(max_prefill_batch, bucket(num_slots, 1))
         self.decode_steps = decode_steps
         pad = self.cfg.pad_token_id if pad_id is None else pad_id
         self.pad_id = 0 if pad is None else int(pad)
         graphdef, params = nnx.split(model)
+        if self.mesh is not None:
+            params = sharded.place_params(params, self.mesh)
         leaves, treedef = jax.tree.flatten(params)
         self.params = tuple(leaves)  # flat: cheap to pass per call (an nnx State flattens in ~0.5 ms)
         self.model_spec = _intern((graphdef, treedef))
@@ -283,8 +305,12 @@ class Scheduler:
         s = self.num_slots
         self.cache = self.state = None  # release the old buffers before allocating new ones
         # distinct buffers per leaf (init_cache shares zeros between leaves; donation needs each leaf its own)
-        self.cache = jax.tree.map(lambda x: jnp.array(x, copy=True), init_cache(
-            self.cfg, s, self.max_len, page_size=self.page_size, num_pages=self.num_pages))
+        if self.mesh is None:
+            self.cache = jax.tree.map(lambda x: jnp.array(x, copy=True), init_cache(
+                self.cfg, s, self.max_len, page_size=self.page_size, num_pages=self.num_pages))
+        else:  # created in place, sharded (jit outputs are distinct buffers)
+            self.cache = sharded.init_cache_on(self.cfg, self.mesh, s, self.max_len, page_size=self.page_size,
+                                               num_pages=self.num_pages)
         self._fresh1 = self.layout.value.without_pools(
             init_cache(self.cfg, 1, self.max_len, page_size=self.page_size, num_pages=1))
         self.state = SlotState(
@@ -292,6 +318,7 @@ class Scheduler:
             max_new_s=jnp.zeros((s,), jnp.int32), temperature_s=jnp.zeros((s,), jnp.float32),
             top_k_s=jnp.zeros((s,), jnp.int32), top_p_s=jnp.ones((s,), jnp.float32),
             keys_s=jax.random.split(jax.random.key(0), s), eos_se=jnp.full((s, MAX_EOS_IDS), -1, jnp.int32))
+        self.state = sharded.put_batch(self.state, self.mesh)
         return events
 
     @property
@@ -480,7 +507,8 @@ class Scheduler:
                 self._free_slot(i)
                 stop[i] = True
         if stop.any():
-            self.state = self.state._replace(done_s=self.state.done_s | jnp.asarray(stop))
+            done = self.state.done_s | sharded.put_batch(jnp.asarray(stop), self.mesh)
+            self.state = self.state._replace(done_s=sharded.put_batch(done, self.mesh))
         return events
 
     def _emit(self, slot: int, token: int, done: bool) -> TokenEvent:
@@ -533,7 +561,7 @@ class Scheduler:
 
     def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
         """Prefills `batch` (its pages already allocated) into `slots` in one call."""
-        n = bucket(len(batch), 1)
+        n = sharded.round_up_batch(bucket(len(batch), 1), self.mesh)  # padding rows go to no slot, write nothing
         t = min(bucket(max(len(r.prompt_ids) for r in batch), MIN_PROMPT_BUCKET), self.max_len)
         ids = np.full((n, t), self.pad_id, np.int32)
         lens = np.ones((n,), np.int32)
@@ -542,10 +570,11 @@ class Scheduler:
             lens[i] = len(r.prompt_ids)
         new, slot_n = self._new_fields(batch, slots, n)
         greedy_only = all(r.sampling.temperature == 0 for r in batch)
-        self.cache, self.state, tok_n, done_n = _admit(
-            self.params, self.cache, self.state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(slot_n),
-            jnp.asarray(self._table_rows(pages, n)), new, spec=self.model_spec, layout=self.layout,
-            max_len=self.max_len, page_size=self.page_size, greedy_only=greedy_only)
+        with sharded.context(self.mesh):
+            self.cache, self.state, tok_n, done_n = _admit(
+                self.params, self.cache, self.state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(slot_n),
+                jnp.asarray(self._table_rows(pages, n)), new, spec=self.model_spec, layout=self.layout,
+                max_len=self.max_len, page_size=self.page_size, greedy_only=greedy_only, mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n)
 
     def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
@@ -565,7 +594,9 @@ class Scheduler:
             return None
         pages = shared + own
         if partial is not None:  # the sharer writes the rest of this page: it gets its own copy
-            self._set_pools(_copy_page(layout.split(self.cache)[1], jnp.int32(partial), jnp.int32(own[0])))
+            with sharded.context(self.mesh):
+                self._set_pools(_copy_page(layout.split(self.cache)[1], jnp.int32(partial), jnp.int32(own[0]),
+                                           mesh=self._mesh))
             self.page_copies += 1
             self.allocator.release([partial])
         if entry is not None:
@@ -575,8 +606,10 @@ class Scheduler:
         end = pc.last_boundary(len(ids))
         while pos < end:
             chunk = np.asarray([ids[pos:pos + pc.block]], np.int32)
-            seq1, pools, _ = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
-                                     jnp.asarray([pc.block], jnp.int32), spec=self.model_spec, layout=self.layout)
+            with sharded.context(self.mesh):
+                seq1, pools, _ = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
+                                         jnp.asarray([pc.block], jnp.int32), spec=self.model_spec,
+                                         layout=self.layout, mesh=self._mesh)
             self._set_pools(pools)
             pos += pc.block
             entry_pages = tuple(pages[:-(-pos // ps)])
@@ -585,21 +618,23 @@ class Scheduler:
         rest = ids[pos:]
         chunk = np.full((1, bucket(len(rest), MIN_PROMPT_BUCKET)), self.pad_id, np.int32)
         chunk[0, :len(rest)] = rest
-        seq1, pools, logits_nv = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
-                                         jnp.asarray([len(rest)], jnp.int32), spec=self.model_spec,
-                                         layout=self.layout)
-        self._set_pools(pools)
         new, slot_n = self._new_fields([r], [slot], 1)
-        self.cache, self.state, tok_n, done_n = _install(
-            self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
-            greedy_only=r.sampling.temperature == 0)
+        with sharded.context(self.mesh):
+            seq1, pools, logits_nv = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
+                                             jnp.asarray([len(rest)], jnp.int32), spec=self.model_spec,
+                                             layout=self.layout, mesh=self._mesh)
+            self._set_pools(pools)
+            self.cache, self.state, tok_n, done_n = _install(
+                self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
+                greedy_only=r.sampling.temperature == 0, mesh=self._mesh)
         return self._started([r], [slot], [pages], tok_n, done_n)
 
     def _decode_running(self) -> list[TokenEvent]:
         greedy_only = all(s.request.sampling.temperature == 0 for s in self._slots if s is not None)
-        self.cache, self.state, tok_ks, ran_ks, done_ks = _decode(
-            self.params, self.cache, self.state, spec=self.model_spec, greedy_only=greedy_only,
-            steps=self.decode_steps)
+        with sharded.context(self.mesh):
+            self.cache, self.state, tok_ks, ran_ks, done_ks = _decode(
+                self.params, self.cache, self.state, spec=self.model_spec, greedy_only=greedy_only,
+                steps=self.decode_steps, mesh=self._mesh)
         tok_ks, ran_ks, done_ks = jax.device_get((tok_ks, ran_ks, done_ks))
         events = []
         for k in range(self.decode_steps):
@@ -669,10 +704,15 @@ def _prefill_impl(model: K3Model, cache_n, ids_nt, lens_n):
     return cache_n, model.logits(last)[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "layout", "max_len", "page_size", "greedy_only"),
+def _pinned(cache, state, mesh: _Static):
+    """The slots' cache and fields pinned to their mesh layouts (`k3jax.inference.sharded`; identity without)."""
+    return sharded.constrain_cache(cache, mesh.value), sharded.constrain_batch(state, mesh.value)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "layout", "max_len", "page_size", "greedy_only", "mesh"),
                    donate_argnums=(1, 2))
 def _admit(params, cache, state: SlotState, ids_nt, lens_n, slot_n, table_np, new: SlotState, *, spec, layout,
-           max_len, page_size, greedy_only):
+           max_len, page_size, greedy_only, mesh):
     """Prefills n prompts (fresh per-sequence states, page-table rows table_np, the shared page pools), samples
     their first tokens and writes both into their slots."""
     TRACE_COUNTS["admit"] += 1
@@ -681,37 +721,42 @@ def _admit(params, cache, state: SlotState, ids_nt, lens_n, slot_n, table_np, ne
     fresh = init_cache(model.cfg, ids_nt.shape[0], max_len, page_size=page_size, num_pages=1)
     fresh = layout.join(layout.split(fresh._replace(page_table=table_np))[0], layout.split(cache)[1])
     fresh, logits_nv = _prefill_impl(model, fresh, ids_nt, lens_n)
-    return _install_impl(cache, state, fresh, logits_nv, slot_n, new, layout, greedy_only)
+    cache, state, tok_n, done_n = _install_impl(cache, state, fresh, logits_nv, slot_n, new, layout, greedy_only)
+    return (*_pinned(cache, state, mesh), tok_n, done_n)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "layout"), donate_argnums=(2,))
-def _extend(params, seq_n, pools, ids_nt, lens_n, *, spec, layout):
+@functools.partial(jax.jit, static_argnames=("spec", "layout", "mesh"), donate_argnums=(2,))
+def _extend(params, seq_n, pools, ids_nt, lens_n, *, spec, layout, mesh):
     """Continues sequences (per-sequence leaves seq_n, not donated: they may be a prefix-cache entry's) over the
     page pools (donated) with a chunk of prompt tokens. Returns (seq_n, pools, last-token logits)."""
     TRACE_COUNTS["extend"] += 1
     layout = layout.value
     cache_n, logits_nv = _prefill_impl(_merge(spec, params), layout.join(seq_n, pools), ids_nt, lens_n)
-    return (*layout.split(cache_n), logits_nv)
+    return (*layout.split(sharded.constrain_cache(cache_n, mesh.value)), logits_nv)
 
 
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _copy_page(pools, src, dst):
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
+def _copy_page(pools, src, dst, *, mesh):
     """Every pool ([..., num_pages, page_size, C]) with page dst overwritten by page src."""
     TRACE_COUNTS["copy_page"] += 1
-    return tuple(p.at[..., dst, :, :].set(p[..., src, :, :]) for p in pools)
+    pools = tuple(p.at[..., dst, :, :].set(p[..., src, :, :]) for p in pools)
+    if mesh.value is None:
+        return pools
+    return jax.lax.with_sharding_constraint(pools, (sharded.replicated(mesh.value),) * len(pools))
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "greedy_only"), donate_argnums=(0, 1))
-def _install(cache, state: SlotState, seq_n, logits_nv, slot_n, new: SlotState, *, layout, greedy_only):
+@functools.partial(jax.jit, static_argnames=("layout", "greedy_only", "mesh"), donate_argnums=(0, 1))
+def _install(cache, state: SlotState, seq_n, logits_nv, slot_n, new: SlotState, *, layout, greedy_only, mesh):
     """Installs prefilled sequences (per-sequence leaves seq_n; their rows are already in cache's pools)."""
     TRACE_COUNTS["install"] += 1
     layout = layout.value
     cache_n = layout.join(seq_n, layout.split(cache)[1])
-    return _install_impl(cache, state, cache_n, logits_nv, slot_n, new, layout, greedy_only)
+    cache, state, tok_n, done_n = _install_impl(cache, state, cache_n, logits_nv, slot_n, new, layout, greedy_only)
+    return (*_pinned(cache, state, mesh), tok_n, done_n)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "greedy_only", "steps"), donate_argnums=(1, 2))
-def _decode(params, cache, state: SlotState, *, spec, greedy_only, steps):
+@functools.partial(jax.jit, static_argnames=("spec", "greedy_only", "steps", "mesh"), donate_argnums=(1, 2))
+def _decode(params, cache, state: SlotState, *, spec, greedy_only, steps, mesh):
     """`steps` decode steps of every slot; slots with done_s run with valid length 0 (caches frozen).
     Returns (cache, state, tokens [steps, S], ran [steps, S], done after each step [steps, S])."""
     TRACE_COUNTS["decode"] += 1
@@ -729,4 +774,4 @@ def _decode(params, cache, state: SlotState, *, spec, greedy_only, steps):
         return (params, cache, st), (tok, run, done)
 
     (_, cache, state), (tok_ks, ran_ks, done_ks) = jax.lax.scan(one, (params, cache, state), None, length=steps)
-    return cache, state, tok_ks, ran_ks, done_ks
+    return (*_pinned(cache, state, mesh), tok_ks, ran_ks, done_ks)

@@ -33,6 +33,7 @@ from k3jax.inference.chat import ChatTemplate
 from k3jax.inference.engine import SamplingParams
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.scheduler import FINISH_CANCELLED, Request, TokenEvent
+from sharding.mesh import describe
 
 MAX_BODY_BYTES = 4 << 20
 
@@ -364,10 +365,11 @@ def run_server(server: K3Server, host: str, port: int) -> None:
     server.engine.start()
     sched = server.scheduler
     prefix = f"{sched.prefix_cache.block}-token blocks" if sched.prefix_cache is not None else "off"
+    devices = "one device" if getattr(sched, "mesh", None) is None else f"mesh {describe(sched.mesh)}"
     server.log(f"serving {server.options.model_name!r} on http://{host}:{port} ({sched.num_slots} slots x "
                f"{sched.max_len} tokens, {sched.num_pages} latent pages of {sched.page_size} tokens, queue "
                f"{server.options.max_queue}, prefix cache {prefix}, chat template: "
-               f"{server.chat.name})")
+               f"{server.chat.name}, {devices})")
     web.run_app(server.app, host=host, port=port, access_log=None, print=None,
                 shutdown_timeout=server.options.shutdown_grace_s + 10, handle_signals=True)
     server.log("server stopped")
