@@ -19,7 +19,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
-from sharding import context_parallel
+from sharding import context_parallel, kda_kernel
 
 
 class KDAState(NamedTuple):
@@ -179,6 +179,8 @@ class KDA(nnx.Module):
         if cp_mesh is not None:
             core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)
             impl = "chunked" if impl == "pallas" else impl  # the context-parallel pass runs the XLA cores
+        elif impl == "pallas" and (mesh := kda_kernel.kernel_mesh()) is not None:
+            core = functools.partial(kda_kernel.kda_kernel_on_mesh, mesh=mesh)  # GSPMD cannot split a Pallas call
         o_bthv, new_s = core(
             q, k_, v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
