@@ -8,8 +8,9 @@ inside the timed function for every implementation (fla fuses them in its kernel
 the median of `--iters` timed calls after warm-up, nominal TFLOP/s (183 kFLOP per token per head, KERNELS.md §2), the
 fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·heads for other shapes) and ratios to fla.
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
-Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-recurrence[-stages[-block_k]]]]` (KernelConfig.parse); `--breakdown` also
-times the intra-chunk kernel alone for each variant. `--check` first compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
+Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`
+(KernelConfig.parse); `--breakdown` also times the intra-chunk kernel alone for each variant. `--check` first
+compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
 The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
 

@@ -1,12 +1,14 @@
 """Per-kernel times of the Pallas KDA forward and backward on one GPU (where the time goes, for tuning).
 
-    python benchmarks/kda_stages.py --shape=1x8192x96 --variants=64-4-4,32-4-4-substitution-split-2 [--iters=10]
+    python benchmarks/kda_stages.py --shape=1x8192x96 --variants=64-4-4,32-4-4-doubling-1-32-split [--iters=10]
+        [--check] [--stages=intra,recurrence]
 
-Each stage (forward: intra, states, output, fused recurrence; backward: reverse, state_grads, intra_bwd) is jitted
-alone on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters`
-calls after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any compile error
-(e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails.
-Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-recurrence[-stages[-block_k]]]]`.
+Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd) is jitted alone on the
+previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls after
+warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
+compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
+`--check` compares each variant's whole forward with the token recurrence first.
+Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`.
 """
 
 from __future__ import annotations
@@ -57,12 +59,10 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
         ("intra", lambda: jax.jit(lambda *a: chunk_fwd.intra_chunk(*a, scale=scale, config=config,
                                                                    interpret=interpret)),
          lambda: (q, k, v, g, beta), ("qg", "kg", "w", "u", "aqk", "decay")),
-        ("states", lambda: jax.jit(lambda *a: chunk_fwd.chunk_states(*a, specs, **kw)),
-         lambda: (out["kg"], out["w"], out["u"], out["decay"], s0), ("states", "v_new", "final")),
-        ("output", lambda: jax.jit(lambda *a: chunk_fwd.chunk_output(*a, out_dtype=dtype, **kw)),
-         lambda: (out["qg"], out["aqk"], out["states"], out["v_new"]), ("o",)),
-        ("fused_recurrence", lambda: jax.jit(lambda *a: chunk_fwd.fused_recurrence(*a, specs, out_dtype=dtype, **kw)),
-         lambda: (out["qg"], out["kg"], out["w"], out["u"], out["aqk"], out["decay"], s0), ("o_fused", "final2")),
+        ("recurrence", lambda: jax.jit(lambda *a: chunk_fwd.fused_recurrence(*a, specs, out_dtype=dtype, **kw)),
+         lambda: (out["qg"], out["kg"], out["w"], out["u"], out["aqk"], out["decay"], s0), ("o", "final")),
+        ("bwd_states", lambda: jax.jit(lambda *a: chunk_fwd.chunk_states(*a, specs, **kw)),
+         lambda: (out["kg"], out["w"], out["u"], out["decay"], s0), ("states", "v_new", "final2")),
         ("bwd_reverse", lambda: jax.jit(lambda *a: chunk_bwd.reverse_states(*a, specs, **kw)),
          lambda: (out["qg"], out["kg"], out["w"], out["aqk"], out["decay"], d_o, s0), ("ds_end", "dv_new", "ds0")),
         ("bwd_state_grads", lambda: jax.jit(lambda *a: chunk_bwd.state_grads(*a, **kw)),
@@ -125,7 +125,7 @@ def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, on
     return rows
 
 
-_ORDER = ["intra", "states", "output", "fused_recurrence", "bwd_reverse", "bwd_state_grads", "bwd_intra"]
+_ORDER = ["intra", "recurrence", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra"]
 
 
 def _feeds(name, only):
@@ -158,11 +158,10 @@ def main():
         only = None if args.stages is None else args.stages.split(",")
         rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only)
         fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
-        split = sum(fwd.get(k, 0) for k in ("intra", "states", "output"))
-        fused = sum(fwd.get(k, 0) for k in ("intra", "fused_recurrence"))
-        bwd = sum(fwd.get(k, 0) for k in ("intra", "states", "bwd_reverse", "bwd_state_grads", "bwd_intra"))
-        print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_split_ms": round(split, 3),
-                          "fwd_fused_ms": round(fused, 3), "bwd_ms": round(bwd, 3)}), flush=True)
+        fwd_ms = sum(fwd.get(k, 0) for k in ("intra", "recurrence"))
+        bwd = sum(fwd.get(k, 0) for k in ("intra", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra"))
+        print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_ms": round(fwd_ms, 3),
+                          "bwd_ms": round(bwd, 3)}), flush=True)
 
 
 if __name__ == "__main__":

@@ -553,8 +553,8 @@ def kda(
 
     Args:
       impl: ``"chunked"`` (default), ``"recurrent"`` or ``"pallas"`` (``pallas_kernels.kda.chunk_kda``: the
-        GPU kernel on a GPU, the Mosaic kernel on a TPU, the Pallas interpreter elsewhere; needs gates >= -5 per token and power-of-two
-        head dims; ``o`` comes back in q's dtype).
+        GPU kernel on a GPU, the Mosaic kernel on a TPU, the Pallas interpreter elsewhere; needs gates >= -5 per
+        token and power-of-two head dims; ``o`` comes back in q's dtype).
       chunk_size: used by ``"chunked"`` only (the kernel's chunk is 64).
     """
     if impl == "pallas":

@@ -523,7 +523,7 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     kw = dict(precision=precision, config=config, interpret=interpret)
 
-    # 2. Chunk-entry states and v' (the forward's split recurrence; its final state is not needed here).
+    # 2. Chunk-entry states and v' (the forward's chunk loop storing S_n; its final state is not needed here).
     states, v_new, _ = chunk_states(kg, w, u, decay, initial_state, specs, **kw)
     # 3. Reverse chunk loop: dS per chunk, dv', d initial state.
     ds_end, dv_new, d_initial = reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs, **kw)

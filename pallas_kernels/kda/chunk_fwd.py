@@ -1,11 +1,10 @@
 """Pallas chunkwise KDA forward (KERNELS.md §1).
 
 Kernel 1, ``intra`` (grid: chunk x batch*head, fully parallel) turns one chunk of 64 tokens into the quantities the
-sequential pass needs. Then either (``KernelConfig.recurrence="split"``, default) kernel 2 ``states`` (grid:
-batch*head x value block) walks the chunks in order with the f32 state ``S [K, BV]`` in registers, storing each
-chunk-entry state ``S_n`` and ``v'``, and kernel 3 ``output`` (grid: chunk x batch*head, parallel) forms ``o``; or
-(``"fused"``) one chunk loop also forms the output. With ``G`` the inclusive within-chunk cumulative
-log-decay in base 2 (``g * log2(e)``, so every exponential is ``exp2``):
+sequential pass needs; kernel 2, the chunk loop (grid: batch*head x value block) walks the chunks in order with the
+f32 state ``S [K, BV]`` in registers and writes the output (a variant split into a states loop plus a parallel
+output kernel measured slower on an H200: 0.84 + 0.58 ms vs 1.02 ms at 1x8192x96). With ``G`` the inclusive
+within-chunk cumulative log-decay in base 2 (``g * log2(e)``, so every exponential is ``exp2``):
 
 * ``qg = scale * q * 2^G``                       reads the incoming state
 * ``kg = k * 2^(G_last - G)``                    key decayed to the chunk end
@@ -40,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd", "chunk_layout",
-           "chunk_output", "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
+           "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
            "triton_params", "varlen_layout"]
 
 CHUNK = 64
@@ -57,9 +56,6 @@ class KernelConfig:
     block_v: value columns per program of the sequential (chunk-loop) kernels (power of two >= 16).
     warps: Triton warps per program of (parallel kernels, sequential kernels).
     solve: inverse of the 16x16 diagonal blocks of I + Akk: "substitution" (row by row) or "doubling" (matmuls).
-    recurrence: "split" (the chunk loop only carries the state and stores each chunk-entry state S_n and v'; the
-      output o = qg S_n + aqk v' is a separate kernel parallel over chunks) or "fused" (the chunk loop also forms
-      the output: no S_n round trip, but twice the matmul work on the sequential critical path).
     stages: Triton ``num_stages`` of the sequential kernels (> 1 lets Triton software-pipeline the chunk loop's
       loads).
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
@@ -70,21 +66,20 @@ class KernelConfig:
     block_v: int = 64
     warps: tuple[int, int] = (4, 4)
     solve: str = "doubling"
-    recurrence: str = "fused"
     stages: int = 1
     block_k: int = 32
     intra: str = "single"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """``block_v-warps-warps[-solve[-recurrence[-stages[-block_k[-intra]]]]]``, e.g. ``64-4-4`` or
-        ``32-4-4-doubling-split-2-64-split`` (the benchmarks' variant syntax)."""
+        """``block_v-warps-warps[-solve[-stages[-block_k[-intra]]]]``, e.g. ``64-4-4`` or
+        ``32-4-4-doubling-2-64-split`` (the benchmarks' variant syntax)."""
         parts = text.split("-")
-        if len(parts) < 3 or len(parts) > 8:
-            raise ValueError(f"KernelConfig.parse: expected block_v-warps-warps[-solve[-recurrence[-stages"
-                             f"[-block_k[-intra]]]]], got {text!r}")
+        if len(parts) < 3 or len(parts) > 7:
+            raise ValueError(f"KernelConfig.parse: expected block_v-warps-warps[-solve[-stages[-block_k[-intra]]]], "
+                             f"got {text!r}")
         kw = dict(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])))
-        for name, value in zip(("solve", "recurrence", "stages", "block_k", "intra"), parts[3:]):
+        for name, value in zip(("solve", "stages", "block_k", "intra"), parts[3:]):
             kw[name] = int(value) if name in ("stages", "block_k") else value
         return cls(**kw)
 
@@ -93,8 +88,6 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
         if self.intra not in ("single", "split"):
             raise ValueError(f"KernelConfig.intra must be 'single' or 'split', got {self.intra!r}")
-        if self.recurrence not in ("split", "fused"):
-            raise ValueError(f"KernelConfig.recurrence must be 'split' or 'fused', got {self.recurrence!r}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig.stages must be >= 1, got {self.stages}")
 
@@ -319,53 +312,31 @@ def _intra_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
     lax.fori_loop(0, kd // block_k, w_block, 0)
 
 
-def _fused_recurrence_kernel(qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref, *refs, n_chunks, precision,
-                             varlen):
-    """``recurrence="fused"``: all chunks of one (batch, head, value block), in order, forming the output too; the
-    f32 state ``[K, BV]`` is the loop carry.
+def _chunk_loop_kernel(*refs, n_chunks, kd, precision, varlen, with_output):
+    """All chunks of one (batch, head, value block), in order; the f32 state ``[K, BV]`` is the loop carry. Per
+    chunk ``v' = u - w S``, then ``S <- diag(decay) S + kg^T v'``; the final state is written at the end.
 
-    Varlen (``varlen=True``, packed sequences laid out so each starts on a chunk): three extra per-chunk int32
-    inputs give the chunk's sequence, whether it is that sequence's first chunk (state <- its initial state) and
-    whether it is its last (state -> its final-state slot); the state refs are then ``[N_seq, K, BV]``.
+    ``with_output`` (the forward): inputs ``qg, kg, w, u, aqk, decay``, also forms ``o = qg S + aqk v'``. Without
+    (the backward's recompute): inputs ``kg, w, u, decay``, stores each chunk-entry state ``S_n`` (rows
+    ``n*K ..``, in the matmul dtype: exactly the operand used) and ``v'``.
+    Varlen (packed sequences laid out so each starts on a chunk): three per-chunk int32 inputs give the chunk's
+    sequence, whether it is that sequence's first chunk (state <- its initial state) and whether it is its last
+    (state -> its final-state slot); the state refs are then ``[N_seq, K, BV]``.
     """
-    if varlen:
-        seq_ref, first_ref, last_ref, s0_ref, o_ref, sn_ref = refs
+    n_in = 6 if with_output else 4
+    ins, rest = refs[:n_in], list(refs[n_in:])
+    if with_output:
+        qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = ins
     else:
-        s0_ref, o_ref, sn_ref = refs
-    mm_dtype = qg_ref.dtype
-
-    def body(n, s_kv):
-        if varlen:
-            seq = seq_ref[n]
-            s_kv = jnp.where(first_ref[n] != 0, s0_ref[seq].astype(_F32), s_kv)
-        rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
-        s_mm = s_kv.astype(mm_dtype)
-        v_new = u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s_mm, precision)
-        v_new_mm = v_new.astype(mm_dtype)
-        o = _dot(qg_ref[rows, :], s_mm, precision) + _dot(aqk_ref[rows, :], v_new_mm, precision)
-        o_ref[rows, :] = o.astype(o_ref.dtype)
-        decay_k1 = decay_ref[n, :].astype(_F32)[:, None]
-        s_kv = decay_k1 * s_kv + _dot_tn(kg_ref[rows, :], v_new_mm, precision)
-        if varlen:
-            @pl.when(last_ref[n] != 0)
-            def _store_final():
-                sn_ref[seq] = s_kv
-        return s_kv
-
+        kg_ref, w_ref, u_ref, decay_ref = ins
     if varlen:
-        lax.fori_loop(0, n_chunks, body, jnp.zeros(sn_ref.shape[1:], _F32))
+        seq_ref, first_ref, last_ref = rest[:3]
+        rest = rest[3:]
+    s0_ref, *outs = rest
+    if with_output:
+        o_ref, sn_ref = outs
     else:
-        sn_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
-
-
-def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precision, varlen):
-    """``recurrence="split"`` (and the backward's recompute): all chunks of one (head, value block) in order; stores
-    each chunk-entry state ``S_n`` (rows ``n*K ..``, the matmul dtype: exactly the operand used), ``v'`` of each
-    chunk and the f32 final state (per sequence with varlen, as in the fused kernel)."""
-    if varlen:
-        seq_ref, first_ref, last_ref, s0_ref, states_ref, vnew_ref, sn_ref = refs
-    else:
-        s0_ref, states_ref, vnew_ref, sn_ref = refs
+        states_ref, vnew_ref, sn_ref = outs
     mm_dtype = kg_ref.dtype
 
     def body(n, s_kv):
@@ -374,9 +345,14 @@ def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precisi
             s_kv = jnp.where(first_ref[n] != 0, s0_ref[seq].astype(_F32), s_kv)
         rows = pl.ds(pl.multiple_of(n * CHUNK, CHUNK), CHUNK)
         s_mm = s_kv.astype(mm_dtype)
-        states_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = s_mm
+        if not with_output:
+            states_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = s_mm
         v_new_mm = (u_ref[rows, :].astype(_F32) - _dot(w_ref[rows, :], s_mm, precision)).astype(mm_dtype)
-        vnew_ref[rows, :] = v_new_mm
+        if with_output:
+            o = _dot(qg_ref[rows, :], s_mm, precision) + _dot(aqk_ref[rows, :], v_new_mm, precision)
+            o_ref[rows, :] = o.astype(o_ref.dtype)
+        else:
+            vnew_ref[rows, :] = v_new_mm
         s_kv = decay_ref[n, :].astype(_F32)[:, None] * s_kv + _dot_tn(kg_ref[rows, :], v_new_mm, precision)
         if varlen:
             @pl.when(last_ref[n] != 0)
@@ -388,12 +364,6 @@ def _states_kernel(kg_ref, w_ref, u_ref, decay_ref, *refs, n_chunks, kd, precisi
         lax.fori_loop(0, n_chunks, body, jnp.zeros(sn_ref.shape[1:], _F32))
     else:
         sn_ref[...] = lax.fori_loop(0, n_chunks, body, s0_ref[...].astype(_F32))
-
-
-def _output_kernel(qg_ref, aqk_ref, s_ref, vnew_ref, o_ref, *, precision):
-    """One chunk of one (batch, head): ``o = qg S_n + aqk v'`` (aqk is lower-triangular, zeros above)."""
-    o = _dot(qg_ref[...], s_ref[...], precision) + _dot(aqk_ref[...], vnew_ref[...], precision)
-    o_ref[...] = o.astype(o_ref.dtype)
 
 
 def varlen_layout(cu_seqlens, t):
@@ -613,13 +583,14 @@ class SequentialSpecs:
 
 
 def chunk_states(kg, w, u, decay, initial_state, specs: SequentialSpecs, *, precision, config, interpret):
-    """The split recurrence's chunk loop: ``(states [B, H, N*K, V], v' [B, Tp, H, V], final state f32)``."""
+    """The chunk loop storing each chunk-entry state (the backward's recompute):
+    ``(states [B, H, N*K, V], v' [B, Tp, H, V], final state f32)``."""
     b, tp, h, kd = kg.shape
     vd = u.shape[-1]
     mm_dtype = kg.dtype
     return pl.pallas_call(
-        functools.partial(_states_kernel, n_chunks=specs.n, kd=kd, precision=precision,
-                          varlen=specs.layout is not None),
+        functools.partial(_chunk_loop_kernel, n_chunks=specs.n, kd=kd, precision=precision,
+                          varlen=specs.layout is not None, with_output=False),
         out_shape=(jax.ShapeDtypeStruct((b, h, specs.n * kd, vd), mm_dtype),
                    jax.ShapeDtypeStruct((b, tp, h, vd), mm_dtype),
                    jax.ShapeDtypeStruct((specs.n_states, h, kd, vd), _F32)),
@@ -633,36 +604,14 @@ def chunk_states(kg, w, u, decay, initial_state, specs: SequentialSpecs, *, prec
     )(kg, w, u, decay, *specs.meta_ops, initial_state.astype(_F32))
 
 
-def chunk_output(qg, aqk, states, v_new, *, out_dtype, precision, config, interpret):
-    """``o = qg S_n + aqk v'`` for every chunk in parallel (grid chunk x batch*head): ``[B, Tp, H, V]``."""
-    b, tp, h, kd = qg.shape
-    vd = v_new.shape[-1]
-    n = tp // CHUNK
-
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
-
-    return pl.pallas_call(
-        functools.partial(_output_kernel, precision=precision),
-        out_shape=jax.ShapeDtypeStruct((b, tp, h, vd), out_dtype),
-        grid=(n, b * h),
-        in_specs=[chunk_spec(kd), chunk_spec(CHUNK),
-                  pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0)), chunk_spec(vd)],
-        out_specs=chunk_spec(vd),
-        interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[0]),
-        name="kda_chunk_output",
-    )(qg, aqk, states, v_new)
-
-
 def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialSpecs, *, out_dtype, precision,
                      config, interpret):
-    """``recurrence="fused"``: ``(o [B, Tp, H, V], final state f32)`` from one chunk loop."""
+    """The forward's chunk loop: ``(o [B, Tp, H, V], final state f32)``."""
     b, tp, h, kd = qg.shape
     vd = u.shape[-1]
     return pl.pallas_call(
-        functools.partial(_fused_recurrence_kernel, n_chunks=specs.n, precision=precision,
-                          varlen=specs.layout is not None),
+        functools.partial(_chunk_loop_kernel, n_chunks=specs.n, kd=kd, precision=precision,
+                          varlen=specs.layout is not None, with_output=True),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), out_dtype),
                    jax.ShapeDtypeStruct((specs.n_states, h, kd, vd), _F32)),
         grid=specs.grid,
@@ -678,7 +627,7 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
                   cu_seqlens=None, segment_ids=None):
-    """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the split or fused recurrence).
+    """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the chunk loop).
 
     Args:
       q, k: ``[B, T, H, K]`` (L2-normalised); v: ``[B, T, H, V]``; g: ``[B, T, H, K]`` activated log-decay (<= 0,
@@ -710,12 +659,8 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                            documents=documents)
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
-    kw = dict(precision=precision, config=config, interpret=interpret)
-    if config.recurrence == "fused":
-        o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype, **kw)
-    else:
-        states, v_new, final_state = chunk_states(kg, w, u, decay, initial_state, specs, **kw)
-        o = chunk_output(qg, aqk, states, v_new, out_dtype=q.dtype, **kw)
+    o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype,
+                                      precision=precision, config=config, interpret=interpret)
     if layout is None:
         return from_padded(o), final_state
     # Empty sequences own no chunk: their final state is their initial state.

@@ -49,30 +49,23 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda.chunk_fwd import CHUNK, SUB_CHUNK, chunk_layout, document_layout
+from pallas_kernels.kda.chunk_fwd import (
+    _LOG2E,
+    CHUNK,
+    SUB_CHUNK,
+    _dot,
+    _dot_nt,
+    _dot_tn,
+    chunk_layout,
+    document_layout,
+)
 
 __all__ = ["SOLVES", "chunk_kda_bwd_tpu", "chunk_kda_fwd_tpu", "compile_for_topology"]
 
 SOLVES = ("doubling", "substitution")
 _N_SUB = CHUNK // SUB_CHUNK
-_LOG2E = 1.4426950408889634
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
-
-
-def _dot(a, b, precision):
-    """``a @ b``, f32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=_F32)
-
-
-def _dot_nt(a, b, precision):
-    """``a @ b^T``, f32 accumulation."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision, preferred_element_type=_F32)
-
-
-def _dot_tn(a, b, precision):
-    """``a^T @ b``, f32 accumulation."""
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=_F32)
 
 
 def _iota(shape, axis, offset=0):
