@@ -21,7 +21,7 @@ pytest.importorskip("transformers")
 kimi_linear = pytest.importorskip("transformers.models.kimi_linear")
 
 import configs
-from k3jax.convert.transformers_names import release_weights_from_transformers
+from k3jax.convert.transformers_names import kimi_linear_config_kwargs, release_weights_from_transformers
 
 BATCH, LENGTH = 2, 37  # 37 > our kda_chunk_size 32: the chunked path crosses a chunk boundary
 # Seed of the weights and ids. Chosen (among 0..39) for the largest top-k routing margin, see `_ROUTING_MARGIN`.
@@ -42,24 +42,10 @@ _ROUTING_MARGIN = 1e-4
 def _hf_config(cfg):
     """A transformers KimiLinearConfig with exactly our config's dimensions."""
     mla = [s.index + 1 for s in cfg.layer_specs() if s.attn == "mla"]
-    kda = [s.index + 1 for s in cfg.layer_specs() if s.attn == "kda"]
     assert tuple(mla) == tuple(sorted(cfg.full_attn_layers)) == (4, 8)
     assert cfg.routed_expert_hidden_size is None and cfg.attn_res_block_size is None  # plain Kimi-Linear
-    return kimi_linear.KimiLinearConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
-        linear_attn_config={"full_attn_layers": mla, "kda_layers": kda, "head_dim": cfg.kda_head_dim,
-                            "num_heads": cfg.kda_num_heads, "short_conv_kernel_size": cfg.kda_short_conv_kernel_size},
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
-        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
-        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
-        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
-        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_token,
-        n_shared_experts=cfg.num_shared_experts, routed_scaling_factor=cfg.routed_scaling_factor,
-        norm_topk_prob=cfg.moe_renormalize, n_group=cfg.num_expert_group, topk_group=cfg.topk_group,
-        first_k_dense_replace=cfg.first_k_dense_replace, hidden_act=cfg.hidden_act, rms_norm_eps=cfg.rms_norm_eps,
-        tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
-        eos_token_id=cfg.eos_token_id, dtype="float32", attn_implementation="eager",
-    )
+    return kimi_linear.KimiLinearConfig(**kimi_linear_config_kwargs(cfg), dtype="float32",
+                                        attn_implementation="eager")
 
 
 def _randomise(model, gen):

@@ -161,3 +161,26 @@ def release_weights_from_transformers(state_dict: Mapping[str, Any], cfg: ModelC
     if problems:
         raise ValueError("; ".join(problems))
     return out
+
+
+def kimi_linear_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments of transformers' ``KimiLinearConfig`` with exactly ``cfg``'s dimensions (the oracle tests
+    and the HF side-by-side benchmark build the HF model from them; dtype / attention choice are the caller's)."""
+    specs = cfg.layer_specs()
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_hidden_layers=cfg.num_hidden_layers,
+        linear_attn_config={"full_attn_layers": [s.index + 1 for s in specs if s.attn == "mla"],
+                            "kda_layers": [s.index + 1 for s in specs if s.attn == "kda"],
+                            "head_dim": cfg.kda_head_dim, "num_heads": cfg.kda_num_heads,
+                            "short_conv_kernel_size": cfg.kda_short_conv_kernel_size},
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_attention_heads,
+        q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        intermediate_size=cfg.intermediate_size, moe_intermediate_size=cfg.moe_intermediate_size,
+        num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_token,
+        n_shared_experts=cfg.num_shared_experts, routed_scaling_factor=cfg.routed_scaling_factor,
+        norm_topk_prob=cfg.moe_renormalize, n_group=cfg.num_expert_group, topk_group=cfg.topk_group,
+        first_k_dense_replace=cfg.first_k_dense_replace, hidden_act=cfg.hidden_act, rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings, pad_token_id=cfg.pad_token_id, bos_token_id=cfg.bos_token_id,
+        eos_token_id=cfg.eos_token_id, max_position_embeddings=cfg.max_position_embeddings,
+    )
