@@ -124,13 +124,14 @@ def _load_model(opts, mesh, log):
         return load_model(opts, log)
     import k3jax
     from sharding.mesh import describe
+    from sharding.rules import SERVING_AXIS_RULES
 
     if opts.checkpoint and opts.hf_dir:
         raise ValueError("give --checkpoint or --hf_dir, not both")
     log(f"loading onto the mesh {describe(mesh)}")
     if opts.hf_dir:
-        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh)
-    return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh)
+        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
+    return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
 
 
 class _Opts:

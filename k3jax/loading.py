@@ -29,7 +29,7 @@ EXPERT_WEIGHTS = ("bf16", "mxfp4")
 _QUANTIZE_CHUNK_BYTES = 256 << 20  # f32 bytes of dense experts quantized per host call
 
 
-def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None):
+def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=None):
     """A model for `cfg` (default `plan.cfg`) filled from `(slot, value)` pairs (one layer's tensors on the host at
     a time; a slot's `path` names the model variable, so packed experts arrive as `wN_packed` / `wN_scale`).
 
@@ -49,7 +49,7 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None):
     if mesh is not None:
         from sharding.shard import plan_shardings
 
-        shard_plan = plan_shardings(state, mesh)
+        shard_plan = plan_shardings(state, mesh) if rules is None else plan_shardings(state, mesh, rules=rules)
         shardings = {tuple(str(p) for p in path): v.get_value() if isinstance(v, nnx.Variable) else v
                      for path, v in nnx.to_flat_state(shard_plan.shardings)}
     else:
@@ -142,7 +142,7 @@ def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
 
 
 def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, overrides=(), mesh=None,
-            expert_weights: str | None = None):
+            expert_weights: str | None = None, rules=None):
     """(config, model) from an HF directory (K3 or Kimi-Linear format).
 
     `dtype`: "bf16"/"f32" (or "bfloat16"/"float32"); None takes the config.json `torch_dtype` (bf16 default).
@@ -150,6 +150,7 @@ def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, ov
     `overrides`: `key=value` runtime choices (kda_impl, moe_impl, kda_chunk_size, scan_layers, remat, ...).
     `mesh`: place every parameter directly in its sharding on this mesh (`sharding.mesh.make_mesh`); tensors are
     read and converted one layer at a time, so host memory holds at most one layer besides the devices' shards.
+    `rules`: the logical-axis table for `mesh` (default: training's; `sharding.rules.SERVING_AXIS_RULES` to serve).
     `expert_weights`: "bf16" (default: MXFP4 experts decoded exactly to the parameter dtype) or "mxfp4" (kept
     packed; inference only, see the module docstring).
     """
@@ -162,24 +163,25 @@ def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, ov
     if overrides:
         src.plan = make_plan(_runtime(src.plan.cfg, overrides))
     if chosen != "mxfp4":
-        return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh)
+        return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh, rules=rules)
     cfg = src.plan.cfg.replace(expert_weights="mxfp4")
-    return cfg, _assemble(src.plan, _hf_packed_values(src), mesh, cfg)
+    return cfg, _assemble(src.plan, _hf_packed_values(src), mesh, cfg, rules=rules)
 
 
-def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None):
+def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None,
+                    rules=None):
     """(config, model) from a k3jax Orbax checkpoint. `expert_weights`: "bf16" (default: experts kept MXFP4 by
     `--experts mxfp4` are decoded to the parameter dtype) or "mxfp4" (kept packed, byte for byte; bf16 experts are
-    quantized). `overrides`, `mesh`: as for `load_hf`."""
+    quantized). `overrides`, `mesh`, `rules`: as for `load_hf`."""
     from k3jax.convert.checkpoint import checkpoint_values
 
     overrides, chosen = _expert_weights_choice(overrides, expert_weights)
     plan, values = checkpoint_values(orbax_dir, _dtype_name(dtype), lambda c: _runtime(c, overrides))
     if chosen != "mxfp4":
-        return plan.cfg, _assemble(plan, values, mesh)
+        return plan.cfg, _assemble(plan, values, mesh, rules=rules)
     values.close()  # not started: nothing was read
     cfg = plan.cfg.replace(expert_weights="mxfp4")
-    return cfg, _assemble(plan, _checkpoint_packed_values(orbax_dir, plan), mesh, cfg)
+    return cfg, _assemble(plan, _checkpoint_packed_values(orbax_dir, plan), mesh, cfg, rules=rules)
 
 
 def _hf_packed_values(src):

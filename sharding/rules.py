@@ -45,18 +45,32 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 }
 
 
+# Serving: a decode step reads every weight once, so FSDP (weights split over 'data'/'expert' and all-gathered at
+# use) would move the non-expert weights and the experts' latent dim across devices on every token. Serving keeps
+# tensor parallelism ('model') and expert parallelism ('expert' on the expert axis) and replicates the rest.
+SERVING_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
+    **LOGICAL_AXIS_RULES,
+    "embed": None,
+    "mtp_concat": None,
+    "expert_latent": None,
+}
+
+
 class UnknownLogicalAxisError(KeyError):
     """A parameter or activation uses a logical axis name missing from LOGICAL_AXIS_RULES."""
 
 
-def mesh_axes_for(logical: Iterable[str | None]) -> tuple[str | tuple[str, ...] | None, ...]:
-    """Resolves one tensor's logical axis names to mesh axes (a PartitionSpec's entries)."""
+def mesh_axes_for(logical: Iterable[str | None],
+                  rules: dict | None = None) -> tuple[str | tuple[str, ...] | None, ...]:
+    """Resolves one tensor's logical axis names to mesh axes (a PartitionSpec's entries) by `rules` (default: the
+    training table `LOGICAL_AXIS_RULES`; `SERVING_AXIS_RULES` for inference)."""
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
     out = []
     for name in logical:
         if name is None:
             out.append(None)
             continue
-        if name not in LOGICAL_AXIS_RULES:
+        if name not in rules:
             raise UnknownLogicalAxisError(f"logical axis {name!r} has no rule in sharding/rules.py")
-        out.append(LOGICAL_AXIS_RULES[name])
+        out.append(rules[name])
     return tuple(out)

@@ -84,7 +84,7 @@ def resolve_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh
     logical = tuple(logical)
     if len(logical) != len(shape):
         raise ValueError(f"{path}: logical axes {logical} do not match shape {tuple(shape)}")
-    wanted = mesh_axes_for(logical) if rules is LOGICAL_AXIS_RULES else tuple(rules.get(n) for n in logical)
+    wanted = mesh_axes_for(logical, rules)
     fallbacks: list[Fallback] = []
     # Step 2: per-dimension divisibility (mesh axes absent from the mesh are an error, not a fallback).
     divisible: dict[str, MeshAxes] = {}
@@ -112,8 +112,10 @@ def resolve_spec(logical: Sequence[str | None], shape: Sequence[int], mesh: Mesh
     return spec, fallbacks
 
 
-def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True) -> ShardingPlan:
-    """`NamedSharding`s for every Variable in `state` (an `nnx.State`, concrete or abstract, or a module)."""
+def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True,
+                   rules: dict[str, MeshAxes] = LOGICAL_AXIS_RULES) -> ShardingPlan:
+    """`NamedSharding`s for every Variable in `state` (an `nnx.State`, concrete or abstract, or a module), by
+    `rules` (training's table by default; `sharding.rules.SERVING_AXIS_RULES` for inference)."""
     if isinstance(state, nnx.Module):
         state = nnx.state(state)
     logical_specs = nnx.get_partition_spec(state)  # Variables holding PartitionSpec(*out_sharding), or P()
@@ -132,7 +134,7 @@ def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True) -> Sha
         logical = tuple(spec_var.get_value()) if isinstance(spec_var, nnx.Variable) else tuple(spec_var)
         if not logical:
             logical = (None,) * len(shape)
-        spec, fb = resolve_spec(logical, shape, mesh, path=path)
+        spec, fb = resolve_spec(logical, shape, mesh, path=path, rules=rules)
         specs[path] = spec
         fallbacks += fb
         sharding = NamedSharding(mesh, spec)

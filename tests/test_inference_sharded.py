@@ -126,10 +126,13 @@ def test_engine_generate_on_mesh_equals_one_device(engine_a, reference):
     assert [r.tokens for r in out] == reference
     assert [r.prompt_length for r in out] == [len(p) for p in PROMPTS]
     assert engine_a.trace_counts["prefill"] == 1 and engine_a.trace_counts["decode"] == 1
-    # parameters really are distributed by the rules
+    # parameters are distributed by the serving rules: tensor ('model') and expert parallel, no FSDP over 'data'
+    # (a decode step would otherwise gather the weights every token)
     leaves = jax.tree.leaves(engine_a.params)
     assert all(x.sharding.mesh.shape == engine_a.mesh.shape for x in leaves)
-    assert sum(not x.sharding.is_fully_replicated for x in leaves) > len(leaves) // 2
+    used = [set(_axes(x.sharding.spec, engine_a.mesh, x.ndim)[d]) for x in leaves for d in range(x.ndim)]
+    assert not any("data" in axes for axes in used)
+    assert any("expert" in axes for axes in used) and any("model" in axes for axes in used)
 
 
 def test_teacher_forced_logits_on_mesh_equal_one_device_and_cache_keeps_its_layout(engine_a, mesh_a):

@@ -51,3 +51,15 @@ def test_every_activation_layout_has_a_rule_and_is_applied_under_a_mesh():
     with mesh_context(make_mesh(data=2, expert=2, model=2)):
         text = jax.jit(forward).trace(state, ids).lower().as_text()
     assert text.count("sharding_constraint") + text.count("@Sharding") >= cfg.num_hidden_layers, text[:2000]
+
+
+def test_serving_rules_drop_fsdp_and_keep_tensor_and_expert_parallelism():
+    from sharding.rules import LOGICAL_AXIS_RULES, SERVING_AXIS_RULES
+
+    assert set(SERVING_AXIS_RULES) == set(LOGICAL_AXIS_RULES)
+    for name, axes in SERVING_AXIS_RULES.items():
+        if name in ("batch", "seq"):  # activations keep training's layout
+            continue
+        assert "data" not in ((axes,) if isinstance(axes, str) else (axes or ())), name
+    assert SERVING_AXIS_RULES["experts"] == "expert" and SERVING_AXIS_RULES["mlp"] == "model"
+    assert mesh_axes_for(("embed", "mlp"), SERVING_AXIS_RULES) == (None, "model")

@@ -4,10 +4,9 @@ The mesh is `sharding.mesh.make_mesh`'s (data, expert, context, model). Inferenc
 prefilled whole on each device; context parallelism is a training path). Layouts, all resolved through the one
 table in `sharding/rules.py` with its divisibility fallbacks (`sharding.shard.resolve_spec`):
 
-- parameters: the rules, exactly as `sharding.shard.plan_shardings` (and the loaders' `mesh=`) place them: heads,
+- parameters: the serving rules (`sharding.rules.SERVING_AXIS_RULES`, what `serve.py --mesh` loads with): heads,
   MLP widths and the vocabulary over 'model', routed experts over 'expert' (the MoE then runs expert-parallel,
-  `sharding/expert_parallel.py`), the hidden width of non-expert weights FSDP over ('data', 'expert') as in
-  training (every step gathers them; rules that replicate them for serving are not written yet).
+  `sharding/expert_parallel.py`), everything else replicated — no FSDP, so a decode step gathers no weights.
 - per-sequence cache leaves: the batch (slot) axis by the 'batch' rule, ('data', 'expert'): the layout the model's
   activation constraints and the expert-parallel MoE give tokens, so every device decodes its own sequences and the
   MoE exchanges only routed rows. KDA heads over 'model' like the KDA projections: recurrent state [B, H, K, V] on H,
@@ -88,11 +87,13 @@ def context(mesh: Mesh | None):
 
 
 def place_params(params: Any, mesh: Mesh) -> Any:
-    """`params` (an nnx.State) placed by the rules on `mesh` (no copy for arrays already placed so, e.g. loaded
-    with `k3jax.load_hf(..., mesh=mesh)`)."""
+    """`params` (an nnx.State) placed by the serving rules (`sharding.rules.SERVING_AXIS_RULES`: tensor and expert
+    parallel, no FSDP) on `mesh` (no copy for arrays already placed so, e.g. loaded with
+    `k3jax.load_hf(..., mesh=mesh, rules=SERVING_AXIS_RULES)`)."""
+    from sharding.rules import SERVING_AXIS_RULES
     from sharding.shard import plan_shardings
 
-    return jax.device_put(params, plan_shardings(params, mesh).shardings)
+    return jax.device_put(params, plan_shardings(params, mesh, rules=SERVING_AXIS_RULES).shardings)
 
 
 def _spec(logical, shape, mesh: Mesh) -> PartitionSpec:
