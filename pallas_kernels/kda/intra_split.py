@@ -5,10 +5,9 @@ serial work per program, which is what limits the single kernel on a GPU (``benc
 
 0. XLA: ``G`` = chunk-local inclusive cumulative sum of ``g * log2(e)`` (f32), so the kernels read any row of the
    cumulative decay with a load instead of a cross-row reduction.
-1. ``gram`` (grid chunk x batch*head): per key block, the ten 16x16 sub-chunk blocks of ``aqk`` and ``akk``
-   (diagonal blocks referenced to the sub-chunk's middle row, off-diagonal blocks ``(i, j < i)`` to the first row
-   ``n`` of sub-chunk ``i``: ``q_i 2^(G_i - G_n)`` and ``k_j 2^(G_n - G_j)``, both exponents <= 0), plus ``qg``,
-   ``kg`` and ``decay``. Writes ``akk`` (beta-scaled, strictly lower) in f32.
+1. ``gram`` (grid chunk x batch*head): per key block, the four 16-row blocks of ``aqk`` and ``akk``, each one
+   [16, BK] x [BK, 64] product referenced to the first row of its sub-chunk (see ``_gram_kernel`` for the exponent
+   ranges), plus ``qg``, ``kg`` and ``decay``. Writes ``akk`` (beta-scaled, strictly lower) in f32.
 2. ``solve`` (grid chunk x batch*head): ``A = (I + akk)^-1`` as a full 64x64 lower-triangular matrix from the
    16x16 blocks (diagonal inverses by doubling, off-diagonal blocks by block forward substitution), in f32.
 3. ``apply`` (grid chunk x batch*head): ``u = A (beta v)`` and ``w = A (beta k 2^G)`` as 64x64 @ 64xBK products.
@@ -54,6 +53,10 @@ def chunk_cumulative_gate(g):
 
 
 def _gram_kernel(q_ref, k_ref, gc_ref, beta_ref, *refs, scale, precision, block_k, segmented):
+    """Row blocks of ``aqk`` / ``akk``: for each 16-row sub-chunk ``i`` one [16, BK] x [BK, 64] product per key
+    block, every column referenced to the first row ``n`` of ``i``: ``q_r 2^(G_r - G_n)`` (exponent <= 0) times
+    ``k_c 2^(G_n - G_c)``, whose exponent is <= 0 for columns before ``i`` and <= 15 tokens of decay (<= 108 in
+    base 2 at the -5 gate bound: finite in f32) inside ``i``; columns after ``i`` are zeroed before the exp2."""
     if segmented:
         doc_ref, carry_ref, last_ref, qg_ref, kg_ref, aqk_ref, akk_ref, decay_ref = refs
     else:
@@ -65,55 +68,42 @@ def _gram_kernel(q_ref, k_ref, gc_ref, beta_ref, *refs, scale, precision, block_
     masks = document_masks(doc_ref, carry_ref, last_ref) if segmented else None
     carry_rows = masks["carry"] if segmented else [None] * _N_SUB
     last_rows = masks["last"] if segmented else [None] * _N_SUB
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
 
     def body(kb, acc):
-        aqk, kk = dict(zip(_PAIRS, acc[0])), dict(zip(_PAIRS, acc[1]))
+        aqk, kk = list(acc[0]), list(acc[1])
         c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-
-        def row(r):  # one row of the cumulative gate, [1, BK]
-            return gc_ref[pl.ds(r, 1), c]
-
-        q = [q_ref[pl.ds(i * s, s), c].astype(_F32) * scale for i in subs]
-        k = [k_ref[pl.ds(i * s, s), c].astype(_F32) for i in subs]
-        gc = [gc_ref[pl.ds(i * s, s), c] for i in subs]
-        g_last = row(CHUNK - 1)
+        gc_all = gc_ref[:, c]  # [64, BK]
+        k_all = k_ref[:, c].astype(_F32)
+        g_last = gc_ref[pl.ds(CHUNK - 1, 1), c]  # [1, BK]
         for i in subs:
-            mid, first = row(i * s + s // 2), row(i * s)
-            aqk[i, i] = aqk[i, i] + _dot_nt(q[i] * jnp.exp2(gc[i] - mid), k[i] * jnp.exp2(mid - gc[i]), precision)
-            kk[i, i] = kk[i, i] + _dot_nt(k[i] * jnp.exp2(gc[i] - mid), k[i] * jnp.exp2(mid - gc[i]), precision)
-            from_first = jnp.exp2(gc[i] - first)  # <= 1
-            q_first, k_first = q[i] * from_first, k[i] * from_first
-            for j in range(i):
-                k_bridged = k[j] * jnp.exp2(first - gc[j])  # exponent <= 0: row n comes after every row of j
-                aqk[i, j] = aqk[i, j] + _dot_nt(q_first, k_bridged, precision)
-                kk[i, j] = kk[i, j] + _dot_nt(k_first, k_bridged, precision)
             rows = pl.ds(i * s, s)
-            qg_ref[rows, c] = _rows_masked(q[i] * jnp.exp2(gc[i]), carry_rows[i]).astype(inter_dtype)
-            kg_ref[rows, c] = _rows_masked(k[i] * jnp.exp2(g_last - gc[i]), last_rows[i]).astype(inter_dtype)
+            q_i = q_ref[rows, c].astype(_F32) * scale
+            k_i = k_ref[rows, c].astype(_F32)
+            gc_i = gc_ref[rows, c]
+            first = gc_ref[pl.ds(i * s, 1), c]  # [1, BK]
+            from_first = jnp.exp2(gc_i - first)  # <= 1
+            k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
+            aqk[i] = aqk[i] + _dot_nt(q_i * from_first, k_cols, precision)
+            kk[i] = kk[i] + _dot_nt(k_i * from_first, k_cols, precision)
+            qg_ref[rows, c] = _rows_masked(q_i * jnp.exp2(gc_i), carry_rows[i]).astype(inter_dtype)
+            kg_ref[rows, c] = _rows_masked(k_i * jnp.exp2(g_last - gc_i), last_rows[i]).astype(inter_dtype)
         decay_ref[c] = jnp.exp2(jnp.sum(g_last, axis=0))  # the single row as [BK]
-        return [aqk[p] for p in _PAIRS], [kk[p] for p in _PAIRS]
+        return aqk, kk
 
-    zeros_ss = jnp.zeros((s, s), _F32)
-    aqk_acc, kk_acc = lax.fori_loop(0, kd // block_k, body, ([zeros_ss] * len(_PAIRS), [zeros_ss] * len(_PAIRS)))
-    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
-    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
-    for (i, j), a, kk in zip(_PAIRS, aqk_acc, kk_acc):
-        keep_a = rows_s1 >= cols_1s if i == j else None
-        keep_k = rows_s1 > cols_1s if i == j else None
-        if segmented:
-            same = masks["same"][i, j]
-            keep_a = same if keep_a is None else keep_a & same
-            keep_k = same if keep_k is None else keep_k & same
-        a = a if keep_a is None else jnp.where(keep_a, a, 0.0)
-        kk = kk if keep_k is None else jnp.where(keep_k, kk, 0.0)
-        beta_i = beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None]
-        aqk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = a.astype(inter_dtype)
-        akk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = beta_i * kk
-    zeros_inter = jnp.zeros((s, s), inter_dtype)
+    zeros = [jnp.zeros((s, CHUNK), _F32)] * _N_SUB
+    aqk_acc, kk_acc = lax.fori_loop(0, kd // block_k, body, (zeros, zeros))
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    doc_all = doc_ref[...] if segmented else None
     for i in subs:
-        for j in range(i + 1, _N_SUB):
-            aqk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = zeros_inter
-            akk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = jnp.zeros((s, s), _F32)
+        row_ids = i * s + jnp.arange(s, dtype=jnp.int32)[:, None]
+        keep_a, keep_k = cols_1c <= row_ids, cols_1c < row_ids
+        if segmented:
+            same = doc_ref[pl.ds(i * s, s)][:, None] == doc_all[None, :]
+            keep_a, keep_k = keep_a & same, keep_k & same
+        beta_i = beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None]
+        aqk_ref[pl.ds(i * s, s), :] = jnp.where(keep_a, aqk_acc[i], 0.0).astype(inter_dtype)
+        akk_ref[pl.ds(i * s, s), :] = beta_i * jnp.where(keep_k, kk_acc[i], 0.0)
 
 
 def _solve_kernel(akk_ref, a_ref, *, precision, solve):
