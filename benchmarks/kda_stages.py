@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda import KernelConfig
-from pallas_kernels.kda import chunk_bwd, chunk_fwd
+from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_split
 
 
 def _inputs(b, t, h, d, dtype, seed=0):
@@ -72,6 +72,14 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
          lambda: (q, k, v, g, beta, out["u"], out["w"], out["dqg"], out["dkg"], out["dw"], out["dv_new"],
                   out["daqk"], out["d_decay"]), ("dq", "dk", "dv", "dg", "dbeta")),
     ]
+    if config.intra == "split":  # the split intra stage and its own backward (which reads the solve terms)
+        stages[0] = ("intra", lambda: jax.jit(lambda *a: intra_split.intra_chunk_split(
+            *a, scale=scale, config=config, interpret=interpret, return_solve=True)),
+            lambda: (q, k, v, g, beta), ("qg", "kg", "w", "u", "aqk", "decay", "solve_terms"))
+        stages[-1] = ("bwd_intra", lambda: jax.jit(lambda *a: intra_split.intra_bwd_split(*a, scale=scale, **kw)),
+                      lambda: (q, k, v, beta, out["u"], out["w"], out["solve_terms"], out["dqg"], out["dkg"],
+                               out["dw"], out["dv_new"], out["daqk"], out["d_decay"]),
+                      ("dq", "dk", "dv", "dg", "dbeta"))
     return stages, out
 
 

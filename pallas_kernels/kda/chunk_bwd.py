@@ -83,7 +83,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-from pallas_kernels.kda.intra_split import chunk_cumulative_gate  # noqa: E402 -- after chunk_fwd, which it imports
+from pallas_kernels.kda.intra_split import intra_bwd_split, intra_chunk_split  # noqa: E402 -- imports chunk_fwd
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 
@@ -168,7 +168,7 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
 
 def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                       dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref, *refs, scale, precision, solve, block_k,
-                      segmented, cumulative_gate):
+                      segmented):
     """One chunk of one (batch, head). See the module docstring (kernel 5) for the formulas.
 
     Column-blocked like the forward's intra kernel (everything but the 16x16 sub-chunk products is elementwise in
@@ -176,8 +176,6 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     over key blocks; pass B (value blocks) forms ``y = A^T du``, writes ``dv`` and accumulates its part of ``dakk``
     and ``dbeta``; pass C (key blocks) does the same for ``z = A^T dw``; pass D (key blocks) recomputes the decay
     factors and ``z`` and writes ``dq``, ``dk``, ``dg``. Only [16, block_k] tiles and 16x16 blocks are live.
-
-    ``cumulative_gate``: ``g_ref`` holds the chunk-relative cumulative gate in base 2 (``intra="split"``), not g.
 
     ``segmented``: the forward's document masks (fixed 0/1 factors) multiply the same terms here: pairwise
     products and their cotangents across documents, ``2^G`` on rows outside the carried-in document and the
@@ -212,7 +210,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     def load(ref, i, c):
         return ref[pl.ds(i * s, s), c].astype(_F32)
 
-    def factors_from_gate(kb):
+    def factors(kb):
         """Decay bookkeeping of one key block, as in the forward kernel (base 2)."""
         c = cols(kb)
         g = [load(g_ref, i, c) * _LOG2E for i in subs]
@@ -235,25 +233,6 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
                     for i in subs for j in range(i)}
         return f
 
-    def factors_from_cumulative(kb):
-        """The same factors read from the precomputed chunk-relative cumulative gate (``cumulative_gate``): row
-        loads instead of cross-row reductions."""
-        c = cols(kb)
-        gc = [load(g_ref, i, c) for i in subs]
-
-        def row(r):
-            return g_ref[pl.ds(r, 1), c].astype(_F32)  # [1, BK]
-
-        last, first, mid = row(CHUNK - 1), [row(i * s) for i in subs], [row(i * s + s // 2) for i in subs]
-        return dict(g_last=jnp.sum(last, axis=0),
-                    kg_factor=[jnp.exp2(last - gc[i]) for i in subs],
-                    gamma=[_rows_masked(jnp.exp2(gc[i]), carry_rows[i]) for i in subs],
-                    left=[jnp.exp2(gc[i] - mid[i]) for i in subs],
-                    right=[jnp.exp2(mid[i] - gc[i]) for i in subs],
-                    from_first=[jnp.exp2(gc[i] - first[i]) for i in subs],
-                    col={(i, j): jnp.exp2(first[i] - gc[j]) for i in subs for j in range(i)})
-
-    factors = factors_from_cumulative if cumulative_gate else factors_from_gate
 
     # Pass A: kk = akk / beta (pairwise key products) over key blocks.
     def pass_a(kb, acc):
@@ -461,11 +440,7 @@ def state_grads(d_o, v_new, dv_new, states, ds_end, *, precision, config, interp
 def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision, config, interpret,
               documents=None):
     """Kernel 5 (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)``, f32, on chunk-padded inputs.
-    ``documents``: the forward's ``document_layout`` for packed documents. With ``config.intra == "split"`` the
-    gate enters as its chunk cumulative sum (computed here in XLA), as in the split forward."""
-    cumulative = config.intra == "split"
-    if cumulative:
-        g = chunk_cumulative_gate(g)
+    ``documents``: the forward's ``document_layout`` for packed documents."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
 
@@ -477,8 +452,7 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
     doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve,
-                          block_k=min(config.block_k, kd, vd), segmented=documents is not None,
-                          cumulative_gate=cumulative),
+                          block_k=min(config.block_k, kd, vd), segmented=documents is not None),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
@@ -517,8 +491,13 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
 
     # 1. Recompute the forward's per-chunk quantities.
     documents = None if segment_ids is None else document_layout(segment_ids, n)
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                           documents=documents)
+    split = config.intra == "split"
+    if split:
+        qg, kg, w, u, aqk, decay, solve_terms = intra_chunk_split(
+            q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents, return_solve=True)
+    else:
+        qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                               documents=documents)
 
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     kw = dict(precision=precision, config=config, interpret=interpret)
@@ -532,8 +511,12 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     if documents is not None:  # the forward's chunk decay is masked where a document starts inside the chunk
         d_decay = d_decay * documents["keep"][:, None, :, None]
     # 5. Back through the intra-chunk algebra.
-    dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, scale=scale,
-                                      documents=documents, **kw)
+    if split:
+        dq, dk, dv, dg, dbeta = intra_bwd_split(q, k, v, beta, u, w, solve_terms, dqg, dkg, dw, dv_new, daqk, d_decay,
+                                                scale=scale, documents=documents, **kw)
+    else:
+        dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, scale=scale,
+                                          documents=documents, **kw)
 
     grads = tuple(from_padded(x) for x in (dq, dk, dv, dg, dbeta))
     if layout is not None:  # empty sequences own no chunk: their state passes straight through

@@ -30,6 +30,7 @@ from pallas_kernels.kda.chunk_fwd import (
     CHUNK,
     SUB_CHUNK,
     _dot,
+    _dot_tn,
     _dot_nt,
     _matmul_policy,
     _rows_masked,
@@ -38,7 +39,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["chunk_cumulative_gate", "intra_chunk_split"]
+__all__ = ["chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -52,15 +53,15 @@ def chunk_cumulative_gate(g):
     return jnp.cumsum(g_bnchk, axis=2).reshape(b, tp, h, kd)
 
 
-def _gram_kernel(q_ref, k_ref, gc_ref, beta_ref, *refs, scale, precision, block_k, segmented):
+def _gram_kernel(q_ref, k_ref, gc_ref, *refs, scale, precision, block_k, segmented):
     """Row blocks of ``aqk`` / ``akk``: for each 16-row sub-chunk ``i`` one [16, BK] x [BK, 64] product per key
     block, every column referenced to the first row ``n`` of ``i``: ``q_r 2^(G_r - G_n)`` (exponent <= 0) times
     ``k_c 2^(G_n - G_c)``, whose exponent is <= 0 for columns before ``i`` and <= 15 tokens of decay (<= 108 in
     base 2 at the -5 gate bound: finite in f32) inside ``i``; columns after ``i`` are zeroed before the exp2."""
     if segmented:
-        doc_ref, carry_ref, last_ref, qg_ref, kg_ref, aqk_ref, akk_ref, decay_ref = refs
+        doc_ref, carry_ref, last_ref, qg_ref, kg_ref, aqk_ref, kk_ref, decay_ref = refs
     else:
-        qg_ref, kg_ref, aqk_ref, akk_ref, decay_ref = refs
+        qg_ref, kg_ref, aqk_ref, kk_ref, decay_ref = refs
     s = SUB_CHUNK
     kd = q_ref.shape[-1]
     inter_dtype = qg_ref.dtype
@@ -101,17 +102,17 @@ def _gram_kernel(q_ref, k_ref, gc_ref, beta_ref, *refs, scale, precision, block_
         if segmented:
             same = doc_ref[pl.ds(i * s, s)][:, None] == doc_all[None, :]
             keep_a, keep_k = keep_a & same, keep_k & same
-        beta_i = beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None]
         aqk_ref[pl.ds(i * s, s), :] = jnp.where(keep_a, aqk_acc[i], 0.0).astype(inter_dtype)
-        akk_ref[pl.ds(i * s, s), :] = beta_i * jnp.where(keep_k, kk_acc[i], 0.0)
+        kk_ref[pl.ds(i * s, s), :] = jnp.where(keep_k, kk_acc[i], 0.0)
 
 
-def _solve_kernel(akk_ref, a_ref, *, precision, solve):
-    """``A = (I + akk)^-1`` (64x64, lower block-triangular) from the 16x16 blocks of ``akk``."""
+def _solve_kernel(kk_ref, beta_ref, a_ref, *, precision, solve):
+    """``A = (I + akk)^-1`` (64x64, lower block-triangular) from the 16x16 blocks of ``akk = diag(beta) kk``."""
     s = SUB_CHUNK
     subs = range(_N_SUB)
-    akk = {(i, j): akk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] for (i, j) in _PAIRS if i > j}
-    inv = [_INVERSES[solve](akk_ref[pl.ds(i * s, s), pl.ds(i * s, s)]) for i in subs]
+    beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
+    akk = {(i, j): beta[i] * kk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] for (i, j) in _PAIRS}
+    inv = [_INVERSES[solve](akk[i, i]) for i in subs]
     blocks = {}
     for j in subs:
         blocks[j, j] = inv[j]
@@ -152,8 +153,10 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
     lax.fori_loop(0, k_ref.shape[-1] // block_k, w_block, 0)
 
 
-def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None):
-    """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results)."""
+def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False):
+    """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
+    also returns ``(kk, A, G)`` (the pairwise key products, the 64x64 inverse and the cumulative gate) for the
+    backward."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -168,7 +171,7 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
         return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
 
     beta_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
-    qg, kg, aqk, akk, decay = pl.pallas_call(
+    qg, kg, aqk, kk, decay = pl.pallas_call(
         functools.partial(_gram_kernel, scale=scale, precision=precision, block_k=block_k, segmented=segmented),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype),
                    jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype),
@@ -176,23 +179,23 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
                    jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
                    jax.ShapeDtypeStruct((b, h, n, kd), _F32)),
         grid=(n, b * h),
-        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), beta_spec] + doc_specs,
+        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd)] + doc_specs,
         out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(CHUNK), chunk_spec(CHUNK),
                    pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))],
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_gram",
-    )(q, k, gc, beta, *doc_ops)
+    )(q, k, gc, *doc_ops)
     a = pl.pallas_call(
         functools.partial(_solve_kernel, precision=precision, solve=config.solve),
         out_shape=jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
         grid=(n, b * h),
-        in_specs=[chunk_spec(CHUNK)],
+        in_specs=[chunk_spec(CHUNK), beta_spec],
         out_specs=chunk_spec(CHUNK),
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_solve",
-    )(akk)
+    )(kk, beta)
     u, w = pl.pallas_call(
         functools.partial(_apply_kernel, precision=precision, block_k=block_k, segmented=segmented),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
@@ -206,4 +209,137 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
     )(a, v, k, gc, beta, *doc_ops)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
+    if return_solve:
+        return qg, kg, w, u, aqk, decay, (kk, a, gc)
     return qg, kg, w, u, aqk, decay
+
+
+def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_ref, a_ref,
+                      dqg_ref, dkg_ref, dw_ref, du_ref, daqk_ref, ddecay_ref, *refs,
+                      scale, precision, block_k, segmented):
+    """Back through the split intra stage for one chunk of one (batch, head), with 64-row products throughout.
+
+    With ``A = (I + diag(beta) kk)^-1``: ``y = A^T du`` (value blocks: ``dv = beta y``), ``z = A^T dw`` (key
+    blocks), ``dakk = -strict(y u^T + z w^T)``, ``dbeta = rowsum(y v) + rowsum(z k 2^G) + rowsum(dakk kk)`` and
+    ``dkk = diag(beta) dakk``. The pairwise products are differentiated in the gram kernel's row-block form (row
+    block i, reference row n = its first row): with ``F = 2^(G_i - G_n)`` and ``E = 2^(G_n - G)`` (rows up to
+    the end of i), ``dq~_i += F (daqk_i (k E))``, ``dk_row_i += F (dkk_i (k E))`` and ``dk_col += E (daqk_i^T
+    (q~_i F) + dkk_i^T (k_i F))``. The gate gradient per row is ``dG = q~ dq~ + k (dk_row - dk_col) - dkg kg +
+    z beta k 2^G`` (the reference-row terms cancel), reverse-summed over the chunk plus ``dG_L``.
+    """
+    if segmented:
+        doc_ref, carry_ref, last_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
+        carry = carry_ref[...].astype(_F32)[:, None]
+        last = last_ref[...].astype(_F32)[:, None]
+    else:
+        dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
+        carry = last = None
+    s = SUB_CHUNK
+    kd, vd = k_ref.shape[-1], v_ref.shape[-1]
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    same = (doc_ref[...][:, None] == doc_ref[...][None, :]) if segmented else None
+    beta_c1 = beta_ref[...].astype(_F32)[:, None]
+    a_cc = a_ref[...]
+
+    def cols(b):
+        return pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
+
+    def y_block(vb, acc):
+        dakk, dbeta = acc
+        c = cols(vb)
+        y = _dot_tn(a_cc, du_ref[:, c].astype(_F32), precision)
+        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
+        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
+        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+
+    def z_block(kb, acc):
+        dakk, dbeta = acc
+        c = cols(kb)
+        z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
+        gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
+        dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
+        return dakk, dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)
+
+    acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))
+    acc = lax.fori_loop(0, vd // block_k, y_block, acc)
+    dakk, dbeta = lax.fori_loop(0, kd // block_k, z_block, acc)
+    keep_k = cols_1c < rows_c1
+    keep_a = cols_1c <= rows_c1
+    if segmented:
+        keep_k, keep_a = keep_k & same, keep_a & same
+    dakk = jnp.where(keep_k, dakk, 0.0)
+    kk = kk_ref[...]
+    dbeta_ref[...] = (dbeta + jnp.sum(dakk * kk, axis=1)).astype(dbeta_ref.dtype)
+    dkk = beta_c1 * dakk
+    daqk = jnp.where(keep_a, daqk_ref[...].astype(_F32), 0.0)
+
+    def grad_block(kb, carry_):
+        c = cols(kb)
+        q = q_ref[:, c].astype(_F32) * scale
+        k = k_ref[:, c].astype(_F32)
+        gc = gc_ref[:, c]
+        g_last = gc_ref[pl.ds(CHUNK - 1, 1), c]
+        gamma = _rows_masked(jnp.exp2(gc), carry)
+        kg_factor = _rows_masked(jnp.exp2(g_last - gc), last)
+        z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
+        dqs = dqg_ref[:, c].astype(_F32) * gamma
+        dk_row = jnp.zeros_like(k)
+        dk_col = jnp.zeros_like(k)
+        for i in range(_N_SUB):
+            in_i = (rows_c1 >= i * s) & (rows_c1 < (i + 1) * s)  # [64, 1]: the rows of sub-chunk i
+            first = gc_ref[pl.ds(i * s, 1), c]
+            f_rows = jnp.exp2(jnp.where(in_i, gc - first, -jnp.inf))  # F on the rows of i, 0 elsewhere
+            e_cols = jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc, -jnp.inf))  # E up to the end of i
+            k_e = k * e_cols
+            daqk_i = jnp.where(in_i, daqk, 0.0)  # row block i of the [64, 64] cotangents
+            dkk_i = jnp.where(in_i, dkk, 0.0)
+            dqs = dqs + f_rows * _dot(daqk_i, k_e, precision)
+            dk_row = dk_row + f_rows * _dot(dkk_i, k_e, precision)
+            dk_col = dk_col + e_cols * (_dot_tn(daqk_i, q * f_rows, precision) + _dot_tn(dkk_i, k * f_rows, precision))
+        dkg = dkg_ref[:, c].astype(_F32)
+        dkg_kg = dkg * k * kg_factor
+        dgrow = q * dqs + k * (dk_row - dk_col) - dkg_kg + z * beta_c1 * k * gamma
+        dg_last = ddecay_ref[c].astype(_F32) * jnp.exp2(jnp.sum(g_last, axis=0)) + jnp.sum(dkg_kg, axis=0)
+        total = jnp.sum(dgrow, axis=0) + dg_last
+        dg_ref[:, c] = (total[None, :] - jnp.cumsum(dgrow, axis=0) + dgrow).astype(dg_ref.dtype)
+        dq_ref[:, c] = (scale * dqs).astype(dq_ref.dtype)
+        dk_ref[:, c] = (dk_row + dk_col + dkg * kg_factor + beta_c1 * gamma * z).astype(dk_ref.dtype)
+        return carry_
+
+    lax.fori_loop(0, kd // block_k, grad_block, 0)
+
+
+def intra_bwd_split(q, k, v, beta, u, w, solve_terms, dqg, dkg, dw, dv_new, daqk, d_decay, *, scale, precision,
+                    config, interpret, documents=None):
+    """Backward of the split intra stage (grid chunk x batch*head): ``(dq, dk, dv, dg, dbeta)`` f32, on
+    chunk-padded inputs; ``solve_terms = (kk, A, G)`` from ``intra_chunk_split(..., return_solve=True)``."""
+    kk, a, gc = solve_terms
+    b, tp, h, kd = q.shape
+    vd = v.shape[-1]
+    block_k = min(config.block_k, kd, vd)
+    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+
+    def chunk_spec(width):
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+
+    beta_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+    decay_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
+    return pl.pallas_call(
+        functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, block_k=block_k,
+                          segmented=documents is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
+                   jax.ShapeDtypeStruct((b, tp, h), _F32)),
+        grid=(tp // CHUNK, b * h),
+        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), beta_spec, chunk_spec(vd), chunk_spec(kd),
+                  chunk_spec(kd), chunk_spec(CHUNK), chunk_spec(CHUNK),
+                  chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK), decay_spec]
+        + doc_specs,
+        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd), beta_spec],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_bwd_intra_split",
+    )(q, k, v, beta, u, w, gc, kk, a, dqg, dkg, dw, dv_new, daqk, d_decay, *doc_ops)
