@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.kda import kda_recurrent
-from pallas_kernels.kda import KernelConfig, chunk_kda
+from pallas_kernels.kda import KernelConfig, chunk_kda, chunk_kda_gated
 
 
 def _unit(x):
@@ -424,3 +424,47 @@ def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
     (y_ref, dx_ref), _ = run("chunked")
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr
     assert _rel_err(y_mesh, y_ref) < 2e-5 and _rel_err(dx_mesh, dx_ref) < 2e-5
+
+
+def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid():
+    """chunk_kda_gated (raw q/k, raw gate + A_log + dt_bias with the -5 lower bound, beta logits) equals the token
+    recurrence on inputs preprocessed here in float64 NumPy; gradients reach A_log and dt_bias and equal the
+    recurrence's."""
+    rng = np.random.default_rng(41)
+    b, t, h, d = 1, 70, 2, 16
+    q, k, v, g_raw = (rng.standard_normal((b, t, h, d)).astype(np.float32) for _ in range(4))
+    beta_logits = rng.standard_normal((b, t, h)).astype(np.float32)
+    a_log = np.log(rng.uniform(1, 16, h)).astype(np.float32)
+    dt_bias = (0.1 * rng.standard_normal(h * d)).astype(np.float32)
+
+    def numpy_inputs(q, k, g_raw, beta_logits, a_log, dt_bias):
+        q64, k64 = (np.asarray(x, np.float64) for x in (q, k))
+        qn = q64 / np.sqrt((q64 ** 2).sum(-1, keepdims=True) + 1e-6)
+        kn = k64 / np.sqrt((k64 ** 2).sum(-1, keepdims=True) + 1e-6)
+        z = np.asarray(g_raw, np.float64) + dt_bias.reshape(h, d)
+        g = -5.0 / (1.0 + np.exp(-np.exp(a_log)[:, None] * z))
+        beta = 1.0 / (1.0 + np.exp(-np.asarray(beta_logits, np.float64)))
+        return qn, kn, g, beta
+
+    o, _ = jax.jit(lambda *a: chunk_kda_gated(*a[:5], A_log=a[5], dt_bias=a[6], backend="interpret"))(
+        q, k, v, g_raw, beta_logits, a_log, dt_bias)
+    qn, kn, g, beta = numpy_inputs(q, k, g_raw, beta_logits, a_log, dt_bias)
+    want, _ = _numpy_token_loop(qn, kn, v, g, beta, np.zeros((b, h, d, d)), scale=d ** -0.5)
+    assert _rel_err(o, want) < 2e-5
+
+    def reference(q, k, v, g_raw, beta_logits, a_log, dt_bias):  # the same math in jnp, through the recurrence
+        qn = q / jnp.sqrt(jnp.sum(q * q, -1, keepdims=True) + 1e-6)
+        kn = k / jnp.sqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)
+        gate = -5.0 * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (g_raw + dt_bias.reshape(h, d)))
+        return kda_recurrent(qn, kn, v, gate, jax.nn.sigmoid(beta_logits), scale=d ** -0.5)[0]
+
+    w_o = rng.standard_normal(v.shape).astype(np.float32)
+    args = (q, k, v, g_raw, beta_logits, a_log, dt_bias)
+    got = jax.jit(jax.grad(lambda *a: jnp.sum(chunk_kda_gated(*a[:5], A_log=a[5], dt_bias=a[6],
+                                                              backend="interpret")[0] * w_o),
+                           argnums=tuple(range(7))))(*args)
+    ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * w_o), argnums=tuple(range(7))))(*args)
+    for name, x, r in zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"), got, ref):
+        assert _rel_err(x, r) < 5e-5, name
+    with pytest.raises(ValueError, match="lower_bound must be in"):
+        chunk_kda_gated(q, k, v, g_raw, beta_logits, A_log=a_log, dt_bias=dt_bias, lower_bound=-8.0)

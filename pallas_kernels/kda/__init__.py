@@ -6,7 +6,8 @@ from pallas_kernels.kda.dispatch import (
     BWD_IMPLS,
     KernelConfig,
     chunk_kda,
+    chunk_kda_gated,
     default_backend,
 )
 
-__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "default_backend"]
+__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "chunk_kda_gated", "default_backend"]

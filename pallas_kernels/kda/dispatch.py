@@ -33,7 +33,7 @@ from pallas_kernels.kda.chunk_bwd import chunk_kda_bwd
 from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
 from pallas_kernels.kda.tpu import chunk_kda_bwd_tpu, chunk_kda_fwd_tpu
 
-__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "default_backend"]
+__all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "chunk_kda_gated", "default_backend"]
 
 BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret", "xla")
 BWD_IMPLS = ("pallas", "xla")
@@ -211,3 +211,41 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         o, final_state = _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens,
                                      backend == "interpret", config or KernelConfig(), bwd)
     return o, (final_state if output_final_state else None)
+
+
+def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=-5.0, scale=None,
+                    initial_state=None, output_final_state=False, cu_seqlens=None, segment_ids=None, backend=None,
+                    config=None, bwd="pallas"):
+    """``chunk_kda`` from K3's raw layer quantities (the call shape fla's ``chunk_kda`` offers with its in-kernel
+    gate, L2 norm and beta sigmoid): q, k are L2-normalised (f32 math, back to q's dtype), the gate is K3's
+    lower-bounded ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))`` and ``beta = sigmoid(beta_logits)``.
+
+    These elementwise steps run in XLA around the kernels (XLA fuses them into one pass each way; at 1x8192x96 they
+    cost ~0.1 ms of the forward on an H200), and gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
+    ``dt_bias`` by autodiff through them.
+
+    Args:
+      q, k, g_raw: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta_logits: ``[B, T, H]``.
+      A_log: ``[H]``; dt_bias: ``[H, K]`` or ``[H * K]`` (fla's layout).
+      lower_bound: the gate's per-token floor, in [-5, 0) for the Pallas kernels' f32 range.
+      Other arguments as ``chunk_kda``.
+    """
+    b, t, h, kd = q.shape
+    if not -5.0 <= lower_bound < 0.0:
+        raise ValueError(f"chunk_kda_gated: lower_bound must be in [-5, 0) (the kernels' f32 range), got {lower_bound}")
+    if A_log.shape != (h,):
+        raise ValueError(f"chunk_kda_gated: A_log must have shape ({h},), got {A_log.shape}")
+    if dt_bias.size != h * kd:
+        raise ValueError(f"chunk_kda_gated: dt_bias must have H*K = {h * kd} entries ([H, K] or [H*K]), got "
+                         f"{dt_bias.shape}")
+
+    def l2(x):
+        x32 = x.astype(jnp.float32)
+        return (x32 / jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+    z = g_raw.astype(jnp.float32) + dt_bias.reshape(h, kd).astype(jnp.float32)
+    g = lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * z)
+    beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    return chunk_kda(l2(q), l2(k), v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
+                     backend=backend, config=config, bwd=bwd)
