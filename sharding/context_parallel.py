@@ -91,7 +91,7 @@ def _resolve_mesh(mesh, seq_len: int, min_local_len: int = 1):
     return mesh
 
 
-def _batch_axes(mesh, batch: int):
+def batch_axes(mesh, batch: int):
     """The batch mesh axes (in rule order) that split `batch` evenly; others leave the batch replicated."""
     kept = []
     for a in BATCH_AXES:
@@ -100,7 +100,7 @@ def _batch_axes(mesh, batch: int):
     return tuple(kept) or None
 
 
-def _model_axis(mesh, size: int):
+def model_axis(mesh, size: int):
     """'model' for a heads/channels dim it divides, else None (replicated)."""
     m = _axis(mesh, MODEL_AXIS)
     return MODEL_AXIS if MODEL_AXIS in mesh.axis_names and m > 1 and size % m == 0 else None
@@ -189,7 +189,7 @@ def kda_context_parallel(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, ini
     b, t, h, kd = k_bthk.shape
     vd = v_bthv.shape[-1]
     mesh = _resolve_mesh(mesh, t)
-    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, h)
+    ba, ma = batch_axes(mesh, b), model_axis(mesh, h)
     cdt = wide(jnp.result_type(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth))
     if initial_state_bhkv is None:
         initial_state_bhkv = jnp.zeros((b, h, kd, vd), cdt)
@@ -237,7 +237,7 @@ def short_conv_context_parallel(x_btp, kernel_wp, segment_ids_bt=None, *, mesh=N
     where they divide). Returns f32 (wide) [B, T, P] like `causal_depthwise_conv`'s first output."""
     b, t, p = x_btp.shape
     mesh = _resolve_mesh(mesh, t, kernel_wp.shape[0] - 1)
-    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, p)
+    ba, ma = batch_axes(mesh, b), model_axis(mesh, p)
     has_ids = segment_ids_bt is not None
 
     def body(x, kernel, ids):
@@ -279,7 +279,7 @@ def mla_attention_context_parallel(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt=
     dtype. Returns f32 (wide) [B, T, H, V], equal to `causal_attention` on the expanded keys/values."""
     b, t, h, _ = q_bthk.shape
     mesh = _resolve_mesh(mesh, t)
-    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, h)
+    ba, ma = batch_axes(mesh, b), model_axis(mesh, h)
     has_ids = segment_ids_bt is not None
 
     def body(q, lat, kv_b, ids):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from sharding.context_parallel import _batch_axes, _model_axis
+from sharding.context_parallel import batch_axes, model_axis
 
 __all__ = ["kda_kernel_on_mesh", "kernel_mesh"]
 
@@ -36,7 +36,7 @@ def kda_kernel_on_mesh(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initi
 
     b, t, h, kd = q_bthk.shape
     vd = v_bthv.shape[-1]
-    ba, ma = _batch_axes(mesh, b), _model_axis(mesh, h)
+    ba, ma = batch_axes(mesh, b), model_axis(mesh, h)
     if initial_state is None:
         initial_state = jnp.zeros((b, h, kd, vd), jnp.float32)
     has_ids = segment_ids is not None

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax.layers.norms import l2_normalize
 from k3jax.ops.kda import kda_chunked
 from pallas_kernels.kda.chunk_bwd import chunk_kda_bwd
 from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
@@ -240,8 +241,7 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
                          f"{dt_bias.shape}")
 
     def l2(x):
-        x32 = x.astype(jnp.float32)
-        return (x32 / jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+        return l2_normalize(x).astype(x.dtype)
 
     z = g_raw.astype(jnp.float32) + dt_bias.reshape(h, kd).astype(jnp.float32)
     g = lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * z)
