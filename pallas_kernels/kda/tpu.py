@@ -56,6 +56,7 @@ from pallas_kernels.kda.chunk_fwd import (
     _dot,
     _dot_nt,
     _dot_tn,
+    _unit_lower_inverse_doubling,
     chunk_layout,
     document_layout,
 )
@@ -104,12 +105,7 @@ def _unit_lower_inverse(l_cc, solve):
     l_diag = jnp.where(same_block, l_cc, 0.0)
     l_off = jnp.where(same_block, 0.0, l_cc)
     if solve == "doubling":
-        inv_diag = eye - l_diag
-        power = _dot(l_diag, l_diag, _HI)  # Ld^2
-        for step in range(3):
-            inv_diag = inv_diag + _dot(inv_diag, power, _HI)
-            if step < 2:
-                power = _dot(power, power, _HI)
+        inv_diag = _unit_lower_inverse_doubling(l_diag)  # the GPU kernels' doubling, on all four blocks at once
     else:
         inv_diag = eye
         row_in_block = jnp.bitwise_and(rows, SUB_CHUNK - 1)
