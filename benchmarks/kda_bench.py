@@ -10,7 +10,7 @@ fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·he
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
 Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`
 (KernelConfig.parse); `--breakdown` also times the intra-chunk kernel alone for each variant. `--check` first
-compares the Pallas kernel with the token recurrence on the GPU (f32 and bf16) and prints the errors.
+runs `pallas_kernels.kda.check`'s GPU check (outputs, state, gradients vs the token recurrence) and stops if it fails.
 The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
 
@@ -33,8 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers.norms import l2_normalize
-from k3jax.ops.kda import kda_chunked, kda_recurrent
+from k3jax.ops.kda import kda_chunked
 from pallas_kernels.kda import KernelConfig, chunk_kda
+from pallas_kernels.kda.check import run_on_gpu
 from pallas_kernels.kda.chunk_fwd import intra_chunk
 
 FLOP_PER_TOKEN_HEAD = 183e3
@@ -147,32 +148,6 @@ def bench_fla(b, t, h, d, iters):
     return timed(fwd, False), timed(fwd_bwd, True)
 
 
-def check_on_device(b=2, t=1000, h=3, d=128):
-    """Max |Pallas - token recurrence| / max |recurrence| for o and the final state, f32 and bf16 inputs."""
-    rng = np.random.default_rng(1)
-
-    def unit(x):
-        return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
-
-    q, k = (unit(rng.standard_normal((b, t, h, d))) for _ in range(2))
-    v = rng.standard_normal((b, t, h, d))
-    g = -5.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h, d)) * 2))
-    beta = 1.0 / (1.0 + np.exp(-rng.standard_normal((b, t, h))))
-    h0 = rng.standard_normal((b, h, d, d)) * 0.1
-    for dtype in (jnp.float32, jnp.bfloat16):
-        qx, kx, vx = (jnp.asarray(x, dtype) for x in (q, k, v))
-        gx, bx, h0x = (jnp.asarray(x, jnp.float32) for x in (g, beta, h0))
-        o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, backend="gpu"))(
-            qx, kx, vx, gx, bx, h0x)
-        with jax.default_matmul_precision("float32"):
-            ro, rs = jax.jit(lambda *a: kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5]))(
-                qx, kx, vx, gx, bx, h0x)
-        err_o = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)) / jnp.max(jnp.abs(ro)))
-        err_s = float(jnp.max(jnp.abs(s - rs)) / jnp.max(jnp.abs(rs)))
-        print(json.dumps({"check": jnp.dtype(dtype).name, "shape": [b, t, h, d], "rel_err_o": err_o,
-                          "rel_err_state": err_s}), flush=True)
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="1x8192x96,1x8192x64,1x32768x96")
@@ -187,11 +162,15 @@ def main():
     p.add_argument("--breakdown", action="store_true", help="also time the intra-chunk kernel alone")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
-    if args.check:
+    if args.check:  # the kernels' own GPU check (outputs, final state and all gradients vs the token recurrence)
         try:
-            check_on_device()
-        except Exception:  # noqa: BLE001 -- the kernel does not build or run here: stop before spending device time on timings
+            rows, ok = run_on_gpu()
+        except Exception:  # noqa: BLE001 -- the kernel does not build or run here: stop before spending device time
             traceback.print_exc()
+            sys.exit(1)
+        for check_row in rows:
+            print(json.dumps(check_row), flush=True)
+        if not ok:
             sys.exit(1)
     fla_shapes = set((args.fla_shapes or args.shapes).split(","))
     rows = []

@@ -7,7 +7,7 @@ Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, 
 previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls after
 warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
-`--check` compares each variant's whole forward with the token recurrence first.
+`--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
 Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`.
 """
 
@@ -28,6 +28,7 @@ import numpy as np
 
 from pallas_kernels.kda import KernelConfig
 from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_split
+from pallas_kernels.kda.check import run_on_gpu
 
 
 def _inputs(b, t, h, d, dtype, seed=0):
@@ -83,26 +84,6 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
     return stages, out
 
 
-def check_forward(config, interpret=False, b=1, t=1000, h=2, d=128):
-    """max |o - o_ref| / max |o_ref| (and the same for the final state) vs the token recurrence, f32 and bf16."""
-    from k3jax.ops.kda import kda_recurrent
-    from pallas_kernels.kda import chunk_kda
-
-    q, k, v, g, beta, s0, _ = _inputs(b, t, h, d, jnp.float32, seed=3)
-    s0 = s0 + 0.1
-    row = {}
-    for dtype in (jnp.float32, jnp.bfloat16):
-        args = (q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta, s0)
-        o, s = jax.jit(lambda *a: chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, config=config,
-                                            backend="interpret" if interpret else "gpu"))(*args)
-        with jax.default_matmul_precision("float32"):
-            ro, rs = jax.jit(lambda *a: kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5]))(*args)
-        name = jnp.dtype(dtype).name
-        row[f"{name}_o"] = float(jnp.max(jnp.abs(o.astype(jnp.float32) - ro)) / jnp.max(jnp.abs(ro)))
-        row[f"{name}_state"] = float(jnp.max(jnp.abs(s - rs)) / jnp.max(jnp.abs(rs)))
-    return row
-
-
 def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, only=None):
     stages, out = stage_fns(b, t, h, d, dtype, config, interpret)
     rows = {}
@@ -151,14 +132,15 @@ def main():
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (Pallas interpreter)")
     p.add_argument("--stages", default=None, help="comma list of stage names to time (default: all)")
     p.add_argument("--check", action="store_true",
-                   help="first compare each variant's forward with the token recurrence (f32 and bf16, B=1 T=1000 H=2)")
+                   help="first check each variant against the token recurrence (outputs, state, gradients)")
     args = p.parse_args()
     b, t, h = (int(x) for x in args.shape.split("x"))
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     for index, text in enumerate(args.variants.split(",")):
         config = KernelConfig.parse(text)
         if args.check:
-            print(json.dumps({"variant": text, "check": check_forward(config, args.interpret)}), flush=True)
+            rows, ok = run_on_gpu(b=1, t=200, h=2, config=config, backend="interpret" if args.interpret else "gpu")
+            print(json.dumps({"variant": text, "check_ok": ok, "check": rows}), flush=True)
         if not args.no_compile_check and index == 0:
             for dtype in (jnp.float32, jnp.bfloat16):
                 rows = run_stages(1, 256, 2, 128, dtype, config, 0, timed=False, interpret=args.interpret)

@@ -63,8 +63,9 @@ def lower_for_cuda(t=1000, h=2, d=128):
     return rows
 
 
-def run_on_gpu(b=2, t=1000, h=3, d=128):
-    """Gradients of the GPU kernels vs the token recurrence; returns (rows, ok)."""
+def run_on_gpu(b=2, t=1000, h=3, d=128, config=None, backend="gpu"):
+    """Outputs, final state and gradients of the GPU kernels (`config`: a KernelConfig, default the defaults) vs
+    the token recurrence; returns (rows, ok). `backend="interpret"` runs the same check on CPU (slow)."""
     rng = np.random.default_rng(1)
 
     def unit(x):
@@ -87,7 +88,8 @@ def run_on_gpu(b=2, t=1000, h=3, d=128):
         seg_ids = jnp.asarray(seg) if segmented else None
 
         def ours(*a, seg_ids=seg_ids):
-            return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, segment_ids=seg_ids, backend="gpu")
+            return chunk_kda(*a[:5], initial_state=a[5], output_final_state=True, segment_ids=seg_ids,
+                             backend=backend, config=config)
 
         def reference(*a, seg_ids=seg_ids):
             return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg_ids)
