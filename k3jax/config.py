@@ -76,9 +76,9 @@ class ModelConfig:
     kda_gate_lower_bound: float = -5.0
     kda_output_gate: Literal["full_rank", "low_rank"] = "full_rank"
     kda_chunk_size: int = 64
-    # "auto": the Pallas kernel on GPU when the gate is the K3 lower-bounded one (>= -5, the kernel's f32 range)
-    # and head dims are powers of two >= 16, else the pure-JAX chunked path; "pallas" forces the kernel (the Pallas
-    # interpreter on CPU: exact but slow, for debugging).
+    # "auto": the Pallas kernel on GPU/TPU when the gate is the K3 lower-bounded one (>= -5, the kernel's f32
+    # range) and head dims are powers of two >= 16, else the pure-JAX chunked path; "pallas" forces the kernel (the
+    # Pallas interpreter on CPU: exact but slow, for debugging).
     kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
     # --- MLA
     num_attention_heads: int = 96

@@ -468,3 +468,15 @@ def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid():
         assert _rel_err(x, r) < 5e-5, name
     with pytest.raises(ValueError, match="lower_bound must be in"):
         chunk_kda_gated(q, k, v, g_raw, beta_logits, A_log=a_log, dt_bias=dt_bias, lower_bound=-8.0)
+
+
+def test_auto_picks_the_kernel_on_accelerators_for_kernel_compatible_configs(monkeypatch):
+    import configs
+    from k3jax.layers.kda import resolve_kda_impl
+
+    k3_like, kimi_linear_like = configs.get_config("tiny"), configs.get_config("tiny_kimi_linear")
+    for platform, want in (("gpu", "pallas"), ("tpu", "pallas"), ("cpu", "chunked")):
+        monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+        assert resolve_kda_impl(k3_like) == want, platform
+        assert resolve_kda_impl(kimi_linear_like) == "chunked", platform  # softplus gate: outside the kernel's range
+    assert resolve_kda_impl(k3_like.replace(kda_impl="recurrent")) == "recurrent"

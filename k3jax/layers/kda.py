@@ -191,14 +191,14 @@ class KDA(nnx.Module):
 
 
 def resolve_kda_impl(cfg) -> str:
-    """The KDA core for this config on this platform: ``kda_impl``, with "auto" = the Pallas kernel on GPU when
-    the config suits it (``cfg.kda_kernel_compatible``), else the pure-JAX chunked path. On TPU "auto" stays on
-    the chunked path for now: the Mosaic kernel is verified (interpret mode, libtpu compile) but untimed, and under
-    a multi-chip mesh it must be called inside ``shard_map``; ``kda_impl="pallas"`` forces it."""
+    """The KDA core for this config on this platform: ``kda_impl``, with "auto" = the Pallas kernel on GPU and TPU
+    when the config suits it (``cfg.kda_kernel_compatible``: the K3 lower-bounded gate, power-of-two head dims),
+    else the pure-JAX chunked path. Under a multi-device mesh the layer runs the kernel inside ``shard_map``
+    (``sharding.kda_kernel``)."""
     if cfg.kda_impl != "auto":
         return cfg.kda_impl
-    on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-    return "pallas" if on_gpu and cfg.kda_kernel_compatible else "chunked"
+    on_accelerator = jax.default_backend() in ("gpu", "cuda", "rocm", "tpu")
+    return "pallas" if on_accelerator and cfg.kda_kernel_compatible else "chunked"
 
 
 def history_at(history_bwp: jax.Array | None, x_btp: jax.Array, end_b: jax.Array) -> jax.Array:
