@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 
 # Without TPU hardware libtpu must not query the GCE metadata server; set before libtpu is loaded.
 # ALLOW_MULTIPLE_LIBTPU_LOAD: several compile-only processes may run at once (no chip is opened).
@@ -62,7 +63,9 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
     batch = {"input_ids": tokens, "targets": tokens, "segment_ids": tokens,
              "loss_mask": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
-    compiled = step.jitted.lower(state, batch).compile()
+    lowered = step.jitted.lower(state, batch)
+    kernels = sorted(set(re.findall(r"(kda_[a-z_]+|k3_gmm[a-z_]*)", lowered.as_text())))
+    compiled = lowered.compile()
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
@@ -82,6 +85,7 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "remat": cfg.remat,
         "batch_size": batch_size,
         "seq_len": seq_len,
+        "pallas_kernels": kernels,  # the Pallas (Mosaic) kernels in the compiled step, by name
         "per_chip_bytes": per_chip,
         "per_chip_total_gib": round(total / 2**30, 2),
         "fallbacks": len(step.plan.fallbacks),

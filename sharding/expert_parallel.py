@@ -47,6 +47,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.mlp import glu
 from k3jax.numerics import wide
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
+from sharding.mesh import traced_platform
 
 log = logging.getLogger(__name__)
 
@@ -119,12 +120,6 @@ def _shape_problem(cfg: ModelConfig, mesh, batch: int, seq: int) -> str | None:
     if seq % _axis(mesh, SEQ_AXIS):
         return f"sequence length {seq} is not divisible by the context axis size {_axis(mesh, SEQ_AXIS)}"
     return None
-
-
-def _platform() -> str:
-    """The platform of the mesh being traced for (a TPU topology on a CPU host counts as TPU)."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
 
 
 # ---------------------------------------------------------------------------------------------------- collectives
@@ -268,7 +263,7 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     problem = _shape_problem(cfg, mesh, b, t)
     if problem:
         raise ExpertParallelError(problem)
-    native = ragged == "native" or (ragged == "auto" and _platform() != "cpu")
+    native = ragged == "native" or (ragged == "auto" and traced_platform() != "cpu")
     out_dtype = wide(z_btl.dtype)
 
     batch_axes = tuple(a for a in BATCH_AXES if a in mesh.axis_names)

@@ -136,3 +136,10 @@ def describe(mesh: Mesh) -> str:
     """'data=2 expert=1 context=1 model=4 (8 cpu devices)'."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"{sizes} ({mesh.size} {mesh.devices.flat[0].platform} devices)"
+
+
+def traced_platform() -> str:
+    """The platform the current trace is for: the context mesh's device platform when one is set (a TPU topology
+    compiled on a CPU host counts as TPU, `sharding.aot`), else JAX's default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    return getattr(device, "platform", None) or jax.default_backend()

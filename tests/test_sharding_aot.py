@@ -27,3 +27,17 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
     assert result["mesh"].startswith("data=2 expert=1 context=1 model=2")
     mem = result["per_chip_bytes"]
     assert 0 < mem["argument_size_in_bytes"] < 64 * 2**20 and mem["temp_size_in_bytes"] > 0
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
+def test_tiny_train_step_with_the_mosaic_kda_kernel_compiles_for_v5p_2x2x1():
+    """kda_impl=auto resolves to the kernel for the TPU topology (even compiled on a CPU host): the whole step, with
+    the Mosaic KDA forward and backward inside shard_map under the (2,1,1,2) mesh, compiles."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    cmd = [sys.executable, "-m", "sharding.aot", "--config=tiny", "--topology=v5p:2x2x1", "--mesh=2,1,1,2",
+           "--batch_size=4", "--seq_len=128"]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {"kda_chunk_tpu", "kda_chunk_bwd_tpu"} <= set(result["pallas_kernels"]), result["pallas_kernels"]

@@ -559,8 +559,9 @@ def kda(
     """
     if impl == "pallas":
         from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
+        from sharding.mesh import traced_platform
 
-        platform = jax.default_backend()
+        platform = traced_platform()
         backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu" if platform == "tpu" else "interpret"
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                          segment_ids=segment_ids, backend=backend)
