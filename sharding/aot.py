@@ -64,7 +64,7 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     batch = {"input_ids": tokens, "targets": tokens, "segment_ids": tokens,
              "loss_mask": jax.ShapeDtypeStruct((batch_size, seq_len), jnp.float32)}
     lowered = step.jitted.lower(state, batch)
-    kernels = sorted(set(re.findall(r"(kda_[a-z_]+|k3_gmm[a-z_]*)", lowered.as_text())))
+    kernels = sorted(set(re.findall(r"(kda_[a-z_]+|k3_t?gmm[a-z_0-9]*)", lowered.as_text())))
     compiled = lowered.compile()
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",

@@ -31,13 +31,15 @@ def test_tiny_train_step_compiles_for_v5p_2x2x1():
 
 @pytest.mark.tpu_compile
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
-def test_tiny_train_step_with_the_mosaic_kda_kernel_compiles_for_v5p_2x2x1():
-    """kda_impl=auto resolves to the kernel for the TPU topology (even compiled on a CPU host): the whole step, with
-    the Mosaic KDA forward and backward inside shard_map under the (2,1,1,2) mesh, compiles."""
+def test_tiny_train_step_with_the_mosaic_kernels_compiles_for_v5p_2x2x1():
+    """The kernels' "auto" choices resolve for the TPU topology (even compiled on a CPU host): the whole step on an
+    expert x model mesh, with the Mosaic KDA forward/backward inside shard_map and the Mosaic grouped matmuls inside
+    the expert-parallel shard_map, compiles."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "sharding.aot", "--config=tiny", "--topology=v5p:2x2x1", "--mesh=2,1,1,2",
+    cmd = [sys.executable, "-m", "sharding.aot", "--config=tiny", "--topology=v5p:2x2x1", "--mesh=1,2,1,2",
            "--batch_size=4", "--seq_len=128"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert {"kda_chunk_tpu", "kda_chunk_bwd_tpu"} <= set(result["pallas_kernels"]), result["pallas_kernels"]
+    want = {"kda_chunk_tpu", "kda_chunk_bwd_tpu", "k3_gmm_tpu", "k3_tgmm_tpu"}
+    assert want <= set(result["pallas_kernels"]), result["pallas_kernels"]

@@ -102,9 +102,17 @@ def _inference_only_jvp(primals, tangents):
                              "(no gradients through packed weights); train with expert_weights='bf16'")
 
 
+def _platform_backend() -> str:
+    """The `pallas_kernels.gmm` backend for the platform being traced for (a TPU topology compiled on a CPU host
+    counts as TPU: `sharding.mesh.traced_platform`)."""
+    from sharding.mesh import traced_platform  # lazy: sharding imports the ops
+
+    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(traced_platform(), "xla")
+
+
 def _kernel_backend_here() -> str | None:
     """The kernel backend 'auto' may use in the current trace, or None for the XLA path."""
-    backend = pallas_gmm.default_backend()
+    backend = _platform_backend()
     if backend == "xla":
         return None
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
@@ -122,7 +130,7 @@ def _backend(impl: str) -> str:
         return _kernel_backend_here() or "xla"
     if impl == "ragged_dot":
         return "xla"
-    backend = pallas_gmm.default_backend()
+    backend = _platform_backend()
     return "interpret" if backend == "xla" else backend
 
 
