@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.kda import kda_recurrent
-from pallas_kernels.kda.dispatch import chunk_kda
 from pallas_kernels.cuda_lowering import triton_kernels
+from pallas_kernels.kda.dispatch import chunk_kda
 
 _NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 _TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}

@@ -65,25 +65,25 @@ from pallas_kernels.kda.chunk_fwd import (
     _LOG2E,
     CHUNK,
     SUB_CHUNK,
+    ChunkSpecs,
     KernelConfig,
+    SequentialSpecs,
     _dot,
     _dot_nt,
     _dot_tn,
     _matmul_policy,
-    SequentialSpecs,
     _row,
     _rows_masked,
-    document_layout,
-    document_masks,
-    document_operands,
     check_dims,
     chunk_layout,
     chunk_states,
+    document_layout,
+    document_masks,
+    document_operands,
     intra_chunk,
     triton_params,
 )
-
-from pallas_kernels.kda.intra_split import intra_bwd_split, intra_chunk_split  # noqa: E402 -- imports chunk_fwd
+from pallas_kernels.kda.intra_split import intra_bwd_split, intra_chunk_split
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 
@@ -444,12 +444,9 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
 
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
-
-    decay_chunk_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
-    beta_chunk_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
-    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+    spec = ChunkSpecs(h)
+    chunk_spec, decay_chunk_spec, beta_chunk_spec = spec.tile, spec.per_chunk(kd), spec.rows
+    doc_ops, doc_specs = document_operands(documents, h)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, solve=config.solve,
                           block_k=min(config.block_k, kd, vd), segmented=documents is not None),

@@ -38,8 +38,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["CHUNK", "SUB_CHUNK", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd", "chunk_layout",
-           "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
+__all__ = ["CHUNK", "SUB_CHUNK", "ChunkSpecs", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd",
+           "chunk_layout", "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
            "triton_params", "varlen_layout"]
 
 CHUNK = 64
@@ -419,9 +419,7 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, docume
     inter_dtype, precision = _matmul_policy(q.dtype)
     block_k = min(config.block_k, kd, vd)
     params = triton_params(interpret, config.warps[0])
-
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+    spec = ChunkSpecs(h)
 
     inter_shapes = (
         jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype),  # qg
@@ -432,16 +430,15 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, docume
         jax.ShapeDtypeStruct((b, h, n, kd), _F32),  # decay
     )
     segmented = documents is not None
-    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+    doc_ops, doc_specs = document_operands(documents, h)
     qg, kg, w, u, aqk, decay = pl.pallas_call(
         functools.partial(_intra_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
                           segmented=segmented),
         out_shape=inter_shapes,
         grid=(n, b * h),
-        in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(kd),
-                  pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))] + doc_specs,
-        out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd), chunk_spec(vd), chunk_spec(CHUNK),
-                   pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))],
+        in_specs=[spec.tile(kd), spec.tile(kd), spec.tile(vd), spec.tile(kd), spec.rows] + doc_specs,
+        out_specs=[spec.tile(kd), spec.tile(kd), spec.tile(kd), spec.tile(vd), spec.tile(CHUNK),
+                   spec.per_chunk(kd)],
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_intra",
@@ -451,14 +448,33 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, docume
     return qg, kg, w, u, aqk, decay
 
 
-def document_operands(documents, h, *, three_d_grid):
-    """``(operands, block specs)`` of the per-row document masks for a (chunk, batch*head[, x]) grid."""
+@dataclasses.dataclass(frozen=True)
+class ChunkSpecs:
+    """Block specs on the parallel (chunk, batch*head) grid, shared by every per-chunk kernel: ``tile(width)`` is one
+    chunk of one (batch, head) of a ``[B, Tp, H, width]`` array, ``rows`` its ``[C]`` of a ``[B, Tp, H]`` array
+    (beta), ``per_chunk(width)`` its row of a ``[B, H, N, width]`` array (decay)."""
+
+    h: int
+
+    def tile(self, width):
+        h = self.h
+        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
+
+    @property
+    def rows(self):
+        h = self.h
+        return pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+
+    def per_chunk(self, width):
+        h = self.h
+        return pl.BlockSpec((None, None, None, width), lambda c, bh: (bh // h, bh % h, c, 0))
+
+
+def document_operands(documents, h):
+    """``(operands, block specs)`` of the per-row document masks for the (chunk, batch*head) grid."""
     if documents is None:
         return [], []
-    if three_d_grid:
-        spec = pl.BlockSpec((None, CHUNK), lambda c, bh, j: (bh // h, c))
-    else:
-        spec = pl.BlockSpec((None, CHUNK), lambda c, bh: (bh // h, c))
+    spec = pl.BlockSpec((None, CHUNK), lambda c, bh: (bh // h, c))
     return [documents["doc"], documents["carry"], documents["last"]], [spec] * 3
 
 

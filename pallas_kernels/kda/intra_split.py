@@ -29,9 +29,10 @@ from pallas_kernels.kda.chunk_fwd import (
     _LOG2E,
     CHUNK,
     SUB_CHUNK,
+    ChunkSpecs,
     _dot,
-    _dot_tn,
     _dot_nt,
+    _dot_tn,
     _matmul_policy,
     _rows_masked,
     document_masks,
@@ -164,13 +165,11 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
     block_k = min(config.block_k, kd, vd)
     params = triton_params(interpret, config.warps[0])
     segmented = documents is not None
-    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+    doc_ops, doc_specs = document_operands(documents, h)
     gc = chunk_cumulative_gate(g)
 
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
-
-    beta_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
+    spec = ChunkSpecs(h)
+    chunk_spec, beta_spec = spec.tile, spec.rows
     qg, kg, aqk, kk, decay = pl.pallas_call(
         functools.partial(_gram_kernel, scale=scale, precision=precision, block_k=block_k, segmented=segmented),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype),
@@ -181,7 +180,7 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
         grid=(n, b * h),
         in_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(kd)] + doc_specs,
         out_specs=[chunk_spec(kd), chunk_spec(kd), chunk_spec(CHUNK), chunk_spec(CHUNK),
-                   pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))],
+                   spec.per_chunk(kd)],
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_gram",
@@ -318,13 +317,11 @@ def intra_bwd_split(q, k, v, beta, u, w, solve_terms, dqg, dkg, dw, dv_new, daqk
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     block_k = min(config.block_k, kd, vd)
-    doc_ops, doc_specs = document_operands(documents, h, three_d_grid=False)
+    doc_ops, doc_specs = document_operands(documents, h)
 
-    def chunk_spec(width):
-        return pl.BlockSpec((None, CHUNK, None, width), lambda c, bh: (bh // h, c, bh % h, 0))
-
-    beta_spec = pl.BlockSpec((None, CHUNK, None), lambda c, bh: (bh // h, c, bh % h))
-    decay_spec = pl.BlockSpec((None, None, None, kd), lambda c, bh: (bh // h, bh % h, c, 0))
+    spec = ChunkSpecs(h)
+    chunk_spec, beta_spec = spec.tile, spec.rows
+    decay_spec = spec.per_chunk(kd)
     return pl.pallas_call(
         functools.partial(_intra_bwd_kernel, scale=scale, precision=precision, block_k=block_k,
                           segmented=documents is not None),
