@@ -41,6 +41,10 @@ _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF model directory (K3 or Kimi-Li
 _EXPERT_WEIGHTS = flags.DEFINE_enum("expert_weights", None, ["bf16", "mxfp4"], "How the routed experts are held "
                                      "in device memory: bf16 (the parameter dtype) or mxfp4 (packed, 4.25 bits "
                                      "per weight; inference only). Default: the config's (bf16).")
+_UNROLL = flags.DEFINE_bool("unroll_layers", True, "Serve with the layer stack unrolled (scan_layers=False) unless "
+                             "--set scan_layers=... says otherwise: the layer scan slices every layer's weights out "
+                             "of the stacked arrays at each decode step (copies; 2x slower decode on an H200, "
+                             "benchmarks/RESULTS.md); unrolled compiles slower for deep models.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
 _MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 1,2,1,4; context must be 1) to "
                             "serve on a device mesh; default: one device.")
@@ -145,6 +149,8 @@ class _Opts:
 def _overrides() -> tuple[str, ...]:
     """`--set` overrides plus `--expert_weights` (a runtime choice the loaders and configs all accept)."""
     extra = (f"expert_weights={_EXPERT_WEIGHTS.value}",) if _EXPERT_WEIGHTS.value else ()
+    if _UNROLL.value and not any(s.split("=")[0].strip() == "scan_layers" for s in _SET.value):
+        extra += ("scan_layers=False",)
     return tuple(_SET.value) + extra
 
 

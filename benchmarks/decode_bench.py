@@ -120,13 +120,13 @@ def bench_decode(cfg, spec, params, batch, context, steps, iters):
         lengths=jnp.full((batch,), context, jnp.int32))
     state = slot_state(batch, 1 << 30)
     t0 = time.perf_counter()
-    cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps)
+    cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
     tok.block_until_ready()
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps)
+        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
         tok.block_until_ready()
         times.append(time.perf_counter() - t0)
     call_s = statistics.median(times)
@@ -330,7 +330,7 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     state = slot_state(batch, 1 << 30)
 
     def call(cache, state):
-        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps)
+        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
         tok.block_until_ready()
         return cache, state
 
@@ -390,7 +390,8 @@ SMOKE = dict(batches="1,2", context=16, decode_steps=2, iters=1, prefill_iters=1
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_gpu")
-    ap.add_argument("--set", action="append", default=[], help="config override key=value")
+    ap.add_argument("--set", action="append", default=[],
+                    help="config override key=value (default adds scan_layers=False, as serve.py does)")
     ap.add_argument("--batches", default="1,16,64,256", help="decode/prefill sweep batches ('' skips the sweep)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--decode_steps", type=int, default=16)
@@ -424,6 +425,8 @@ def main():
             if k not in explicit:
                 setattr(args, k, v)
     start = time.perf_counter()
+    if not any(s.split("=")[0].strip() == "scan_layers" for s in args.set):
+        args.set.append("scan_layers=False")  # serve.py's default (--unroll_layers)
     cfg = configs.get_config(args.config, args.set)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype})",

@@ -80,6 +80,11 @@ class ModelConfig:
     # range) and head dims are powers of two >= 16, else the pure-JAX chunked path; "pallas" forces the kernel (the
     # Pallas interpreter on CPU: exact but slow, for debugging).
     kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
+    # MLA absorbed decode step (one token per sequence): "auto" = the paged Pallas kernel
+    # (pallas_kernels/mla: pages read once through the page table) on GPU without a multi-device mesh, else "xla"
+    # (gather every sequence's pages, then einsums); "pallas" forces the kernel (the Pallas interpreter off GPU:
+    # exact but slow, for tests). Under a multi-device mesh the XLA path always runs.
+    mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

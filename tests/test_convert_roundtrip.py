@@ -107,3 +107,17 @@ def test_save_checkpoint_then_to_hf_then_load_hf(k3_hf, tmp_path):
                                   nnx.to_flat_state(nnx.state(back, nnx.Variable))):
         assert ka == kb
         np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()), err_msg=str(ka))
+
+
+def test_checkpoint_saved_with_a_layer_scan_loads_unrolled_with_the_same_logits(k3_hf, tmp_path):
+    """serve.py loads unrolled (scan_layers=False) by default: a checkpoint written from a scanned model must load
+    into the unrolled layout and compute the same function."""
+    import jax.numpy as jnp
+
+    cfg, model = k3jax.load_hf(k3_hf[0], dtype="f32", config="tiny")
+    assert cfg.scan_layers
+    k3jax.save_checkpoint(model, str(tmp_path / "ckpt"))
+    cfg2, unrolled = k3jax.load_checkpoint(str(tmp_path / "ckpt"), overrides=["scan_layers=False"])
+    assert not cfg2.scan_layers
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
+    np.testing.assert_allclose(np.asarray(unrolled(ids)), np.asarray(model(ids)), rtol=1e-3, atol=1e-3)  # f32 op order

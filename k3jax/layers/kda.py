@@ -135,7 +135,8 @@ class KDA(nnx.Module):
         Padded tokens are no-ops for the state: β = 0 and g = 0 there (the delta-rule write vanishes and nothing
         decays), and the conv history is the W-1 pre-conv inputs before each sequence's true end. A sequence with
         `valid_len == 0` keeps its state unchanged. Outputs at padded positions are meaningless. T == 1 (decode)
-        uses the recurrent step; longer inputs the configured core.
+        uses the one-token step: the fused Pallas decode kernel on a GPU with the "pallas" core, else the XLA step;
+        longer inputs the configured core.
         """
         return self._forward(x_btd, state, valid_len_b)
 
@@ -174,7 +175,7 @@ class KDA(nnx.Module):
             valid_bt = jnp.arange(t)[None, :] < valid_len_b[:, None]
             g = jnp.where(valid_bt[:, :, None, None], g, 0.0)
             beta = jnp.where(valid_bt[:, :, None], beta, 0.0)
-            if t == 1:
+            if t == 1 and impl != "pallas":  # "pallas" decodes with its one-token step (kda_ops.kda)
                 impl = "recurrent"
         core = kda_ops.kda
         if cp_mesh is not None:

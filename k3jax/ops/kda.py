@@ -33,7 +33,9 @@ import jax.numpy as jnp
 
 from k3jax.numerics import wide
 
-__all__ = ["SUB_CHUNK", "document_index", "kda", "kda_chunked", "kda_recurrent", "kda_step"]
+__all__ = [
+    "SUB_CHUNK", "decode_kernel_backend", "document_index", "kda", "kda_chunked", "kda_recurrent", "kda_step",
+]
 
 # Sub-chunk length for the intra-chunk decay factorisation (see _intra_chunk_decays).
 SUB_CHUNK = 16
@@ -541,6 +543,33 @@ def kda_chunked(
 # --------------------------------------------------------------------------------------------
 
 
+def decode_kernel_backend():
+    """The backend of the Pallas decode kernel for a T == 1 ``impl="pallas"`` call traced now: ``"gpu"`` on a
+    GPU, None elsewhere (TPU and CPU take the XLA step). Tests patch it to ``"interpret"`` to run the kernel on CPU."""
+    from sharding.mesh import traced_platform  # lazy, like the chunk kernel's dispatch below
+
+    return "gpu" if traced_platform() in ("gpu", "cuda", "rocm") else None
+
+
+def _pallas_one_token(q, k, v, g, beta, *, scale, initial_state):
+    """``kda(impl="pallas")`` for T == 1: ``(o [B, 1, H, V] in q's dtype, state [B, H, K, V] f32)``.
+
+    One token holds no document boundary, so segment ids do not matter here (the initial state belongs to the
+    row's first document)."""
+    b, h, kd, vd = _check_shapes(q, k, v, g, beta, initial_state, has_time=True)
+    if initial_state is None:
+        initial_state = jnp.zeros((b, h, kd, vd), jnp.float32)
+    token = tuple(x[:, 0] for x in (q, k, v, g, beta))
+    backend = decode_kernel_backend()
+    if backend is None:
+        o_bhv, state_bhkv = kda_step(*token, initial_state, scale=scale)
+    else:
+        from pallas_kernels.kda.decode import kda_decode_step  # lazy: pallas_kernels.kda imports this module
+
+        o_bhv, state_bhkv = kda_decode_step(*token, initial_state.astype(jnp.float32), scale=scale, backend=backend)
+    return o_bhv[:, None].astype(q.dtype), state_bhkv.astype(jnp.float32)
+
+
 def kda(
     q, k, v, g, beta, *, scale, initial_state=None, impl="chunked", chunk_size=64, segment_ids=None
 ):
@@ -554,9 +583,13 @@ def kda(
     Args:
       impl: ``"chunked"`` (default), ``"recurrent"`` or ``"pallas"`` (``pallas_kernels.kda.chunk_kda``: the
         GPU kernel on a GPU, the Mosaic kernel on a TPU, the Pallas interpreter elsewhere; needs gates >= -5 per
-        token and power-of-two head dims; ``o`` comes back in q's dtype).
+        token and power-of-two head dims; ``o`` comes back in q's dtype, the state in f32). With T == 1 (decode)
+        ``"pallas"`` runs the fused one-token kernel ``pallas_kernels.kda.kda_decode_step`` on a GPU and the XLA
+        step :func:`kda_step` on TPU / CPU (the chunk kernels would pad the token to a whole chunk).
       chunk_size: used by ``"chunked"`` only (the kernel's chunk is 64).
     """
+    if impl == "pallas" and q.ndim == 4 and q.shape[1] == 1:
+        return _pallas_one_token(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     if impl == "pallas":
         from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
         from sharding.mesh import traced_platform
