@@ -16,7 +16,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
-from sharding import context_parallel
+from sharding import context_parallel, kda_kernel
+from sharding.mesh import traced_platform
 
 
 class MLA(nnx.Module):
@@ -115,12 +116,16 @@ class MLA(nnx.Module):
         t = x_btd.shape[1]
         rows_btc = self.latent(x_btd)
         pages_npc = write_latent_rows(pages_npc, page_table_bp, start_b, rows_btc, valid_len_b)
-        cache_bsc = gather_latent_rows(pages_npc, page_table_bp)
-        pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-        mask_bts = jnp.arange(cache_bsc.shape[1], dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
         q_bthk = self.queries(x_btd)
         if absorb is None:
             absorb = t == 1
+        backend = mla_decode_backend(self.cfg, pages_npc.shape[1]) if absorb and t == 1 else None
+        if backend is not None:
+            o_bthv = self._attend_paged(q_bthk, pages_npc, page_table_bp, start_b, backend)
+            return self._output(x_btd, o_bthv), pages_npc
+        cache_bsc = gather_latent_rows(pages_npc, page_table_bp)
+        pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        mask_bts = jnp.arange(cache_bsc.shape[1], dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
         attend = self._attend_absorbed if absorb else self._attend_expanded
         o_bthv = attend(q_bthk, cache_bsc, mask_bts)
         return self._output(x_btd, o_bthv), pages_npc
@@ -142,16 +147,52 @@ class MLA(nnx.Module):
         """MQA over the latent: q_nope·W_k gives a kv_lora-wide query per head, attention reads the cached rows
         directly (one shared 'head' of width kv_lora + rope), and W_v maps the attended latent to each head."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        nope, r = cfg.qk_nope_head_dim, cfg.kv_lora_rank
-        w_kv = self.kv_b_proj[...].astype(dt)
-        w_k, w_v = w_kv[..., :nope], w_kv[..., nope:]
-        acc = wide(q_bthk.dtype)
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_bthk[..., :nope], w_k, preferred_element_type=acc).astype(dt)
-        q_abs = jnp.concatenate([q_lat, q_bthk[..., nope:].astype(dt)], axis=-1)  # [B,T,H,r+rope]
-        logits = jnp.einsum("bthc,bsc->bhts", q_abs, cache_bsc.astype(dt), preferred_element_type=acc)
+        q_abs = self._absorbed_queries(q_bthk)  # [B,T,H,r+rope]
+        logits = jnp.einsum("bthc,bsc->bhts", q_abs, cache_bsc.astype(dt), preferred_element_type=wide(dt))
         probs = _masked_softmax(logits * cfg.qk_head_dim ** -0.5, mask_bts)
-        o_lat = jnp.einsum("bhts,bsr->bthr", probs, cache_bsc[..., :r].astype(probs.dtype))
-        return jnp.einsum("bthr,rhv->bthv", o_lat, w_v.astype(o_lat.dtype))
+        o_lat = jnp.einsum("bhts,bsr->bthr", probs, cache_bsc[..., :cfg.kv_lora_rank].astype(probs.dtype))
+        return self._latent_values(o_lat)
+
+    def _attend_paged(self, q_bthk, pages_npc, page_table_bp, start_b, backend):
+        """The absorbed decode step (T == 1) by the paged Pallas kernel (pallas_kernels/mla): every sequence's pages
+        read once through its table row, positions 0 .. start_b (its own row already written)."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        from pallas_kernels.mla import paged_latent_attention  # lazy: pallas_kernels imports k3jax modules
+
+        q_bhc = self._absorbed_queries(q_bthk)[:, 0]
+        o_bhr = paged_latent_attention(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
+                                       scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend)
+        return self._latent_values(o_bhr[:, None])  # f32, like the XLA path
+
+    def _absorbed_queries(self, q_bthk):
+        """[q_nope · W_k | q_rope] per head: [B, T, H, kv_lora + rope] in the compute dtype."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        w_k = self.kv_b_proj[...].astype(dt)[..., :cfg.qk_nope_head_dim]
+        q_lat = jnp.einsum("bthn,rhn->bthr", q_bthk[..., :cfg.qk_nope_head_dim], w_k,
+                           preferred_element_type=wide(q_bthk.dtype)).astype(dt)
+        return jnp.concatenate([q_lat, q_bthk[..., cfg.qk_nope_head_dim:].astype(dt)], axis=-1)
+
+    def _latent_values(self, o_bthr):
+        """W_v maps each head's attended latent [B, T, H, kv_lora] to its value width (in o's dtype)."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        w_v = self.kv_b_proj[...].astype(dt)[..., cfg.qk_nope_head_dim:]
+        return jnp.einsum("bthr,rhv->bthv", o_bthr, w_v.astype(o_bthr.dtype))
+
+
+def mla_decode_backend(cfg: ModelConfig, page_size: int) -> str | None:
+    """The paged decode kernel's backend for this trace, or None for the XLA gather path (`cfg.mla_decode_impl`):
+    "auto" takes the kernel ("gpu") when the traced platform is a GPU and the widths suit Triton (kv_lora_rank,
+    the rope width and page_size powers of two >= 16); "pallas" takes it anywhere ("interpret" off GPU). Under a
+    multi-device mesh (outside shard_map) the XLA path runs: GSPMD cannot partition a Pallas call."""
+    if cfg.mla_decode_impl == "xla" or kda_kernel.kernel_mesh() is not None:
+        return None
+    on_gpu = traced_platform() in ("gpu", "cuda", "rocm")
+    if cfg.mla_decode_impl == "pallas":
+        return "gpu" if on_gpu else "interpret"
+    from pallas_kernels.mla import gpu_compatible  # lazy: pallas_kernels imports k3jax modules
+
+    fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size)
+    return "gpu" if on_gpu and fits else None
 
 
 DEFAULT_PAGE_SIZE = 64  # tokens per latent page: one 64-token prefill chunk
