@@ -111,7 +111,10 @@ class MLA(nnx.Module):
         cache untouched; their outputs are meaningless). Several sequences may map the same page (a shared
         prefix) as long as none of them writes it.
         `absorb` (static): attend in the MQA-over-latent form (kv_b_proj folded into q and the output);
-        None picks it for decode (T == 1) and the expanded form otherwise. Returns (y [B,T,D], new pages).
+        None picks it for decode (T == 1) and the expanded form otherwise. The absorbed decode step reads the pages
+        through the table with the Pallas kernel (pallas_kernels/mla) when `mla_decode_backend` picks it (the
+        `mla_decode_impl` config field; on GPU by default), else gathers them into a dense [B, P * page_size, C]
+        array. Returns (y [B,T,D], new pages).
         """
         t = x_btd.shape[1]
         rows_btc = self.latent(x_btd)
@@ -119,7 +122,7 @@ class MLA(nnx.Module):
         q_bthk = self.queries(x_btd)
         if absorb is None:
             absorb = t == 1
-        backend = mla_decode_backend(self.cfg, pages_npc.shape[1]) if absorb and t == 1 else None
+        backend = mla_decode_backend(self.cfg, *pages_npc.shape[:2]) if absorb and t == 1 else None
         if backend is not None:
             o_bthv = self._attend_paged(q_bthk, pages_npc, page_table_bp, start_b, backend)
             return self._output(x_btd, o_bthv), pages_npc
@@ -156,9 +159,10 @@ class MLA(nnx.Module):
     def _attend_paged(self, q_bthk, pages_npc, page_table_bp, start_b, backend):
         """The absorbed decode step (T == 1) by the paged Pallas kernel (pallas_kernels/mla): every sequence's pages
         read once through its table row, positions 0 .. start_b (its own row already written)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
-        from pallas_kernels.mla import paged_latent_attention  # lazy: pallas_kernels imports k3jax modules
+        # lazy: pallas_kernels imports k3jax modules
+        from pallas_kernels.mla import paged_latent_attention
 
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         q_bhc = self._absorbed_queries(q_bthk)[:, 0]
         o_bhr = paged_latent_attention(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
                                        scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend)
@@ -179,19 +183,21 @@ class MLA(nnx.Module):
         return jnp.einsum("bthr,rhv->bthv", o_bthr, w_v.astype(o_bthr.dtype))
 
 
-def mla_decode_backend(cfg: ModelConfig, page_size: int) -> str | None:
+def mla_decode_backend(cfg: ModelConfig, num_pages: int, page_size: int) -> str | None:
     """The paged decode kernel's backend for this trace, or None for the XLA gather path (`cfg.mla_decode_impl`):
-    "auto" takes the kernel ("gpu") when the traced platform is a GPU and the widths suit Triton (kv_lora_rank,
-    the rope width and page_size powers of two >= 16); "pallas" takes it anywhere ("interpret" off GPU). Under a
-    multi-device mesh (outside shard_map) the XLA path runs: GSPMD cannot partition a Pallas call."""
+    "auto" takes the kernel ("gpu") when the traced platform is a GPU and the pool suits Triton (kv_lora_rank,
+    the rope width and page_size powers of two >= 16, < 2**31 elements); "pallas" takes it anywhere
+    ("interpret" off GPU). Under a multi-device mesh (outside shard_map) the XLA path runs: GSPMD cannot
+    partition a Pallas call."""
+    # lazy: pallas_kernels imports k3jax modules
+    from pallas_kernels.mla import gpu_compatible
+
     if cfg.mla_decode_impl == "xla" or kda_kernel.kernel_mesh() is not None:
         return None
     on_gpu = traced_platform() in ("gpu", "cuda", "rocm")
     if cfg.mla_decode_impl == "pallas":
         return "gpu" if on_gpu else "interpret"
-    from pallas_kernels.mla import gpu_compatible  # lazy: pallas_kernels imports k3jax modules
-
-    fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size)
+    fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size, num_pages)
     return "gpu" if on_gpu and fits else None
 
 

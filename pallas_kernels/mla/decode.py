@@ -5,8 +5,9 @@ wide (the nope part already folded through W_k), every cached position is one C-
 ``pages [N, page_size, C]`` shared by all heads, and the values are the rows' first ``latent`` columns. The kernel
 reads each sequence's pages once, straight through its page-table row (no dense [B, P * page_size, C] gather):
 
-* grid ``(B, splits, head blocks)``: program (b, s, hb) walks pages ``s * pps .. min((s + 1) * pps, used_b)`` of
-  sequence b (``used_b = ceil(length_b / page_size)``: pages past the length are never visited) for heads
+* grid ``(B, splits, head blocks)``: program (b, s, hb) walks table slots ``s * per_b .. min((s + 1) * per_b,
+  used_b)`` of sequence b (``used_b = ceil(length_b / page_size)``, ``per_b = ceil(used_b / splits)``: the
+  sequence's own pages spread evenly over the splits, slots past the length never visited) for heads
   ``hb * block_h ..`` with a flash-decoding online softmax (running max / sum and the [block_h, latent]
   accumulator in f32, model-dtype matmul operands, f32 accumulation);
 * each page is ``page_size / block_s`` steps of ``block_s`` rows; a row is loaded (masked load) only when its
@@ -17,7 +18,8 @@ reads each sequence's pages once, straight through its page-table row (no dense 
   since Triton blocks must be powers of two and 576 is not; logits = q_lat . k_lat + q_rope . k_rope.
 
 Splits (flash-decoding): at batch 1 one program per sequence would leave all but one SM idle while it walks every
-page, so the pages of a sequence are cut into ``splits`` contiguous ranges, each program writes its normalised
+page, so the pages of a sequence are cut into ``splits`` contiguous ranges (sized from its traced length, so a
+short sequence in a wide table still spreads over every split), each program writes its normalised
 partial output and log-sum-exp, and a small XLA combine (``_combine_splits``) merges them (exact: a softmax over
 the union of the ranges). The default targets ~128 programs in all (``DecodeConfig.num_splits=0``); with one split
 the kernel writes the final output itself and there is no combine.
@@ -36,7 +38,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kda.chunk_fwd import triton_params
 
-__all__ = ["BACKENDS", "DecodeConfig", "paged_latent_attention"]
+__all__ = ["BACKENDS", "DecodeConfig", "gpu_compatible", "paged_latent_attention"]
 
 BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
@@ -76,6 +78,17 @@ def _is_pow2(n: int) -> bool:
     return n >= 1 and n & (n - 1) == 0
 
 
+def gpu_compatible(latent_dim: int, rope_dim: int, page_size: int, num_pages: int = 1,
+                   config: DecodeConfig = DecodeConfig()) -> bool:
+    """Whether the GPU (Triton) backend takes these shapes: latent_dim, the rope width (if any), the rows per step
+    and block_h powers of two >= 16 (Triton blocks and matmul dims), the step dividing page_size, and a pool of
+    fewer than 2**31 elements (int32 offsets)."""
+    block_s = _block_s(config, page_size)
+    dims = [latent_dim, block_s, config.block_h] + ([rope_dim] if rope_dim else [])
+    small = num_pages * page_size * (latent_dim + rope_dim) < 2 ** 31
+    return small and page_size % block_s == 0 and all(_is_pow2(d) and d >= 16 for d in dims)
+
+
 def _check(q_bhc, pages_npc, page_table_bp, length_b, latent_dim, backend, config):
     if backend not in BACKENDS:
         raise ValueError(f"paged_latent_attention: backend must be one of {BACKENDS}, got {backend!r}")
@@ -108,6 +121,9 @@ def _check(q_bhc, pages_npc, page_table_bp, length_b, latent_dim, backend, confi
     if page_size % block_s:
         raise ValueError(f"paged_latent_attention: block_s={block_s} must divide page_size={page_size}")
     if backend == "gpu":
+        if n * page_size * c >= 2 ** 31:
+            raise ValueError(f"paged_latent_attention(backend='gpu'): the pool holds {n * page_size * c} elements; "
+                             "the kernel's int32 offsets need fewer than 2**31 (split the pool)")
         rope = c - latent_dim
         dims = {"latent_dim": latent_dim, "block_s": block_s, "block_h": config.block_h}
         if rope:
@@ -118,14 +134,15 @@ def _check(q_bhc, pages_npc, page_table_bp, length_b, latent_dim, backend, confi
                              f"blocks and matmul dims): {bad}")
 
 
-def _kernel(table_ref, length_ref, q_ref, rows_ref, o_ref, lse_ref, *, page_size, block_s, pages_per_split,
+def _kernel(table_ref, length_ref, q_ref, rows_ref, o_ref, lse_ref, *, page_size, block_s, splits,
             num_pages, latent, rope, block_h, scale, precision, final):
     b, split, hb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     heads = pl.ds(pl.multiple_of(hb * block_h, block_h), block_h)
     length = length_ref[b]
     used = (length + page_size - 1) // page_size
-    first = split * pages_per_split
-    last = jnp.minimum(first + pages_per_split, used)
+    per_split = (used + splits - 1) // splits  # the sequence's own pages, evenly over the splits
+    first = split * per_split
+    last = jnp.minimum(first + per_split, used)
     dtype = q_ref.dtype
     q_lat = q_ref[b, heads, pl.ds(0, latent)]
     q_rope = q_ref[b, heads, pl.ds(latent, rope)] if rope else None
@@ -190,11 +207,10 @@ def _block_s(config: DecodeConfig, page_size: int) -> int:
     return _AUTO_BLOCK_S if page_size % _AUTO_BLOCK_S == 0 else page_size
 
 
-def _splits(config: DecodeConfig, b: int, head_blocks: int, width: int) -> tuple[int, int]:
-    """(splits, pages per split) with no statically empty split."""
+def _splits(config: DecodeConfig, b: int, head_blocks: int, width: int) -> int:
+    """Page ranges per sequence: num_splits, or enough for ~_TARGET_PROGRAMS programs; at most one per table slot."""
     want = config.num_splits or -(-_TARGET_PROGRAMS // (b * head_blocks))
-    per_split = -(-width // max(1, min(want, width)))
-    return -(-width // per_split), per_split
+    return max(1, min(want, width))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "latent_dim", "backend", "config"))
@@ -218,14 +234,14 @@ def paged_latent_attention(q_bhc: jax.Array, pages_npc: jax.Array, page_table_bp
     block_h, block_s = config.block_h, _block_s(config, page_size)
     head_blocks = -(-h // block_h)
     hp = head_blocks * block_h
-    splits, per_split = _splits(config, b, head_blocks, width)
+    splits = _splits(config, b, head_blocks, width)
     final = splits == 1
     if hp != h:
         q_bhc = jnp.pad(q_bhc, ((0, 0), (0, hp - h), (0, 0)))
     length_b = jnp.clip(length_b.astype(jnp.int32), 0, width * page_size)
     precision = lax.Precision.HIGHEST if q_bhc.dtype == jnp.float32 else lax.Precision.DEFAULT
     kernel = functools.partial(
-        _kernel, page_size=page_size, block_s=block_s, pages_per_split=per_split, num_pages=n, latent=latent_dim,
+        _kernel, page_size=page_size, block_s=block_s, splits=splits, num_pages=n, latent=latent_dim,
         rope=rope, block_h=block_h, scale=float(scale), precision=precision, final=final)
     if final:
         out_shape = (jax.ShapeDtypeStruct((b, hp, latent_dim), _F32),)
