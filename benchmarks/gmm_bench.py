@@ -383,6 +383,8 @@ def main():
     p.add_argument("--backend", default=None)
     p.add_argument("--check", action="store_true")
     p.add_argument("--sweep", action="store_true", help="also time a few tilings of ours on the first shape")
+    p.add_argument("--tilings", default=None,
+                   help="with --sweep: tilings tm-tk-tn-warps-stages, comma-separated (default: a fixed set)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--glu", action="store_true", help="fused up-projection gmm_glu vs unfused")
     mode.add_argument("--mxfp4", action="store_true", help="gmm_mxfp4 vs bf16 gmm and dequantize-then-matmul")
@@ -410,7 +412,9 @@ def main():
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
     if args.sweep:  # a few tilings of our kernel on the first shape (JSON lines only)
         m, k, n, g = shapes[0]
-        for t in _SWEEP[name]:
+        tilings = _SWEEP[name] if not args.tilings else [
+            Tiling(*(int(v) for v in t.split("-"))) for t in args.tilings.split(",")]
+        for t in tilings:
             try:
                 bench(m, k, n, g, "balanced", max(5, args.iters // 2), False, backend, tiling=t)
             except Exception as e:
