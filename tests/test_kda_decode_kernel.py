@@ -161,15 +161,15 @@ def test_ops_kda_pallas_one_token_runs_the_xla_step_off_gpu_and_the_kernel_when_
     scale = 32 ** -0.5
     ref_o, ref_s = _numpy_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s, scale)
 
-    def run(state):
-        return kda_ops.kda(q, k, v, g, beta, scale=scale, initial_state=state, impl="pallas")
-
     assert kda_ops.decode_kernel_backend() is None  # CPU
-    assert "pallas_call" not in str(jax.make_jaxpr(run)(s))
     for patched in (False, True):
         if patched:
             monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-            assert "pallas_call" in str(jax.make_jaxpr(run)(s))
+
+        def run(state):  # a new function per platform choice: traces are cached per function
+            return kda_ops.kda(q, k, v, g, beta, scale=scale, initial_state=state, impl="pallas")
+
+        assert ("pallas_call" in str(jax.make_jaxpr(run)(s))) == patched
         o, new = jax.jit(run)(s)
         assert o.shape == (2, 1, 2, 32) and o.dtype == q.dtype and new.dtype == jnp.float32
         assert _rel_err(o[:, 0], ref_o) < 2e-6 and _rel_err(new, ref_s) < 2e-6
@@ -182,16 +182,16 @@ def test_ops_kda_pallas_one_token_runs_the_xla_step_off_gpu_and_the_kernel_when_
 
 
 def test_layer_decode_under_a_mesh_runs_the_kernel_per_shard(monkeypatch):
-    """The KDA layer's cached one-token decode with kda_impl="pallas" under a (data 2, expert 2, model 2) mesh goes
-    through the shard_map wrapper (sharding.kda_kernel) into the decode kernel and equals the recurrent path on one
-    device; a slot with valid_len 0 keeps its recurrent state bit-identical."""
+    """The KDA layer's cached one-token decode with kda_impl="pallas" equals the recurrent path (kda_impl="chunked")
+    on one CPU device (the XLA step) and, with the decode kernel chosen, under a (data 2, expert 2, model 2) mesh,
+    where it goes through the shard_map wrapper (sharding.kda_kernel); a slot with valid_len 0 keeps its recurrent
+    state bit-identical."""
     import configs
     from flax import nnx
 
     from k3jax.layers.kda import KDA
     from sharding.mesh import make_mesh
 
-    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
     rng = np.random.default_rng(12)
     x = jnp.asarray(rng.standard_normal((4, 1, base.hidden_size)), jnp.float32)
@@ -207,10 +207,14 @@ def test_layer_decode_under_a_mesh_runs_the_kernel_per_shard(monkeypatch):
         return lambda p, x, st, valid: nnx.merge(graph, p).forward_cached(x, st, valid)
 
     y_ref, st_ref = jax.jit(decode("chunked"))(params, x, state, valid)
+    y_cpu, st_cpu = jax.jit(decode("pallas"))(params, x, state, valid)  # one device, CPU: the XLA step
+    assert _rel_err(y_cpu, y_ref) < 1e-6 and _rel_err(st_cpu.state_bhkv, st_ref.state_bhkv) < 1e-6
+    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
+    kernel_decode = decode("pallas")  # built outside the mesh: its logical axis names are not mesh axes
     mesh = make_mesh(data=2, expert=2, model=2)
     with (getattr(jax, "set_mesh", None) or jax.sharding.use_mesh)(mesh):
-        jaxpr = str(jax.make_jaxpr(decode("pallas"))(params, x, state, valid))
-        y, st = jax.jit(decode("pallas"))(params, x, state, valid)
+        jaxpr = str(jax.make_jaxpr(kernel_decode)(params, x, state, valid))
+        y, st = jax.jit(kernel_decode)(params, x, state, valid)
     assert "shard_map" in jaxpr and "pallas_call" in jaxpr
     rows = np.asarray(valid) == 1
     assert _rel_err(np.asarray(y)[rows], np.asarray(y_ref)[rows]) < 2e-5
@@ -219,49 +223,90 @@ def test_layer_decode_under_a_mesh_runs_the_kernel_per_shard(monkeypatch):
                                   np.asarray(state.state_bhkv)[1].view(np.uint32))
 
 
+def _kda_states(cache):
+    from k3jax.layers.kda import KDAState
+
+    states = jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, KDAState))
+    return [np.asarray(st.state_bhkv) for st in states if isinstance(st, KDAState)]
+
+
 def test_model_cached_decode_with_the_kernel_equals_the_recurrent_path(monkeypatch):
-    """The tiny model's cached decode (three tokens after a 4-token prefill, one idle slot) with kda_impl="pallas"
-    gives the logits and KDA states of kda_impl="chunked" (whose one-token decode is the recurrent step): on CPU
-    (the XLA step) and with the decode kernel forced through the interpreter."""
+    """A 6-layer tiny model's cached decode (three tokens after a 3-token prompt, one idle slot) with kda_impl="pallas"
+    and the decode kernel chosen (through the interpreter) gives the logits and KDA states of kda_impl="chunked"
+    (whose one-token decode is the recurrent step); the idle slot's KDA states stay bit-identical."""
     import configs
     from flax import nnx
 
-    from k3jax.layers.kda import KDAState
-    from k3jax.model import K3Model
+    from k3jax.layers.params import RouterBias
+    from k3jax.model import K3Model, init_cache
 
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    model = K3Model(base.replace(kda_impl="chunked"), rngs=nnx.Rngs(0))
-    _, params = nnx.split(model)
+    # 6 layers: KDA (unscanned), MLA, then a scanned (KDA, MLA) unit x 2 whose KDA states are stacked.
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(
+        num_hidden_layers=6, full_attn_layers=(2, 4, 6))
+
+    def graph(impl):
+        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(kda_impl=impl), rngs=nnx.Rngs(0))))
+
+    # Random weights without the (slow, eager) initialisers; router biases pin the top-k (no near-tie flips).
+    _, abstract = graph("chunked")
+    rng = np.random.default_rng(1)
+    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    params = nnx.merge_state(params, jax.tree.map(lambda b: jnp.broadcast_to(jnp.arange(b.shape[-1]) * 10.0, b.shape),
+                                                  nnx.filter_state(params, RouterBias)))
 
     def cached(impl):
-        graph, _ = nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(kda_impl=impl), rngs=nnx.Rngs(0))))
-        return jax.jit(lambda p, ids, cache, valid: nnx.merge(graph, p).forward_cached(ids, cache, valid))
+        gd = graph(impl)[0]
+        return jax.jit(lambda p, ids, cache, valid: nnx.merge(gd, p).forward_cached(ids, cache, valid))
 
-    rng = np.random.default_rng(1)
-    prompt = jnp.asarray(rng.integers(0, 256, (2, 4)), jnp.int32)
-    _, cache0 = cached("chunked")(params, prompt, model.init_cache(2, 8), jnp.asarray([4, 4], jnp.int32))
+    recurrent_step = cached("chunked")
+    cache0 = init_cache(base, 2, 8)
+    for tok in rng.integers(0, 256, (3, 2, 1)):  # a 3-token prompt, one token at a time (one compile)
+        _, cache0 = recurrent_step(params, jnp.asarray(tok, jnp.int32), cache0, jnp.asarray([1, 1], jnp.int32))
     tokens = jnp.asarray(rng.integers(0, 256, (3, 2, 1)), jnp.int32)
     valid = jnp.asarray([1, 0], jnp.int32)  # sequence 1 idles
 
-    def decode(impl):
-        step, cache, logits = cached(impl), cache0, []
+    def decode(step):
+        cache, logits = cache0, []
         for tok in tokens:
             out, cache = step(params, tok, cache, valid)
             logits.append(np.asarray(out)[0])
-        kda_states = [x for x in jax.tree.leaves(cache.layers, is_leaf=lambda x: isinstance(x, KDAState))
-                      if isinstance(x, KDAState)]
-        return np.stack(logits), [np.asarray(st.state_bhkv) for st in kda_states]
+        return np.stack(logits), _kda_states(cache)
 
-    want_logits, want_states = decode("chunked")
-    got = [decode("pallas")]
-    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-    got.append(decode("pallas"))
-    old_states = [np.asarray(st.state_bhkv) for st in jax.tree.leaves(
-        cache0.layers, is_leaf=lambda x: isinstance(x, KDAState)) if isinstance(st, KDAState)]
-    assert len(want_states) == len(old_states) > 0
-    for logits, states in got:
-        assert _rel_err(logits, want_logits) < 1e-5
-        for st, ref, old in zip(states, want_states, old_states, strict=True):
-            assert _rel_err(st, ref) < 1e-5
-            np.testing.assert_array_equal(st[:, 1] if st.ndim == 5 else st[1],
-                                          old[:, 1] if old.ndim == 5 else old[1])  # idle slot untouched
+    want_logits, want_states = decode(recurrent_step)
+    kernel_calls = []
+    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: kernel_calls.append(1) or "interpret")
+    logits, states = decode(cached("pallas"))
+    assert len(kernel_calls) == 2  # traced once per KDA layer body (unscanned, scanned)
+    old_states = _kda_states(cache0)
+    assert len(want_states) == len(old_states) == 2 and want_states[1].ndim == 5  # unscanned, then stacked
+    assert _rel_err(logits, want_logits) < 1e-5
+    for st, ref, old in zip(states, want_states, old_states, strict=True):
+        assert _rel_err(st, ref) < 1e-5
+        idle, idle_before = (st[:, 1], old[:, 1]) if st.ndim == 5 else (st[1], old[1])
+        np.testing.assert_array_equal(idle.view(np.uint32), idle_before.view(np.uint32))
+        assert np.abs(st[..., 0, :, :, :] - old[..., 0, :, :, :]).max() > 1e-3  # the running slot moved
+
+
+def test_kernel_lowers_for_cuda_at_the_k3_gpu_decode_shape_with_the_state_aliased(monkeypatch):
+    """Lowered for CUDA on this host (no GPU needed; KERNELS.md's compile check): B = 64, H = 12, K = V = 128, bf16
+    q/k/v give one Triton kernel whose new state aliases the (donated) old one, directly and through
+    ``kda(impl="pallas")`` with the GPU platform chosen."""
+    from pallas_kernels.cuda_lowering import triton_kernels
+
+    sd = jax.ShapeDtypeStruct
+    b, h, d = 64, 12, 128
+    token = (sd((b, 1, h, d), jnp.bfloat16),) * 3 + (sd((b, 1, h, d), jnp.float32), sd((b, 1, h), jnp.float32))
+    state = sd((b, h, d, d), jnp.float32)
+
+    def direct(q, k, v, g, beta, s):
+        return kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], s, scale=d ** -0.5, backend="gpu")
+
+    assert triton_kernels(direct, *token, state, name_pattern=r"kda_[a-z_]+") == (1, ["kda_decode_step"])
+    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "gpu")
+
+    def dispatched(q, k, v, g, beta, s):
+        return kda_ops.kda(q, k, v, g, beta, scale=d ** -0.5, initial_state=s, impl="pallas")
+
+    assert triton_kernels(dispatched, *token, state, name_pattern=r"kda_[a-z_]+") == (1, ["kda_decode_step"])
+    text = jax.jit(dispatched, donate_argnums=5).trace(*token, state).lower(lowering_platforms=("cuda",)).as_text()
+    assert "output_operand_aliases" in text and "tf.aliasing_output" in text

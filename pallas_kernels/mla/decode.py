@@ -43,7 +43,7 @@ __all__ = ["BACKENDS", "DecodeConfig", "gpu_compatible", "paged_latent_attention
 BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
 _NEG = -1e30  # initial running max: finite, so fully masked steps give exp(-inf - _NEG) = 0 and never NaN
-_AUTO_BLOCK_S = 32
+_AUTO_BLOCK_S = 64  # fastest on an H200 at B = 16/64 (benchmarks/RESULTS.md, 2026-11-30 session 3)
 _TARGET_PROGRAMS = 128  # auto splits: about one program per SM of an H100/H200 (132 SMs)
 
 
@@ -53,8 +53,8 @@ class DecodeConfig:
 
     block_h: query heads per program (H is padded to a multiple; power of two >= 16 on the GPU backend: Triton
       matmuls need every dim >= 16). More heads than block_h: several programs per sequence read the same pages.
-    block_s: cached rows per loop step (divides page_size; 0 = auto: 32 when it divides page_size, else
-      page_size; a bf16 [32, 512] tile plus the [16, 512] f32 accumulator is ~128 registers a thread at 4 warps).
+    block_s: cached rows per loop step (divides page_size; 0 = auto: 64 when it divides page_size, else 32, else
+      page_size; 64 measured fastest on an H200 at batch 1, 16 and 64 with 512 and 4096 cached tokens).
     num_splits: page ranges per sequence (0 = auto: about 128 programs in all, at most one range per page).
     num_warps, num_stages: Triton launch parameters (num_stages > 1 lets Triton pipeline the page loads).
     """
@@ -204,7 +204,10 @@ def _combine_splits(o_bshl, lse_bsh):
 def _block_s(config: DecodeConfig, page_size: int) -> int:
     if config.block_s:
         return config.block_s
-    return _AUTO_BLOCK_S if page_size % _AUTO_BLOCK_S == 0 else page_size
+    for block in (_AUTO_BLOCK_S, 32):
+        if page_size % block == 0:
+            return block
+    return page_size
 
 
 def _splits(config: DecodeConfig, b: int, head_blocks: int, width: int) -> int:
