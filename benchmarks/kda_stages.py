@@ -3,12 +3,15 @@
     python benchmarks/kda_stages.py --shape=1x8192x96 --variants=64-4-4,32-4-4-doubling-1-32-split [--iters=10]
         [--check] [--stages=intra,recurrence]
 
-Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd) is jitted alone on the
+Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd, or with
+``intra_bwd="tiled"`` its two kernels bwd_intra_a = solve gradients and bwd_intra_b = pair gradients) is jitted alone
+on the
 previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls after
 warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
 `--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
-Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`.
+Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]`, e.g.
+`64-4-4-doubling-1-32-split-tiled` (`KernelConfig.parse`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda import KernelConfig
-from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_split
+from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_bwd_tiled, intra_split
 from pallas_kernels.kda.check import run_on_gpu
 
 
@@ -73,10 +76,21 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
          lambda: (q, k, v, g, beta, out["u"], out["w"], out["dqg"], out["dkg"], out["dw"], out["dv_new"],
                   out["daqk"], out["d_decay"]), ("dq", "dk", "dv", "dg", "dbeta")),
     ]
-    if config.intra == "split":  # the split intra stage and its own backward (which reads the solve terms)
-        stages[0] = ("intra", lambda: jax.jit(lambda *a: intra_split.intra_chunk_split(
-            *a, scale=scale, config=config, interpret=interpret, return_solve=True)),
-            lambda: (q, k, v, g, beta), ("qg", "kg", "w", "u", "aqk", "decay", "solve_terms"))
+    split_intra = ("intra", lambda: jax.jit(lambda *a: intra_split.intra_chunk_split(
+        *a, scale=scale, config=config, interpret=interpret, return_solve=True)),
+        lambda: (q, k, v, g, beta), ("qg", "kg", "w", "u", "aqk", "decay", "solve_terms"))
+    if config.intra_bwd == "tiled":  # split recompute, then the two tiled backward kernels as their own stages
+        stages[0] = split_intra
+        stages[-1:] = [
+            ("bwd_intra_a", lambda: jax.jit(lambda *a: intra_bwd_tiled.solve_grads(*a, **kw)),
+             lambda: (out["solve_terms"][1], out["solve_terms"][0], beta, out["dv_new"], out["u"], v, out["dw"],
+                      out["w"], k, out["solve_terms"][2]), ("dv", "z", "dkk", "dbeta")),
+            ("bwd_intra_b", lambda: jax.jit(lambda *a: intra_bwd_tiled.pair_grads(*a, scale=scale, **kw)),
+             lambda: (q, k, out["solve_terms"][2], beta, out["z"], out["dqg"], out["dkg"], out["daqk"], out["dkk"],
+                      out["d_decay"]), ("dq", "dk", "dg")),
+        ]
+    elif config.intra == "split":  # the split intra stage and its own backward (which reads the solve terms)
+        stages[0] = split_intra
         stages[-1] = ("bwd_intra", lambda: jax.jit(lambda *a: intra_split.intra_bwd_split(*a, scale=scale, **kw)),
                       lambda: (q, k, v, beta, out["u"], out["w"], out["solve_terms"], out["dqg"], out["dkg"],
                                out["dw"], out["dv_new"], out["daqk"], out["d_decay"]),
@@ -114,7 +128,8 @@ def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, on
     return rows
 
 
-_ORDER = ["intra", "recurrence", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra"]
+_ORDER = ["intra", "recurrence", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra", "bwd_intra_a",
+          "bwd_intra_b"]
 
 
 def _feeds(name, only):
@@ -149,7 +164,8 @@ def main():
         rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only)
         fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
         fwd_ms = sum(fwd.get(k, 0) for k in ("intra", "recurrence"))
-        bwd = sum(fwd.get(k, 0) for k in ("intra", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra"))
+        bwd = sum(fwd.get(k, 0) for k in ("intra", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra",
+                                          "bwd_intra_a", "bwd_intra_b"))
         print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_ms": round(fwd_ms, 3),
                           "bwd_ms": round(bwd, 3)}), flush=True)
 

@@ -480,3 +480,34 @@ def test_auto_picks_the_kernel_on_accelerators_for_kernel_compatible_configs(mon
         assert resolve_kda_impl(k3_like) == want, platform
         assert resolve_kda_impl(kimi_linear_like) == "chunked", platform  # softplus gate: outside the kernel's range
     assert resolve_kda_impl(k3_like.replace(kda_impl="recurrent")) == "recurrent"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tiled_intra_backward_gradients_equal_token_recurrence_gradients_on_packed_documents(dtype):
+    """KernelConfig(intra_bwd="tiled") (split recompute, then the solve-gradient and per-key-block pair-gradient
+    kernels) gives the token recurrence's gradients: packed documents (starts mid-chunk, on a chunk start, two in
+    one 16-row block, a one-token document), T not a multiple of 64, two key blocks per pair-gradient program."""
+    b, t, h, d = 1, 150, 2, 32
+    q, k, v, g, beta, h0 = _inputs(b=b, t=t, h=h, kd=d, vd=d, seed=41)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    seg = _segment_ids(b, t, [[5, 64, 70, 75, 140, 141]])
+    config = KernelConfig(block_k=16, intra_bwd="tiled")
+
+    def tiled(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True, backend="interpret",
+                         config=config)
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    args = (q, k, v, g, beta, h0)
+    w_o, w_s = _cotangents(v, h0, seed=42)
+    got = _grad_all(tiled, args, w_o, w_s)
+    want = _grad_all(recurrent, args, w_o, w_s)
+    tol = 2e-5 if dtype == jnp.float32 else 1.5e-2  # bf16: bf16 intermediates and dot operands, as the other paths
+    for name, x, ref in zip(_GRAD_NAMES, got, want):
+        assert x.shape == ref.shape and x.dtype == ref.dtype, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol, name
+    with pytest.raises(ValueError, match="intra_bwd must be"):
+        _grad_all(_pallas_core(config=KernelConfig(intra_bwd="fused")), tuple(np.asarray(x[:, :8], np.float32)
+                  for x in (q, k, v, g, beta)) + (h0,), w_o[:, :8], w_s)

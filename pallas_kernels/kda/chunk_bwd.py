@@ -28,6 +28,10 @@ Five kernels (all generic Pallas: Triton GPU backend, or ``interpret=True`` on C
    the gradients of the row / column factor of the pairwise products) and ``dG_L = sum_rows(dkg . kg) +
    d(2^G_L) . 2^G_L``. The gate gradient is their reverse cumulative sum inside the chunk,
    ``dg_i = sum_{r >= i} dG_r + dG_L`` (natural-log units: d 2^(G log2 e) / dG = 2^(G log2 e)).
+   ``KernelConfig(intra="split")`` uses the split stage's backward (``intra_split.intra_bwd_split``);
+   ``KernelConfig(intra_bwd="tiled")`` recomputes through the split kernels and replaces kernel 5 by two
+   small-footprint kernels (``intra_bwd_tiled.py``: solve gradients per chunk, then per key block the pairwise
+   products one 16-row block at a time).
 
 Numerics: f32 accumulation everywhere; for f32 inputs full-f32 matmuls and f32 intermediates, for bf16 inputs bf16
 intermediates (states, v', dv', dS per chunk, like fla) and default-precision matmuls. Padding (T not a multiple
@@ -83,6 +87,7 @@ from pallas_kernels.kda.chunk_fwd import (
     intra_chunk,
     triton_params,
 )
+from pallas_kernels.kda.intra_bwd_tiled import intra_bwd_tiled
 from pallas_kernels.kda.intra_split import intra_bwd_split, intra_chunk_split
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
@@ -486,9 +491,13 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     q, k, v, g, beta, d_o = (to_padded(x) for x in (q, k, v, g, beta, d_o))
 
-    # 1. Recompute the forward's per-chunk quantities.
+    # 1. Recompute the forward's per-chunk quantities (through the split kernels when the backward reads their
+    # solve terms).
     documents = None if segment_ids is None else document_layout(segment_ids, n)
-    split = config.intra == "split"
+    if config.intra_bwd not in ("auto", "tiled"):
+        raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {config.intra_bwd!r}")
+    tiled = config.intra_bwd == "tiled"
+    split = config.intra == "split" or tiled
     if split:
         qg, kg, w, u, aqk, decay, solve_terms = intra_chunk_split(
             q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents, return_solve=True)
@@ -508,7 +517,10 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     if documents is not None:  # the forward's chunk decay is masked where a document starts inside the chunk
         d_decay = d_decay * documents["keep"][:, None, :, None]
     # 5. Back through the intra-chunk algebra.
-    if split:
+    if tiled:
+        dq, dk, dv, dg, dbeta = intra_bwd_tiled(q, k, v, beta, u, w, solve_terms, dqg, dkg, dw, dv_new, daqk,
+                                                d_decay, scale=scale, documents=documents, **kw)
+    elif split:
         dq, dk, dv, dg, dbeta = intra_bwd_split(q, k, v, beta, u, w, solve_terms, dqg, dkg, dw, dv_new, daqk, d_decay,
                                                 scale=scale, documents=documents, **kw)
     else:

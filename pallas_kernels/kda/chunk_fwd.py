@@ -61,6 +61,9 @@ class KernelConfig:
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
     intra: "single" (one intra-chunk kernel per chunk and head) or "split" (intra_split.py: cumulative gate in XLA,
       then gram / solve / apply kernels with less serial work per program).
+    intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
+      through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
+      products in 16-row steps; intra_bwd_tiled.py).
     """
 
     block_v: int = 64
@@ -69,17 +72,18 @@ class KernelConfig:
     stages: int = 1
     block_k: int = 32
     intra: str = "single"
+    intra_bwd: str = "auto"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
-        """``block_v-warps-warps[-solve[-stages[-block_k[-intra]]]]``, e.g. ``64-4-4`` or
-        ``32-4-4-doubling-2-64-split`` (the benchmarks' variant syntax)."""
+        """``block_v-warps-warps[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]``, e.g. ``64-4-4`` or
+        ``32-4-4-doubling-2-64-split-tiled`` (the benchmarks' variant syntax)."""
         parts = text.split("-")
-        if len(parts) < 3 or len(parts) > 7:
-            raise ValueError(f"KernelConfig.parse: expected block_v-warps-warps[-solve[-stages[-block_k[-intra]]]], "
-                             f"got {text!r}")
+        if len(parts) < 3 or len(parts) > 8:
+            raise ValueError("KernelConfig.parse: expected block_v-warps-warps[-solve[-stages[-block_k[-intra"
+                             f"[-intra_bwd]]]]], got {text!r}")
         kw = dict(block_v=int(parts[0]), warps=(int(parts[1]), int(parts[2])))
-        for name, value in zip(("solve", "stages", "block_k", "intra"), parts[3:]):
+        for name, value in zip(("solve", "stages", "block_k", "intra", "intra_bwd"), parts[3:]):
             kw[name] = int(value) if name in ("stages", "block_k") else value
         return cls(**kw)
 
@@ -88,6 +92,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
         if self.intra not in ("single", "split"):
             raise ValueError(f"KernelConfig.intra must be 'single' or 'split', got {self.intra!r}")
+        if self.intra_bwd not in ("auto", "tiled"):
+            raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {self.intra_bwd!r}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig.stages must be >= 1, got {self.stages}")
 

@@ -225,6 +225,10 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
     the end of i), ``dq~_i += F (daqk_i (k E))``, ``dk_row_i += F (dkk_i (k E))`` and ``dk_col += E (daqk_i^T
     (q~_i F) + dkk_i^T (k_i F))``. The gate gradient per row is ``dG = q~ dq~ + k (dk_row - dk_col) - dkg kg +
     z beta k 2^G`` (the reference-row terms cancel), reverse-summed over the chunk plus ``dG_L``.
+
+    Full-f32 dots (f32 inputs) take the sub-chunks in a ``fori_loop`` (``rolled``): unrolled, the four sub-chunks'
+    64x64 f32 dot operands overflow a GPU's shared memory (requested 264 KiB of 227 on an H200); 16-bit inputs keep
+    the unrolled form whose timings were measured.
     """
     if segmented:
         doc_ref, carry_ref, last_ref, dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref = refs
@@ -240,6 +244,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
     same = (doc_ref[...][:, None] == doc_ref[...][None, :]) if segmented else None
     beta_c1 = beta_ref[...].astype(_F32)[:, None]
     a_cc = a_ref[...]
+    rolled = precision == lax.Precision.HIGHEST
 
     def cols(b):
         return pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
@@ -282,10 +287,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
         gamma = _rows_masked(jnp.exp2(gc), carry)
         kg_factor = _rows_masked(jnp.exp2(g_last - gc), last)
         z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
-        dqs = dqg_ref[:, c].astype(_F32) * gamma
-        dk_row = jnp.zeros_like(k)
-        dk_col = jnp.zeros_like(k)
-        for i in range(_N_SUB):
+
+        def sub_chunk(i, acc):
+            dqs, dk_row, dk_col = acc
             in_i = (rows_c1 >= i * s) & (rows_c1 < (i + 1) * s)  # [64, 1]: the rows of sub-chunk i
             first = gc_ref[pl.ds(i * s, 1), c]
             f_rows = jnp.exp2(jnp.where(in_i, gc - first, -jnp.inf))  # F on the rows of i, 0 elsewhere
@@ -296,6 +300,15 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
             dqs = dqs + f_rows * _dot(daqk_i, k_e, precision)
             dk_row = dk_row + f_rows * _dot(dkk_i, k_e, precision)
             dk_col = dk_col + e_cols * (_dot_tn(daqk_i, q * f_rows, precision) + _dot_tn(dkk_i, k * f_rows, precision))
+            return dqs, dk_row, dk_col
+
+        acc = (dqg_ref[:, c].astype(_F32) * gamma, jnp.zeros_like(k), jnp.zeros_like(k))
+        if rolled:  # one sub-chunk's 64x64 operands at a time
+            acc = lax.fori_loop(0, _N_SUB, sub_chunk, acc)
+        else:
+            for i in range(_N_SUB):
+                acc = sub_chunk(i, acc)
+        dqs, dk_row, dk_col = acc
         dkg = dkg_ref[:, c].astype(_F32)
         dkg_kg = dkg * k * kg_factor
         dgrow = q * dqs + k * (dk_row - dk_col) - dkg_kg + z * beta_c1 * k * gamma
