@@ -254,7 +254,8 @@ def test_k128_pallas_backward_equals_token_recurrence_and_xla_backward():
     w_o, w_s = _cotangents(v, h0, seed=15)
     args = (q, k, v, g, beta, h0)
     # Narrow value blocks and the doubling solve: the tuning knobs do not change the gradients.
-    got = _grad_all(_pallas_core(config=KernelConfig(block_v=32, solve="doubling")), args, w_o, w_s)
+    single = KernelConfig(block_v=32, solve="doubling", intra="single", intra_bwd="auto")  # the single-kernel path
+    got = _grad_all(_pallas_core(config=single), args, w_o, w_s)
     want = _grad_all(_recurrent_core(128), args, w_o, w_s)
     via_xla = _grad_all(_pallas_core(bwd="xla"), args, w_o, w_s)
     for name, x, ref, alt in zip(_GRAD_NAMES, got, want, via_xla):
@@ -376,7 +377,8 @@ def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dt
     def recurrent(*a):
         return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
 
-    split, single = core(KernelConfig(intra="split", block_k=16)), core(KernelConfig())
+    split, single = core(KernelConfig(intra="split", intra_bwd="auto", block_k=16)), core(
+        KernelConfig(intra="single", intra_bwd="auto"))
     args = (q, k, v, g, beta, h0)
     o, s = jax.jit(split)(*args)
     ro, rs = jax.jit(recurrent)(*args)

@@ -64,6 +64,9 @@ class KernelConfig:
     intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
       through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
       products in 16-row steps; intra_bwd_tiled.py).
+
+    Defaults = the fastest measured on an H200 at 1x8192x96 bf16 (``benchmarks/kda_stages.py``, RESULTS.md):
+    split forward intra 3.78 ms (single 4.53), tiled backward intra 2.38 + 3.84 ms (single 18.1).
     """
 
     block_v: int = 64
@@ -71,8 +74,8 @@ class KernelConfig:
     solve: str = "doubling"
     stages: int = 1
     block_k: int = 32
-    intra: str = "single"
-    intra_bwd: str = "auto"
+    intra: str = "split"
+    intra_bwd: str = "tiled"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
