@@ -164,8 +164,9 @@ def main():
         rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only)
         fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
         fwd_ms = sum(fwd.get(k, 0) for k in ("intra", "recurrence"))
-        bwd = sum(fwd.get(k, 0) for k in ("intra", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra",
-                                          "bwd_intra_a", "bwd_intra_b"))
+        recompute = ("intra",) if config.residuals == "inputs" else ()  # "intra": the forward's results are kept
+        bwd = sum(fwd.get(k, 0) for k in recompute + ("bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra",
+                                                      "bwd_intra_a", "bwd_intra_b"))
         print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_ms": round(fwd_ms, 3),
                           "bwd_ms": round(bwd, 3)}), flush=True)
 

@@ -513,3 +513,31 @@ def test_tiled_intra_backward_gradients_equal_token_recurrence_gradients_on_pack
     with pytest.raises(ValueError, match="intra_bwd must be"):
         _grad_all(_pallas_core(config=KernelConfig(intra_bwd="fused")), tuple(np.asarray(x[:, :8], np.float32)
                   for x in (q, k, v, g, beta)) + (h0,), w_o[:, :8], w_s)
+
+
+@pytest.mark.parametrize("config", [KernelConfig(block_k=16),  # split forward + tiled backward (defaults)
+                                    KernelConfig(block_k=16, intra="single", intra_bwd="auto")])
+def test_kept_intra_residuals_give_the_recomputed_gradients_without_recomputing(config):
+    """residuals="intra" (default) hands the forward's intra-chunk results to the backward: same gradients as
+    residuals="inputs" (which recomputes them), with the intra-chunk kernels traced once instead of twice."""
+    import dataclasses
+
+    q, k, v, g, beta, h0 = _inputs(b=1, t=90, h=2, kd=32, vd=32, seed=41)
+    w_o, w_s = _cotangents(v, h0, seed=42)
+    args = (q, k, v, g, beta, h0)
+    kept, recomputed = (dataclasses.replace(config, residuals=r) for r in ("intra", "inputs"))
+    got = _grad_all(_pallas_core(config=kept), args, w_o, w_s)
+    want = _grad_all(_pallas_core(config=recomputed), args, w_o, w_s)
+    ref = _grad_all(_recurrent_core(32), args, w_o, w_s)
+    for name, x, y, r in zip(_GRAD_NAMES, got, want, ref):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-6, err_msg=name)
+        assert _rel_err(x, r) < 2e-4, name
+
+    def intra_kernel_calls(cfg):
+        text = str(jax.make_jaxpr(jax.grad(_weighted_loss(_pallas_core(config=cfg), w_o, w_s),
+                                           argnums=tuple(range(6))))(*args))
+        return sum(text.count(n) for n in ("kda_chunk_gram", "kda_chunk_solve", "kda_chunk_apply", "kda_chunk_intra"))
+    assert intra_kernel_calls(kept) > 0
+    assert intra_kernel_calls(recomputed) == 2 * intra_kernel_calls(kept)
+    with pytest.raises(ValueError, match="residuals must be"):
+        KernelConfig(residuals="states")

@@ -84,11 +84,11 @@ from pallas_kernels.kda.chunk_fwd import (
     document_layout,
     document_masks,
     document_operands,
-    intra_chunk,
+    intra_for_backward,
     triton_params,
 )
 from pallas_kernels.kda.intra_bwd_tiled import intra_bwd_tiled
-from pallas_kernels.kda.intra_split import intra_bwd_split, intra_chunk_split
+from pallas_kernels.kda.intra_split import intra_bwd_split
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 
@@ -474,9 +474,10 @@ def intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, *, sc
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
 def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale, interpret=False,
-                  config=_DEFAULT_CONFIG, cu_seqlens=None, segment_ids=None):
+                  config=_DEFAULT_CONFIG, cu_seqlens=None, segment_ids=None, intra=None):
     """Gradients of ``chunk_kda_fwd`` (same arguments) for the cotangents ``d_o`` ``[B, T, H, V]`` and
-    ``d_final_state`` (the final-state shape).
+    ``d_final_state`` (the final-state shape). ``intra``: the forward's ``return_intra`` results (same config);
+    None recomputes them.
 
     Returns f32 ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the input shapes.
     """
@@ -498,12 +499,10 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
         raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {config.intra_bwd!r}")
     tiled = config.intra_bwd == "tiled"
     split = config.intra == "split" or tiled
-    if split:
-        qg, kg, w, u, aqk, decay, solve_terms = intra_chunk_split(
-            q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents, return_solve=True)
-    else:
-        qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                               documents=documents)
+    if intra is None:
+        intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                   documents=documents)
+    qg, kg, w, u, aqk, decay, solve_terms = intra
 
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     kw = dict(precision=precision, config=config, interpret=interpret)

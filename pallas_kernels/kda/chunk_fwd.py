@@ -64,6 +64,10 @@ class KernelConfig:
     intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
       through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
       products in 16-row steps; intra_bwd_tiled.py).
+    residuals: what the forward keeps for the backward: "intra" (its intra-chunk results ``qg, kg, w, u, aqk``,
+      the chunk decays and the split solve terms — already written to HBM by the forward, so keeping them costs
+      memory, ~2.3 KB per token and head at K = V = 128 bf16, and saves the backward's recompute of the intra
+      stage) or "inputs" (q, k, v, g, beta only; the backward recomputes the intra stage).
 
     Defaults = the fastest measured on an H200 at 1x8192x96 bf16 (``benchmarks/kda_stages.py``, RESULTS.md):
     split forward intra 3.78 ms (single 4.53), tiled backward intra 2.38 + 3.84 ms (single 18.1).
@@ -76,6 +80,7 @@ class KernelConfig:
     block_k: int = 32
     intra: str = "split"
     intra_bwd: str = "tiled"
+    residuals: str = "intra"
 
     @classmethod
     def parse(cls, text: str) -> "KernelConfig":
@@ -97,6 +102,8 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.intra must be 'single' or 'split', got {self.intra!r}")
         if self.intra_bwd not in ("auto", "tiled"):
             raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {self.intra_bwd!r}")
+        if self.residuals not in ("intra", "inputs"):
+            raise ValueError(f"KernelConfig.residuals must be 'intra' or 'inputs', got {self.residuals!r}")
         if self.stages < 1:
             raise ValueError(f"KernelConfig.stages must be >= 1, got {self.stages}")
 
@@ -650,9 +657,23 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
     )(qg, kg, w, u, aqk, decay, *specs.meta_ops, initial_state.astype(_F32))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens"))
+def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents):
+    """The intra-chunk results the backward reads, on chunk-padded inputs: ``(qg, kg, w, u, aqk, decay, solve)``
+    with ``solve`` the split stage's ``(kk, A, G)`` when the backward's intra kernels need them (``intra="split"``
+    or ``intra_bwd="tiled"``), else None. The forward calls it when it keeps these as residuals; the backward calls
+    it to recompute them otherwise."""
+    if config.intra == "split" or config.intra_bwd == "tiled":
+        from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
+
+        return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                 documents=documents, return_solve=True)
+    return (*intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents),
+            None)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens", "return_intra"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
-                  cu_seqlens=None, segment_ids=None):
+                  cu_seqlens=None, segment_ids=None, return_intra=False):
     """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the chunk loop).
 
     Args:
@@ -665,6 +686,9 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
       segment_ids: None, or traced int ``[B, T]`` packed documents (state reset wherever the id changes; the
         initial state belongs to each row's first document, the final state is its last document's), by masks
         inside the kernels (no relayout); exclusive with cu_seqlens.
+
+      return_intra: also return the intra-chunk results for the backward (``intra_for_backward``'s tuple, on the
+        chunk-padded layout): ``((o, final_state), intra)``.
 
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B or N_seq, H, K, V] f32)``.
@@ -682,13 +706,18 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
 
     documents = None if segment_ids is None else document_layout(segment_ids, n)
-    qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                           documents=documents)
+    if return_intra:
+        intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                   documents=documents)
+        qg, kg, w, u, aqk, decay = intra[:6]
+    else:
+        qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                               documents=documents)
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype,
                                       precision=precision, config=config, interpret=interpret)
-    if layout is None:
-        return from_padded(o), final_state
-    # Empty sequences own no chunk: their final state is their initial state.
-    empty = jnp.asarray(layout["lens"] == 0)[:, None, None, None]
-    return from_padded(o), jnp.where(empty, initial_state.astype(_F32), final_state)
+    if layout is not None:  # empty sequences own no chunk: their final state is their initial state
+        empty = jnp.asarray(layout["lens"] == 0)[:, None, None, None]
+        final_state = jnp.where(empty, initial_state.astype(_F32), final_state)
+    out = (from_padded(o), final_state)
+    return (out, intra) if return_intra else out

@@ -108,17 +108,24 @@ def _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens,
 
 
 def _pallas_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, config, bwd):
+    """Residuals: the inputs, plus the forward's intra-chunk results when ``config.residuals == "intra"`` (the
+    Pallas backward then skips recomputing them)."""
+    inputs = (q, k, v, g, beta, initial_state, segment_ids)
+    if bwd == "pallas" and config.residuals == "intra":
+        out, intra = chunk_kda_fwd(q, k, v, g, beta, initial_state, scale=scale, interpret=interpret, config=config,
+                                   cu_seqlens=cu_seqlens, segment_ids=segment_ids, return_intra=True)
+        return out, (*inputs, intra)
     out = _pallas_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, config, bwd)
-    return out, (q, k, v, g, beta, initial_state, segment_ids)
+    return out, (*inputs, None)
 
 
 def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, bwd, residuals, cotangents):
     """Pallas backward kernels (``bwd="pallas"``) or the autodiff of the XLA chunked core (``bwd="xla"``)."""
     do, d_final = cotangents
-    *inputs, segment_ids = residuals
+    *inputs, segment_ids, intra = residuals
     if bwd == "pallas":
         grads = chunk_kda_bwd(*inputs, do, d_final, scale=scale, interpret=interpret, config=config,
-                              cu_seqlens=cu_seqlens, segment_ids=segment_ids)
+                              cu_seqlens=cu_seqlens, segment_ids=segment_ids, intra=intra)
     else:
         def xla_forward(*args):
             return _xla_kda(*args, segment_ids, scale, cu_seqlens)
