@@ -2,6 +2,7 @@
 
     python benchmarks/gmm_bench.py [--shapes=32768x3584x6144x56,...] [--routing=balanced,skewed] [--iters=20]
                                    [--check] [--ragged_max_rows=32768] [--sweep] [--glu | --mxfp4]
+    python benchmarks/gmm_bench.py --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4,...   # decode sizes
 
 Shapes are rows×k×n×groups (K3 latent experts: up k=3584 n=2·3072, down k=3072 n=3584; rows per rank 8k–64k,
 groups = 896 / expert-parallel degree). bf16 inputs, f32 accumulation, bf16 outputs for all three. Forward and
@@ -149,6 +150,37 @@ def bench_shape(m, k, n, g, routing, iters, ragged, backend, tiling=None):
     for key in [kk for kk in row if kk.endswith("_ms")]:
         mult = 3 if "fwdbwd" in key else 1
         row[key.replace("_ms", "_tflops")] = mult * flop / (row[key] * 1e-3) / 1e12
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def bench_chained(m, k, n, g, routing, chain, iters, backend, tilings):
+    """Decode-sized calls (`--chain`): `chain` dependent forward calls inside one jit (each call's output is the
+    next call's input, so k == n), timed per call without host dispatch; ours for each tiling (None = the
+    default) and `ragged_dot`. GB/s = expert weight bytes per call / time (decode reads every touched expert)."""
+    if k != n:
+        raise ValueError(f"--chain needs k == n (the output feeds the next call), got {m}x{k}x{n}x{g}")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    gs = jnp.asarray(group_sizes_for(m, g, routing))
+    weight_bytes = int((gs > 0).sum()) * k * n * 2
+
+    def chained(call):
+        return jax.jit(lambda x, w: jax.lax.fori_loop(0, chain, lambda i, h: call(h, w).astype(h.dtype), x))
+
+    impls = {f"ours_{'default' if t is None else '-'.join(map(str, t))}":
+             (lambda t: lambda a, b: gmm(a, b, gs, backend=backend, tiling=t))(t) for t in tilings}
+    impls["ragged_dot"] = lambda a, b: jax.lax.ragged_dot(a, b, gs)
+    row = {"m": m, "k": k, "n": n, "groups": g, "routing": routing, "chain": chain, "weight_MB": weight_bytes / 1e6}
+    for label, call in impls.items():
+        try:
+            f = chained(call)
+            ms = _median_ms(lambda: f(x, w), iters) / chain
+            row[f"{label}_us"] = round(ms * 1e3, 2)
+            row[f"{label}_GBps"] = round(weight_bytes / (ms * 1e-3) / 1e9, 1)
+        except Exception as e:  # one tiling failing (e.g. shared memory) must not lose the others
+            row[f"{label}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     print(json.dumps(row), flush=True)
     return row
 
@@ -385,6 +417,9 @@ def main():
     p.add_argument("--sweep", action="store_true", help="also time a few tilings of ours on the first shape")
     p.add_argument("--tilings", default=None,
                    help="with --sweep: tilings tm-tk-tn-warps-stages, comma-separated (default: a fixed set)")
+    p.add_argument("--chain", type=int, default=0,
+                   help="decode-sized shapes (k == n): time this many dependent calls in one jit per measurement, "
+                        "ours for the default and each --tilings entry, vs ragged_dot")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--glu", action="store_true", help="fused up-projection gmm_glu vs unfused")
     mode.add_argument("--mxfp4", action="store_true", help="gmm_mxfp4 vs bf16 gmm and dequantize-then-matmul")
@@ -403,6 +438,13 @@ def main():
         raise SystemExit(f"{name} check FAILED")
     rows = []
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or default_shapes).split(",")]
+    if args.chain:
+        tilings = [None] + ([Tiling(*(int(v) for v in t.split("-"))) for t in args.tilings.split(",")]
+                            if args.tilings else [])
+        for m, k, n, g in shapes:
+            for routing in args.routing.split(","):
+                bench_chained(m, k, n, g, routing, args.chain, args.iters, backend, tilings)
+        return
     for m, k, n, g in shapes:
         for routing in args.routing.split(","):
             try:
