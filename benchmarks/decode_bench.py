@@ -113,6 +113,12 @@ def slot_state(batch: int, max_new: int):
         eos_se=jnp.full((batch, sched_lib.MAX_EOS_IDS), -1, jnp.int32))
 
 
+def _decode(params, cache, state, spec, steps):
+    """The scheduler's jitted decode call (greedy, no mesh): (cache, state, tokens, ran, done)."""
+    return sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps,
+                             mesh=sched_lib._intern(None))
+
+
 def bench_decode(cfg, spec, params, batch, context, steps, iters):
     max_len = context + steps * (iters + 2)
     cache = init_cache(cfg, batch, max_len)
@@ -120,13 +126,13 @@ def bench_decode(cfg, spec, params, batch, context, steps, iters):
         lengths=jnp.full((batch,), context, jnp.int32))
     state = slot_state(batch, 1 << 30)
     t0 = time.perf_counter()
-    cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
+    cache, state, tok, _, _ = _decode(params, cache, state, spec, steps)
     tok.block_until_ready()
     compile_s = time.perf_counter() - t0
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
+        cache, state, tok, _, _ = _decode(params, cache, state, spec, steps)
         tok.block_until_ready()
         times.append(time.perf_counter() - t0)
     call_s = statistics.median(times)
@@ -330,7 +336,7 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     state = slot_state(batch, 1 << 30)
 
     def call(cache, state):
-        cache, state, tok, _, _ = sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps, mesh=sched_lib._intern(None))
+        cache, state, tok, _, _ = _decode(params, cache, state, spec, steps)
         tok.block_until_ready()
         return cache, state
 
@@ -353,12 +359,78 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
     summary = summarize_xplane(paths[-1], steps * calls)
+    try:  # map kernel names to model source lines through the optimised HLO (one more compile, best effort)
+        hlo = sched_lib._decode.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
+                                      mesh=sched_lib._intern(None)).compile().as_text()
+        annotate_kernels(summary, hlo_sources(hlo))
+        if out_dir:
+            with open(os.path.join(out_dir, f"decode_hlo_b{batch}.txt"), "w") as f:
+                f.write(hlo)
+    except Exception as e:  # noqa: BLE001 -- the profile stands without the sources
+        print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
     summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
                    untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(paths[-1]))
     if out_dir and os.path.getsize(paths[-1]) < 15 << 20:
         shutil.copy(paths[-1], os.path.join(out_dir, f"decode_profile_b{batch}.xplane.pb"))
     shutil.rmtree(log_dir, ignore_errors=True)
     return summary
+
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+
+
+def _hlo_tables(hlo_text: str) -> dict[str, dict[int, str]]:
+    """The optimised HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables (id -> body)."""
+    tables, current = {}, None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"^(\d+) (.*)$", line)):
+            current[int(m.group(1))] = m.group(2)
+        else:
+            current = None
+    return tables
+
+
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+    """Optimised-HLO instruction name (dots as underscores, as GPU kernel names spell them) -> "op_name @
+    file:line (function)" from its metadata (a `source_file`/`source_line` pair, or a `stack_frame_id` into the
+    module's stack-frame tables), so profiled kernels (`loop_add_fusion_11`) point back at the model code."""
+    t = _hlo_tables(hlo_text)
+
+    def frame_source(frame_id: int) -> str:
+        frame = re.search(r"file_location_id=(\d+)", t.get("StackFrames", {}).get(frame_id, ""))
+        loc = t.get("FileLocations", {}).get(int(frame.group(1)), "") if frame else ""
+        m = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", loc)
+        if not m:
+            return ""
+        file = t.get("FileNames", {}).get(int(m.group(1)), "").strip('"')
+        func = t.get("FunctionNames", {}).get(int(m.group(2)), "").strip('"')
+        return f"{_short_source(file)}:{m.group(3)} ({func})"
+
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        meta = dict(re.findall(r'(\w+)=("[^"]*"|\d+)', m.group(2)))
+        op = _scope_group(meta.get("op_name", "").strip('"'))
+        src = meta.get("source_file", "").strip('"')
+        if src and "source_line" in meta:
+            where = f"{_short_source(src)}:{meta['source_line']}"
+        else:
+            where = frame_source(int(meta["stack_frame_id"])) if "stack_frame_id" in meta else ""
+        if op or where:
+            out[m.group(1).replace(".", "_")] = f"{op} @ {where}".strip(" @")
+    return out
+
+
+def annotate_kernels(summary: dict, sources: dict[str, str]) -> None:
+    """Adds each top kernel's HLO source ("src") to the profile summary in place."""
+    for row in summary.get("top_kernels", []):
+        src = sources.get(row["name"]) or sources.get(re.sub(r"__\d+$", "", row["name"]))
+        if src:
+            row["src"] = src[-160:]
 
 
 def print_profile(s: dict) -> None:
@@ -379,7 +451,8 @@ def print_profile(s: dict) -> None:
         print(f"\n| {title} (top by total time) | us/step | count/step | avg us |")
         print("|---|---:|---:|---:|")
         for r in s[key]:
-            print(f"| `{r['name']}` | {r['per_step_us']:.1f} | {r['count_per_step']:.1f} | {r['avg_us']:.2f} |")
+            src = f" ({r['src']})" if r.get("src") else ""
+            print(f"| `{r['name']}`{src} | {r['per_step_us']:.1f} | {r['count_per_step']:.1f} | {r['avg_us']:.2f} |")
 
 
 SMOKE = dict(batches="1,2", context=16, decode_steps=2, iters=1, prefill_iters=1, prefill_max_batch=2,
