@@ -159,3 +159,18 @@ def test_kda_padding_is_a_no_op():
         np.testing.assert_array_equal(np.asarray(a)[0], np.asarray(b)[0])
     y_ref, st_ref = kda.forward(x[1:2, 4:5], jax.tree.map(lambda a: a[1:2], state0))
     np.testing.assert_allclose(np.asarray(y1)[1], np.asarray(y_ref)[0], **TOL)
+
+
+@pytest.mark.parametrize("t", [1, 3])
+def test_conv_history_at_each_sequence_end_equals_the_last_inputs_before_it(t):
+    """history_at (the KDA conv history after right-padded input) = the W-1 rows before end_b[b] of
+    [history, x], by plain NumPy indexing; T = 1 (decode: a select) and T > 1 (a gather)."""
+    from k3jax.layers.kda import history_at
+
+    rng = np.random.default_rng(5)
+    hist, x = rng.standard_normal((4, 3, 2)).astype(np.float32), rng.standard_normal((4, t, 2)).astype(np.float32)
+    end = np.array([0, t, min(1, t), t // 2])
+    got = np.asarray(history_at(jnp.asarray(hist), jnp.asarray(x), jnp.asarray(end)))
+    padded = np.concatenate([hist, x], axis=1)
+    for b in range(4):
+        np.testing.assert_array_equal(got[b], padded[b, end[b]:end[b] + 3])

@@ -212,5 +212,7 @@ def history_at(history_bwp: jax.Array | None, x_btp: jax.Array, end_b: jax.Array
     wm1 = history_bwp.shape[1]
     padded = jnp.concatenate([history_bwp.astype(x_btp.dtype), x_btp], axis=1)  # [B, W-1+T, P]
     end_b = jnp.clip(end_b.astype(jnp.int32), 0, t)
+    if t == 1:  # decode: the shifted window or the old history (a select, no gather)
+        return jnp.where((end_b > 0)[:, None, None], padded[:, 1:], padded[:, :wm1])
     idx_bw = end_b[:, None] + jnp.arange(wm1, dtype=jnp.int32)[None, :]
     return jnp.take_along_axis(padded, idx_bw[:, :, None], axis=1)
