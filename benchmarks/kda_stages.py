@@ -4,7 +4,8 @@
         [--check] [--stages=intra,recurrence]
 
 Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd, or with
-``intra_bwd="tiled"`` its two kernels bwd_intra_a = solve gradients and bwd_intra_b = pair gradients) is jitted alone
+``intra_bwd="tiled"`` its two kernels bwd_intra_a = solve gradients and bwd_intra_b = pair gradients, with
+``intra_bwd="state_fused"`` bwd_state_solve and bwd_pair_fused in place of state_grads + both) is jitted alone
 on the
 previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls after
 warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
@@ -30,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda import KernelConfig
-from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_bwd_tiled, intra_split
+from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_bwd_fused, intra_bwd_tiled, intra_split
 from pallas_kernels.kda.check import run_on_gpu
 
 
@@ -89,6 +90,17 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
              lambda: (q, k, out["solve_terms"][2], beta, out["z"], out["dqg"], out["dkg"], out["daqk"], out["dkk"],
                       out["d_decay"]), ("dq", "dk", "dg")),
         ]
+    elif config.intra_bwd == "state_fused":  # split recompute; state-product gradients inside the two kernels
+        stages[0] = split_intra
+        stages[-2:] = [
+            ("bwd_state_solve", lambda: jax.jit(lambda *a: intra_bwd_fused.state_solve_grads(*a, **kw)),
+             lambda: (out["solve_terms"][1], out["solve_terms"][0], beta, out["dv_new"], out["u"], v, out["w"], k,
+                      out["solve_terms"][2], d_o, out["v_new"], out["states"], out["ds_end"]),
+             ("dv", "dkk", "dbeta", "daqk", "dqs", "dkgf", "bgz", "dgl")),
+            ("bwd_pair_fused", lambda: jax.jit(lambda *a: intra_bwd_fused.pair_grads_fused(*a, scale=scale, **kw)),
+             lambda: (q, k, out["solve_terms"][2], out["dqs"], out["dkgf"], out["bgz"], out["daqk"], out["dkk"],
+                      out["dgl"]), ("dq", "dk", "dg")),
+        ]
     elif config.intra == "split":  # the split intra stage and its own backward (which reads the solve terms)
         stages[0] = split_intra
         stages[-1] = ("bwd_intra", lambda: jax.jit(lambda *a: intra_split.intra_bwd_split(*a, scale=scale, **kw)),
@@ -129,7 +141,7 @@ def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, on
 
 
 _ORDER = ["intra", "recurrence", "bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra", "bwd_intra_a",
-          "bwd_intra_b"]
+          "bwd_intra_b", "bwd_state_solve", "bwd_pair_fused"]
 
 
 def _feeds(name, only):
@@ -166,7 +178,8 @@ def main():
         fwd_ms = sum(fwd.get(k, 0) for k in ("intra", "recurrence"))
         recompute = ("intra",) if config.residuals == "inputs" else ()  # "intra": the forward's results are kept
         bwd = sum(fwd.get(k, 0) for k in recompute + ("bwd_states", "bwd_reverse", "bwd_state_grads", "bwd_intra",
-                                                      "bwd_intra_a", "bwd_intra_b"))
+                                                      "bwd_intra_a", "bwd_intra_b", "bwd_state_solve",
+                                                      "bwd_pair_fused"))
         print(json.dumps({"variant": text, "shape": args.shape, "ms": rows, "fwd_ms": round(fwd_ms, 3),
                           "bwd_ms": round(bwd, 3)}), flush=True)
 

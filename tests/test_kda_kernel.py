@@ -541,3 +541,128 @@ def test_kept_intra_residuals_give_the_recomputed_gradients_without_recomputing(
     assert intra_kernel_calls(recomputed) == 2 * intra_kernel_calls(kept)
     with pytest.raises(ValueError, match="residuals must be"):
         KernelConfig(residuals="states")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_state_fused_backward_gradients_equal_token_recurrence_gradients_on_packed_documents(dtype):
+    """KernelConfig(intra_bwd="state_fused") (state-product gradients computed inside the solve / pair kernels,
+    intra_bwd_fused.py) gives the token recurrence's gradients on packed documents (starts mid-chunk, on a chunk
+    start, two in one 16-row block, a one-token document), T not a multiple of 64, two key blocks per program; and
+    the same gradients as the tiled path it fuses (same products, so to f32 rounding). Half the key columns get
+    mild gates so the chunk decays (2^G_L) are not negligible and their gradient path, with its document mask,
+    counts (with gates in (-5, 0) a whole chunk's decay underflows to 0)."""
+    b, t, h, d = 1, 150, 2, 32
+    q, k, v, g, beta, h0 = _inputs(b=b, t=t, h=h, kd=d, vd=d, seed=43)
+    g[..., : d // 2] *= 0.02
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    seg = _segment_ids(b, t, [[5, 64, 70, 75, 140, 141]])
+
+    def kernel(config):
+        def core(*a):
+            return chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True,
+                             backend="interpret", config=config)
+        return core
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    args = (q, k, v, g, beta, h0)
+    w_o, w_s = _cotangents(v, h0, seed=44)
+    got = _grad_all(kernel(KernelConfig(block_k=16, intra_bwd="state_fused")), args, w_o, w_s)
+    tiled = _grad_all(kernel(KernelConfig(block_k=16, intra_bwd="tiled")), args, w_o, w_s)
+    want = _grad_all(recurrent, args, w_o, w_s)
+    tol = 2e-5 if dtype == jnp.float32 else 1.5e-2  # bf16: bf16 intermediates and dot operands, as the other paths
+    for name, x, alt, ref in zip(_GRAD_NAMES, got, tiled, want):
+        assert x.shape == ref.shape and x.dtype == ref.dtype, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol, name
+        assert _rel_err(x.astype(jnp.float32), alt.astype(jnp.float32)) < 1e-5, name
+
+
+def test_state_fused_backward_on_varlen_sequences_equals_per_sequence_recurrence_gradients():
+    """intra_bwd="state_fused" with cu_seqlens (a sequence inside the first chunk, an empty one, one crossing a
+    chunk boundary): the gradients of each sequence's own token recurrence, initial states included."""
+    cu = [0, 30, 30, 100]
+    q, k, v, g, beta, _ = _inputs(b=1, t=100, h=2, kd=32, vd=32, seed=45)
+    g[..., :16] *= 0.02  # mild gates on half the key columns: the chunk decays' gradient path counts
+    h0 = 0.3 * np.random.default_rng(46).standard_normal((3, 2, 32, 32)).astype(np.float32)
+    w_o = np.random.default_rng(47).standard_normal(v.shape).astype(np.float32)
+    config = KernelConfig(block_k=16, intra_bwd="state_fused")
+
+    def ours(q, k, v, g, beta, h0):
+        o, s = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                         backend="interpret", config=config)
+        return jnp.sum(o * w_o) + jnp.sum(s ** 2)
+
+    def reference(q, k, v, g, beta, h0):
+        total = 0.0
+        for n, (start, end) in enumerate(itertools.pairwise(cu)):
+            if start == end:  # empty sequence: final state = initial state
+                total = total + jnp.sum(h0[n] ** 2)
+                continue
+            sl = slice(start, end)
+            o, s = kda_recurrent(q[:, sl], k[:, sl], v[:, sl], g[:, sl], beta[:, sl], scale=32 ** -0.5,
+                                 initial_state_bhkv=h0[n:n + 1])
+            total = total + jnp.sum(o * w_o[:, sl]) + jnp.sum(s ** 2)
+        return total
+
+    args = (q, k, v, g, beta, h0)
+    got = jax.jit(jax.value_and_grad(ours, argnums=tuple(range(6))))(*args)
+    want = jax.jit(jax.value_and_grad(reference, argnums=tuple(range(6))))(*args)
+    assert _rel_err(got[0], want[0]) < 1e-5
+    for name, x, ref in zip(_GRAD_NAMES, got[1], want[1]):
+        assert _rel_err(x, ref) < 2e-5, name
+
+
+@pytest.mark.parametrize("intra,dtype", [("fused", jnp.float32), ("fused2", jnp.bfloat16),
+                                         pytest.param("fused", jnp.bfloat16, marks=pytest.mark.slow),
+                                         pytest.param("fused2", jnp.float32, marks=pytest.mark.slow)])
+def test_fused_intra_kernels_equal_the_split_stage_and_the_token_recurrence(intra, dtype):
+    """KernelConfig(intra="fused") (gram, solve and apply as one kernel, cumulative gate in-kernel) and "fused2"
+    (gram + solve, then the apply kernel): the split stage's results including the backward's solve terms
+    (kk, A, G), the token recurrence's outputs, final state and gradients (the tiled backward reads the fused
+    solve terms), on packed documents (starts mid-chunk, on a chunk start, two in one 16-row block, a one-token
+    document, a last chunk without a start), T not a multiple of 64, two key blocks per program; mild gates on
+    half the key columns so the chunk decays are not negligible."""
+    from pallas_kernels.kda.chunk_fwd import chunk_layout, document_layout
+    from pallas_kernels.kda.intra_split import intra_chunk_split
+
+    b, t, h, d = 1, 150, 2, 32
+    q, k, v, g, beta, h0 = _inputs(b=b, t=t, h=h, kd=d, vd=d, seed=51)
+    g[..., : d // 2] *= 0.02
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    seg = _segment_ids(b, t, [[5, 64, 70, 75, 76]])
+    config = KernelConfig(block_k=16, intra=intra)
+    args = (q, k, v, g, beta, h0)
+
+    # The intra-chunk stage itself vs the split kernels, on chunk-padded inputs.
+    n, _, to_padded, _ = chunk_layout(b, t, None)
+    padded = [to_padded(jnp.asarray(x)) for x in (q, k, v, g, beta)]
+
+    def intra_stage(cfg):
+        return jax.jit(lambda *a: intra_chunk_split(*a, scale=d ** -0.5, config=cfg, interpret=True,
+                                                    documents=document_layout(seg, n), return_solve=True))(*padded)
+
+    got, want = intra_stage(config), intra_stage(KernelConfig(block_k=16, intra="split"))
+    names = ("qg", "kg", "w", "u", "aqk", "decay", "kk", "A", "G")
+    for name, x, ref in zip(names, (*got[:6], *got[6]), (*want[:6], *want[6])):
+        assert x.shape == ref.shape and x.dtype == ref.dtype, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-5, name
+    assert float(jnp.max(want[5])) > 1e-3  # some chunk decays matter
+
+    def fused(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True, backend="interpret",
+                         config=config)
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=d ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    tol = 2e-5 if dtype == jnp.float32 else 1.5e-2  # bf16: bf16 intermediates and dot operands, as the other paths
+    o, s = jax.jit(fused)(*args)
+    ro, rs = jax.jit(recurrent)(*args)
+    assert _rel_err(o.astype(jnp.float32), ro) < tol and _rel_err(s, rs) < tol
+    w_o, w_s = _cotangents(v, h0, seed=52)
+    for name, x, ref in zip(_GRAD_NAMES, _grad_all(fused, args, w_o, w_s), _grad_all(recurrent, args, w_o, w_s)):
+        assert x.shape == ref.shape and x.dtype == ref.dtype, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol, name
+    with pytest.raises(ValueError, match="intra must be"):
+        KernelConfig(intra="fused3")

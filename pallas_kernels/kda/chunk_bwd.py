@@ -31,7 +31,8 @@ Five kernels (all generic Pallas: Triton GPU backend, or ``interpret=True`` on C
    ``KernelConfig(intra="split")`` uses the split stage's backward (``intra_split.intra_bwd_split``);
    ``KernelConfig(intra_bwd="tiled")`` recomputes through the split kernels and replaces kernel 5 by two
    small-footprint kernels (``intra_bwd_tiled.py``: solve gradients per chunk, then per key block the pairwise
-   products one 16-row block at a time).
+   products one 16-row block at a time); ``KernelConfig(intra_bwd="state_fused")`` also folds kernel 4 into
+   those two (``intra_bwd_fused.py``: no f32 round trip of dqg / dkg / dw / z).
 
 Numerics: f32 accumulation everywhere; for f32 inputs full-f32 matmuls and f32 intermediates, for bf16 inputs bf16
 intermediates (states, v', dv', dS per chunk, like fla) and default-precision matmuls. Padding (T not a multiple
@@ -87,6 +88,7 @@ from pallas_kernels.kda.chunk_fwd import (
     intra_for_backward,
     triton_params,
 )
+from pallas_kernels.kda.intra_bwd_fused import intra_bwd_state_fused
 from pallas_kernels.kda.intra_bwd_tiled import intra_bwd_tiled
 from pallas_kernels.kda.intra_split import intra_bwd_split
 
@@ -495,10 +497,10 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     # 1. Recompute the forward's per-chunk quantities (through the split kernels when the backward reads their
     # solve terms).
     documents = None if segment_ids is None else document_layout(segment_ids, n)
-    if config.intra_bwd not in ("auto", "tiled"):
-        raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {config.intra_bwd!r}")
+    if config.intra_bwd not in ("auto", "tiled", "state_fused"):
+        raise ValueError(f"KernelConfig.intra_bwd must be 'auto', 'tiled' or 'state_fused', got {config.intra_bwd!r}")
     tiled = config.intra_bwd == "tiled"
-    split = config.intra == "split" or tiled
+    split = config.intra in ("split", "fused", "fused2") or tiled
     if intra is None:
         intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                    documents=documents)
@@ -511,6 +513,10 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     states, v_new, _ = chunk_states(kg, w, u, decay, initial_state, specs, **kw)
     # 3. Reverse chunk loop: dS per chunk, dv', d initial state.
     ds_end, dv_new, d_initial = reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs, **kw)
+    if config.intra_bwd == "state_fused":  # 4 + 5 in two kernels (intra_bwd_fused.py)
+        dq, dk, dv, dg, dbeta = intra_bwd_state_fused(q, k, v, beta, u, w, solve_terms, d_o, v_new, dv_new, states,
+                                                      ds_end, scale=scale, documents=documents, **kw)
+        return _finish_grads((dq, dk, dv, dg, dbeta), d_initial, d_final_state, layout, from_padded)
     # 4. Gradients through the state products.
     dqg, dkg, dw, daqk, d_decay = state_grads(d_o, v_new, dv_new, states, ds_end, **kw)
     if documents is not None:  # the forward's chunk decay is masked where a document starts inside the chunk
@@ -526,7 +532,12 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
         dq, dk, dv, dg, dbeta = intra_bwd(q, k, v, g, beta, u, w, dqg, dkg, dw, dv_new, daqk, d_decay, scale=scale,
                                           documents=documents, **kw)
 
-    grads = tuple(from_padded(x) for x in (dq, dk, dv, dg, dbeta))
+    return _finish_grads((dq, dk, dv, dg, dbeta), d_initial, d_final_state, layout, from_padded)
+
+
+def _finish_grads(grads, d_initial, d_final_state, layout, from_padded):
+    """Chunk-padded gradients back to the input layout, plus the initial-state gradient."""
+    grads = tuple(from_padded(x) for x in grads)
     if layout is not None:  # empty sequences own no chunk: their state passes straight through
         empty = jnp.asarray(layout["lens"] == 0)[:, None, None, None]
         d_initial = jnp.where(empty, d_final_state.astype(_F32), d_initial)

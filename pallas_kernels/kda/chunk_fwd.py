@@ -60,10 +60,13 @@ class KernelConfig:
       loads).
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
     intra: "single" (one intra-chunk kernel per chunk and head) or "split" (intra_split.py: cumulative gate in XLA,
-      then gram / solve / apply kernels with less serial work per program).
+      then gram / solve / apply kernels with less serial work per program), "fused" (intra_fused.py: the split
+      stage's algebra as one kernel, cumulative gate in-kernel; same results) or "fused2" (intra_fused.py: gram +
+      solve fused, then the split apply kernel).
     intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
       through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
-      products in 16-row steps; intra_bwd_tiled.py).
+      products in 16-row steps; intra_bwd_tiled.py) or "state_fused" (as "tiled" with the state-product gradients
+      computed inside its two kernels instead of a separate state_grads kernel; intra_bwd_fused.py).
     residuals: what the forward keeps for the backward: "intra" (its intra-chunk results ``qg, kg, w, u, aqk``,
       the chunk decays and the split solve terms — already written to HBM by the forward, so keeping them costs
       memory, ~2.3 KB per token and head at K = V = 128 bf16, and saves the backward's recompute of the intra
@@ -98,10 +101,11 @@ class KernelConfig:
     def __post_init__(self):
         if self.solve not in ("substitution", "doubling"):
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
-        if self.intra not in ("single", "split"):
-            raise ValueError(f"KernelConfig.intra must be 'single' or 'split', got {self.intra!r}")
-        if self.intra_bwd not in ("auto", "tiled"):
-            raise ValueError(f"KernelConfig.intra_bwd must be 'auto' or 'tiled', got {self.intra_bwd!r}")
+        if self.intra not in ("single", "split", "fused", "fused2"):
+            raise ValueError(f"KernelConfig.intra must be 'single', 'split', 'fused' or 'fused2', got {self.intra!r}")
+        if self.intra_bwd not in ("auto", "tiled", "state_fused"):
+            raise ValueError("KernelConfig.intra_bwd must be 'auto', 'tiled' or 'state_fused', got "
+                             f"{self.intra_bwd!r}")
         if self.residuals not in ("intra", "inputs"):
             raise ValueError(f"KernelConfig.residuals must be 'intra' or 'inputs', got {self.residuals!r}")
         if self.stages < 1:
@@ -424,7 +428,7 @@ def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, docume
     ``documents``: ``document_layout(...)`` for packed documents (decay is then zero where ``keep`` is).
     """
     config = config or KernelConfig()
-    if config.intra == "split":
+    if config.intra in ("split", "fused", "fused2"):
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
@@ -662,7 +666,7 @@ def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents)
     with ``solve`` the split stage's ``(kk, A, G)`` when the backward's intra kernels need them (``intra="split"``
     or ``intra_bwd="tiled"``), else None. The forward calls it when it keeps these as residuals; the backward calls
     it to recompute them otherwise."""
-    if config.intra == "split" or config.intra_bwd == "tiled":
+    if config.intra in ("split", "fused", "fused2") or config.intra_bwd in ("tiled", "state_fused"):
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,

@@ -157,7 +157,12 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
 def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False):
     """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
     also returns ``(kk, A, G)`` (the pairwise key products, the 64x64 inverse and the cumulative gate) for the
-    backward."""
+    backward. ``config.intra`` "fused" / "fused2" run the same algebra in one / two kernels (``intra_fused.py``)."""
+    if config.intra in ("fused", "fused2"):
+        from pallas_kernels.kda.intra_fused import intra_chunk_fused
+
+        return intra_chunk_fused(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
+                                 documents=documents, return_solve=return_solve)
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK

@@ -1,0 +1,272 @@
+"""State-product gradients fused into the tiled intra-chunk backward (``KernelConfig.intra_bwd="state_fused"``).
+
+Same results as ``chunk_bwd.state_grads`` followed by ``intra_bwd_tiled.intra_bwd_tiled`` (``dq, dk, dv, dg,
+dbeta``), in two kernels instead of three and without the f32 round trips of ``dqg``, ``dkg``, ``dw`` and ``z``
+(notation as in ``chunk_bwd.py`` / ``intra_bwd_tiled.py``; ``S_n`` the chunk-entry state, ``dS`` the state
+gradient at the chunk end, ``v'`` / ``dv'`` the new values and their gradient):
+
+1. ``state_solve`` (grid chunk x batch*head; state_grads + solve_grads): ``daqk = tril(dO v'^T)``; per key block
+   of BK rows of ``S_n`` / ``dS``: ``dqg = dO S^T``, ``dkg = v' dS^T``, ``d(2^G_L) = rowsum(S dS)``, written as the
+   three terms the pair kernel adds to its own products (each exactly the product the tiled pair kernel forms):
+   ``dqg gamma``, ``dkg kgf`` and (next loop) ``beta gamma z``, plus the per-column chunk-end gate cotangent
+   ``dG_L = d(2^G_L) 2^G_L + sum_rows(dkg k kgf)``; per value block ``y = A^T dv'`` (``dv = beta y``, ``dakk -=
+   y u^T``, ``dbeta += rowsum(y v)``); per key block ``z = A^T dw`` with ``dw = -dv' S^T`` (``dakk -= z w^T``,
+   ``dbeta += rowsum(z k gamma)``). Three loops rather than one keep the live set at one loop's tiles (one loop:
+   255 registers and spills; three: 255 and 4 bytes at BK = 32, 238 and none at BK = 16, bf16, sm_90 offline
+   estimate). ``dO``, ``v'`` and ``dv'`` are read from HBM once per chunk (the separate state_grads kernel read
+   them once per key block).
+2. ``pair`` (grid key block x chunk x batch*head): ``intra_bwd_tiled``'s pair kernel reading those terms instead
+   of ``dqg, dkg, z, beta`` and the row masks (no ``gamma`` / ``kgf`` exponentials, fewer loads per step).
+
+HBM at 1x8192x96, K = V = 128, bf16 (one [T, H, 128] tensor: 0.2 GB bf16, 0.4 GB f32): state_grads +
+solve_grads + pair_grads move ~11.1 GB (4.2 + 3.2 + 3.6; state_grads re-reads dO / v' / dv' per key block, and
+dqg, dkg, dw and z make f32 round trips); these two kernels ~8.5 GB (4.8 + 3.6). Numerics: the same f32
+products in the same order as the tiled path (f32 accumulation; matmul precision per
+``chunk_fwd._matmul_policy``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_fwd import (
+    CHUNK,
+    SUB_CHUNK,
+    ChunkSpecs,
+    _dot,
+    _dot_nt,
+    _dot_tn,
+    _rows_masked,
+    triton_params,
+)
+
+__all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
+
+_N_SUB = CHUNK // SUB_CHUNK
+_F32 = jnp.float32
+
+
+def _cols(block, width):
+    return pl.ds(pl.multiple_of(block * width, width), width)
+
+
+def _state_solve_kernel(a_ref, kk_ref, beta_ref, dvnew_ref, u_ref, v_ref, w_ref, k_ref, gc_ref, do_ref, vnew_ref,
+                        s_ref, ds_ref, *refs, precision, block_k, segmented):
+    """One chunk of one (batch, head): ``dv, dkk, dbeta, daqk`` and the pair kernel's per-row terms (module
+    docstring, kernel 1). ``s_ref`` / ``ds_ref`` are the chunk's ``[K, V]`` entry state and end-state gradient."""
+    if segmented:
+        doc_ref, carry_ref, last_ref, keep_ref, dv_ref, dkk_ref, dbeta_ref, daqk_ref, dqs_ref, dkgf_ref, bgz_ref, \
+            dgl_ref = refs
+        carry = carry_ref[...].astype(_F32)[:, None]
+        last = last_ref[...].astype(_F32)[:, None]
+        chunk_keep = keep_ref[pl.program_id(0)]  # 0 where a document starts inside the chunk
+    else:
+        dv_ref, dkk_ref, dbeta_ref, daqk_ref, dqs_ref, dkgf_ref, bgz_ref, dgl_ref = refs
+        carry = last = None
+    mm_dtype = vnew_ref.dtype
+    kd, vd = k_ref.shape[-1], v_ref.shape[-1]
+    beta_c1 = beta_ref[...].astype(_F32)[:, None]
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+
+    # daqk = tril(dO v'^T) (state_grads' key-independent part).
+    daqk_ref[...] = jnp.where(rows_c1 >= cols_1c,
+                              _dot_nt(do_ref[...].astype(mm_dtype), vnew_ref[...], precision), 0.0)
+
+    def y_block(vb, acc):
+        dakk, dbeta = acc
+        c = _cols(vb, block_k)
+        y = _dot_tn(a_ref[...], dvnew_ref[:, c].astype(_F32), precision)  # A^T dv'
+        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
+        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
+        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+
+    def state_block(kb, carry_):
+        """dqg, dkg, d(2^G_L) of key block ``kb``: the pair kernel's ``dqg gamma``, ``dkg kgf`` and ``dG_L``."""
+        c = _cols(kb, block_k)
+        s_kv = s_ref[c, :]  # [BK, V] rows of S_n
+        ds_kv = ds_ref[c, :]
+        dqg = _dot_nt(do_ref[...].astype(mm_dtype), s_kv, precision)
+        dkg = _dot_nt(vnew_ref[...], ds_kv, precision)
+        d_decay = jnp.sum(s_kv.astype(_F32) * ds_kv.astype(_F32), axis=1)
+        if segmented:  # the forward's chunk decay is masked where a document starts inside the chunk
+            d_decay = d_decay * chunk_keep
+        gc = gc_ref[:, c]
+        g_last = gc_ref[pl.ds(CHUNK - 1, 1), c]  # [1, BK]
+        kgf = _rows_masked(jnp.exp2(g_last - gc), last)
+        k = k_ref[:, c].astype(_F32)
+        dgl_ref[c] = d_decay * jnp.exp2(jnp.sum(g_last, axis=0)) + jnp.sum(dkg * k * kgf, axis=0)
+        dqs_ref[:, c] = dqg * _rows_masked(jnp.exp2(gc), carry)
+        dkgf_ref[:, c] = dkg * kgf
+        return carry_
+
+    def z_block(kb, acc):
+        """z = A^T dw with dw = -dv' S^T for key block ``kb``: dakk, dbeta and the pair kernel's ``beta gamma z``."""
+        dakk, dbeta = acc
+        c = _cols(kb, block_k)
+        dw = -_dot_nt(dvnew_ref[...], s_ref[c, :], precision)
+        z = _dot_tn(a_ref[...], dw, precision)  # A^T dw
+        gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
+        dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
+        dbeta = dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)
+        bgz_ref[:, c] = beta_c1 * gamma * z
+        return dakk, dbeta
+
+    lax.fori_loop(0, kd // block_k, state_block, 0)
+    acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))
+    acc = lax.fori_loop(0, vd // block_k, y_block, acc)
+    dakk, dbeta = lax.fori_loop(0, kd // block_k, z_block, acc)
+    keep = cols_1c < rows_c1
+    if segmented:
+        keep = keep & (doc_ref[...][:, None] == doc_ref[...][None, :])
+    dakk = jnp.where(keep, dakk, 0.0)
+    dbeta_ref[...] = (dbeta + jnp.sum(dakk * kk_ref[...], axis=1)).astype(dbeta_ref.dtype)
+    dkk_ref[...] = beta_c1 * dakk
+
+
+def _pair_kernel(q_ref, k_ref, gc_ref, dqs_ref, dkgf_ref, bgz_ref, daqk_ref, dkk_ref, dgl_ref, *refs, scale,
+                 precision, segmented):
+    """One [64, BK] key block of one chunk of one (batch, head): ``dq``, ``dk``, ``dg`` (``intra_bwd_tiled``'s
+    pair kernel with the state-product terms precombined by ``state_solve``)."""
+    if segmented:
+        doc_ref, dq_ref, dk_ref, dg_ref = refs
+    else:
+        dq_ref, dk_ref, dg_ref = refs
+        doc_ref = None
+    mm = q_ref.dtype if precision == lax.Precision.DEFAULT else _F32  # dot operands (bf16 inputs: bf16)
+    s = SUB_CHUNK
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
+    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
+
+    def step(i, acc):
+        r = _N_SUB - 1 - i
+        start = pl.multiple_of(r * s, s)
+        rows = pl.ds(start, s)
+        gc = gc_ref[...]  # [64, BK], reloaded per step (not live across steps)
+        k = k_ref[...].astype(_F32)
+        gc_r = gc_ref[rows, :]
+        k_r = k_ref[rows, :].astype(_F32)
+        q_r = q_ref[rows, :].astype(_F32) * scale
+        mid = gc_ref[pl.ds(start + s // 2, 1), :]  # [1, BK] reference row m
+        row_ids, col_ids = start + rows_s1, start + cols_1s
+        keep_row = cols_1c <= row_ids
+        keep_col = rows_c1 >= col_ids
+        if segmented:
+            doc_all = doc_ref[...]
+            doc_r = doc_ref[rows]
+            keep_row = keep_row & (doc_r[:, None] == doc_all[None, :])
+            keep_col = keep_col & (doc_all[:, None] == doc_r[None, :])
+        daqk_row = jnp.where(keep_row, daqk_ref[rows, :], 0.0).astype(mm)
+        daqk_col = jnp.where(keep_col, daqk_ref[:, rows], 0.0).astype(mm)
+
+        # r as the row: columns up to the end of r, referenced to m.
+        k_e = (k * jnp.exp2(jnp.where(rows_c1 < start + s, mid - gc, -jnp.inf))).astype(mm)
+        f_r = jnp.exp2(gc_r - mid)
+        dqs = dqs_ref[rows, :] + f_r * _dot(daqk_row, k_e, precision)
+        dk_row = f_r * _dot(dkk_ref[rows, :].astype(mm), k_e, precision)
+
+        # r as the column: rows from the start of r, referenced to m.
+        rr = jnp.exp2(jnp.where(rows_c1 >= start, gc - mid, -jnp.inf))
+        q_rr = (q_ref[...].astype(_F32) * (scale * rr)).astype(mm)
+        dk_col = jnp.exp2(mid - gc_r) * (_dot_tn(daqk_col, q_rr, precision)
+                                         + _dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
+
+        dkgf_r = dkgf_ref[rows, :]
+        bgz_r = bgz_ref[rows, :]
+        dgrow = q_r * dqs + k_r * (dk_row - dk_col - dkgf_r + bgz_r)
+        blk = jnp.sum(dgrow, axis=0)
+        dg_ref[rows, :] = ((acc + blk)[None, :] - jnp.cumsum(dgrow, axis=0) + dgrow).astype(dg_ref.dtype)
+        dq_ref[rows, :] = (scale * dqs).astype(dq_ref.dtype)
+        dk_ref[rows, :] = (dk_row + dk_col + dkgf_r + bgz_r).astype(dk_ref.dtype)
+        return acc + blk
+
+    lax.fori_loop(0, _N_SUB, step, dgl_ref[...])
+
+
+def state_solve_grads(a, kk, beta, dv_new, u, v, w, k, gc, d_o, v_new, states, ds_end, *, precision, config,
+                      interpret, documents=None):
+    """Kernel 1 (grid chunk x batch*head) on chunk-padded inputs; ``states`` / ``ds_end`` ``[B, H, N*K, V]``.
+
+    Returns f32 ``(dv, dkk, dbeta, daqk, dqs, dkgf, bgz, dgl)``: ``dqs = dqg gamma``, ``dkgf = dkg kgf``,
+    ``bgz = beta gamma z`` (``[B, Tp, H, K]``) and ``dgl [B, H, N, K]`` the chunk-end gate cotangent (document
+    ``keep`` mask applied)."""
+    b, tp, h, kd = k.shape
+    vd = v.shape[-1]
+    n = tp // CHUNK
+    block_k = min(config.block_k, kd, vd)
+    spec = ChunkSpecs(h)
+    segmented = documents is not None
+    doc_ops, doc_specs = [], []
+    if segmented:
+        doc_ops = [documents["doc"], documents["carry"], documents["last"], documents["keep"]]
+        row_spec = pl.BlockSpec((None, CHUNK), lambda c, bh: (bh // h, c))
+        doc_specs = [row_spec] * 3 + [pl.BlockSpec((None, n), lambda c, bh: (bh // h, 0))]
+    state_spec = pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0))
+    return pl.pallas_call(
+        functools.partial(_state_solve_kernel, precision=precision, block_k=block_k, segmented=segmented),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), _F32),  # dv
+                   jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),  # dkk
+                   jax.ShapeDtypeStruct((b, tp, h), _F32),  # dbeta
+                   jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),  # daqk
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),  # dqs
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),  # dkgf
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32),  # bgz
+                   jax.ShapeDtypeStruct((b, h, n, kd), _F32)),  # dgl
+        grid=(n, b * h),
+        in_specs=[spec.tile(CHUNK), spec.tile(CHUNK), spec.rows, spec.tile(vd), spec.tile(vd), spec.tile(vd),
+                  spec.tile(kd), spec.tile(kd), spec.tile(kd), spec.tile(vd), spec.tile(vd), state_spec,
+                  state_spec] + doc_specs,
+        out_specs=[spec.tile(vd), spec.tile(CHUNK), spec.rows, spec.tile(CHUNK), spec.tile(kd), spec.tile(kd),
+                   spec.tile(kd), spec.per_chunk(kd)],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_bwd_state_solve",
+    )(a, kk, beta, dv_new, u, v, w, k, gc, d_o, v_new, states, ds_end, *doc_ops)
+
+
+def pair_grads_fused(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, *, scale, precision, config, interpret,
+                     documents=None):
+    """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` f32 on chunk-padded inputs."""
+    b, tp, h, kd = q.shape
+    block_k = min(config.block_k, kd)
+    segmented = documents is not None
+
+    def key_block(width=None):
+        if width is None:
+            return pl.BlockSpec((None, CHUNK, None, block_k), lambda j, c, bh: (bh // h, c, bh % h, j))
+        return pl.BlockSpec((None, CHUNK, None, width), lambda j, c, bh: (bh // h, c, bh % h, 0))
+
+    gl_spec = pl.BlockSpec((None, None, None, block_k), lambda j, c, bh: (bh // h, bh % h, c, j))
+    doc_ops = [documents["doc"]] if segmented else []
+    doc_specs = [pl.BlockSpec((None, CHUNK), lambda j, c, bh: (bh // h, c))] * len(doc_ops)
+    return pl.pallas_call(
+        functools.partial(_pair_kernel, scale=scale, precision=precision, segmented=segmented),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),) * 3,
+        grid=(kd // block_k, tp // CHUNK, b * h),
+        in_specs=[key_block(), key_block(), key_block(), key_block(), key_block(), key_block(),
+                  key_block(CHUNK), key_block(CHUNK), gl_spec] + doc_specs,
+        out_specs=[key_block()] * 3,
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_bwd_pair_fused",
+    )(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, *doc_ops)
+
+
+def intra_bwd_state_fused(q, k, v, beta, u, w, solve_terms, d_o, v_new, dv_new, states, ds_end, *, scale,
+                          precision, config, interpret, documents=None):
+    """``chunk_bwd.state_grads`` + ``intra_bwd_tiled.intra_bwd_tiled`` in two kernels: ``(dq, dk, dv, dg, dbeta)``
+    f32 on chunk-padded inputs; ``solve_terms = (kk, A, G)`` from ``intra_split.intra_chunk_split(...,
+    return_solve=True)``; ``states`` / ``ds_end`` from ``chunk_fwd.chunk_states`` / ``chunk_bwd.reverse_states``."""
+    kk, a, gc = solve_terms
+    kw = {"precision": precision, "config": config, "interpret": interpret, "documents": documents}
+    dv, dkk, dbeta, daqk, dqs, dkgf, bgz, dgl = state_solve_grads(a, kk, beta, dv_new, u, v, w, k, gc, d_o, v_new,
+                                                                  states, ds_end, **kw)
+    dq, dk, dg = pair_grads_fused(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, scale=scale, **kw)
+    return dq, dk, dv, dg, dbeta

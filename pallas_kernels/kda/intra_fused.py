@@ -1,0 +1,226 @@
+"""Intra-chunk stage as ONE kernel per chunk and head (``KernelConfig.intra="fused"``).
+
+Same results as ``intra_split.intra_chunk_split`` (``qg, kg, w, u, aqk, decay`` and, with ``return_solve``, the
+backward's ``(kk, A, G)``), but the split stage's four passes (XLA cumulative gate, gram, solve, apply) become one
+kernel, so the pairwise products and the 64x64 inverse never leave the chip:
+
+1. per key block: ``G`` = chunk-local inclusive cumulative sum of ``g * log2(e)`` (in-kernel scan), ``qg``, ``kg``,
+   ``decay`` and the four 16-row blocks of ``aqk`` / ``kk`` as [16, BK] x [BK, 64] products, every row block
+   referenced to its first row (the split gram's exponent ranges);
+2. ``A = (I + akk)^-1`` by rows of 16: ``A_i = inv_i (E_i - sum_{j<i} akk_ij A_j)`` with ``inv_i`` the 16x16
+   diagonal inverse and ``E_i`` the rows ``16 i ..`` of the identity (the product with ``E_i`` places ``inv_i`` in
+   its columns, so no 64x64 tile is ever assembled from blocks);
+3. ``u_i = A_i (beta v)``, ``w_i = A_i (beta k 2^G)`` per value / key block (``G`` recomputed: same scan).
+
+HBM per chunk and head (bf16 inputs, K = V = 128): reads q, k, v, g (f32) once, writes qg, kg, w, u, aqk (bf16) and
+``decay``; ``return_solve`` adds ``kk``, ``A`` (f32 64x64) and ``G`` (f32), which the split path writes anyway.
+``intra="fused2"`` stops after phase 2 (writing ``A`` and ``G``) and runs the split stage's apply kernel, whose
+64-row products keep that phase at few registers. Packed documents are masked exactly as in the split kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_fwd import (
+    _INVERSES,
+    _LOG2E,
+    CHUNK,
+    SUB_CHUNK,
+    ChunkSpecs,
+    _dot,
+    _dot_nt,
+    _matmul_policy,
+    _row,
+    _rows_masked,
+    document_operands,
+    triton_params,
+)
+from pallas_kernels.kda.intra_split import _apply_kernel
+
+__all__ = ["intra_chunk_fused"]
+
+_N_SUB = CHUNK // SUB_CHUNK
+_F32 = jnp.float32
+
+
+def _cumulative_gate(g_ref, c):
+    """``[64, BK]`` f32: inclusive cumulative sum of ``g * log2(e)`` over the chunk's rows (columns ``c``)."""
+    return jnp.cumsum(g_ref[:, c].astype(_F32) * _LOG2E, axis=0)
+
+
+def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
+                  with_solve, with_apply):
+    """One chunk of one (batch, head); see the module docstring for the three phases. Without ``with_apply``
+    (``intra="fused2"``) phase 3 is left to ``intra_split._apply_kernel``: outputs are then ``qg, kg, aqk, decay,
+    A, G`` (+ ``kk`` with ``with_solve``)."""
+    refs = list(refs)  # v_ref is read only in phase 3
+    if segmented:
+        doc_ref, carry_ref, last_ref = refs[:3]
+        refs = refs[3:]
+        carry_all = carry_ref[...].astype(_F32)[:, None]
+        last_all = last_ref[...].astype(_F32)[:, None]
+    else:
+        carry_all = last_all = None
+    if with_apply:
+        qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = refs[:6]
+        kk_ref, a_ref, gc_ref = refs[6:9] if with_solve else (None, None, None)
+    else:
+        qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
+        kk_ref = refs[6] if with_solve else None
+    writes_solve = with_solve or not with_apply  # A and G leave the kernel
+    s = SUB_CHUNK
+    kd = k_ref.shape[-1]
+    inter_dtype = qg_ref.dtype
+    subs = range(_N_SUB)
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
+
+    def cols(b):
+        return pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
+
+    # 1. Gram rows, qg, kg, decay.
+    def gram_block(kb, acc):
+        aqk, kk = list(acc[0]), list(acc[1])
+        c = cols(kb)
+        gc_all = _cumulative_gate(g_ref, c)  # [64, BK]
+        if writes_solve:
+            gc_ref[:, c] = gc_all
+        gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
+        g_last = _row(gc_sub[-1], s - 1)[None, :]  # [1, BK]
+        k_all = k_ref[:, c].astype(_F32)
+        q_all = q_ref[:, c].astype(_F32) * scale
+        qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
+        kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(g_last - gc_all), last_all).astype(inter_dtype)
+        for i in subs:
+            rows = pl.ds(i * s, s)
+            first = _row(gc_sub[i], 0)[None, :]  # G at the first row of sub-chunk i
+            from_first = jnp.exp2(gc_sub[i] - first)  # exponent <= 0
+            # Columns up to the end of sub-chunk i, referenced to its first row (<= 15 tokens of growth).
+            k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
+            q_i = q_ref[rows, c].astype(_F32) * scale
+            k_i = k_ref[rows, c].astype(_F32)
+            aqk[i] = aqk[i] + _dot_nt(q_i * from_first, k_cols, precision)
+            kk[i] = kk[i] + _dot_nt(k_i * from_first, k_cols, precision)
+        decay_ref[c] = jnp.exp2(g_last[0])
+        return aqk, kk
+
+    zeros = [jnp.zeros((s, CHUNK), _F32)] * _N_SUB
+    aqk_rows, kk_rows = lax.fori_loop(0, kd // block_k, gram_block, (zeros, zeros))
+
+    # 2. Masks, then A = (I + diag(beta) kk)^-1 by rows of 16.
+    doc_all = doc_ref[...] if segmented else None
+    beta_all = beta_ref[...].astype(_F32)[:, None]
+    a_rows = []
+    for i in subs:
+        rows = pl.ds(i * s, s)
+        row_ids = i * s + rows_s1
+        keep_a, keep_k = cols_1c <= row_ids, cols_1c < row_ids
+        if segmented:
+            same = doc_ref[rows][:, None] == doc_all[None, :]
+            keep_a, keep_k = keep_a & same, keep_k & same
+        aqk_ref[rows, :] = jnp.where(keep_a, aqk_rows[i], 0.0).astype(inter_dtype)
+        kk_i = jnp.where(keep_k, kk_rows[i], 0.0)
+        if with_solve:
+            kk_ref[rows, :] = kk_i
+        akk_blocks = jnp.split(beta_ref[rows].astype(_F32)[:, None] * kk_i, _N_SUB, axis=1)  # [16, 16] each
+        rhs = jnp.where(cols_1c == row_ids, 1.0, 0.0).astype(_F32)  # E_i
+        for j in range(i):
+            rhs = rhs - _dot(akk_blocks[j], a_rows[j], precision)
+        a_i = _dot(_INVERSES[solve](akk_blocks[i]), rhs, precision)
+        if writes_solve:
+            a_ref[rows, :] = a_i
+        a_rows.append(a_i)
+
+    if not with_apply:
+        return
+
+    # 3. u = A (beta v), w = A (beta k 2^G).
+    def u_block(vb, carry_):
+        c = cols(vb)
+        rhs = beta_all * v_ref[:, c].astype(_F32)
+        for i in subs:
+            u_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
+        return carry_
+
+    def w_block(kb, carry_):
+        c = cols(kb)
+        rhs = _rows_masked(beta_all * k_ref[:, c].astype(_F32) * jnp.exp2(_cumulative_gate(g_ref, c)), carry_all)
+        for i in subs:
+            w_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
+        return carry_
+
+    lax.fori_loop(0, v_ref.shape[-1] // block_k, u_block, 0)
+    lax.fori_loop(0, kd // block_k, w_block, 0)
+
+
+def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False):
+    """``intra_split.intra_chunk_split`` (same arguments and results) through the fused kernel: one kernel for
+    ``config.intra == "fused"``; for ``"fused2"`` the fused gram + solve kernel (writing ``A`` and ``G``), then the
+    split stage's apply kernel (64-row products, few registers)."""
+    b, tp, h, kd = q.shape
+    vd = v.shape[-1]
+    n = tp // CHUNK
+    inter_dtype, precision = _matmul_policy(q.dtype)
+    block_k = min(config.block_k, kd, vd)
+    segmented = documents is not None
+    with_apply = config.intra == "fused"
+    doc_ops, doc_specs = document_operands(documents, h)
+    spec = ChunkSpecs(h)
+    tile = spec.tile
+    params = triton_params(interpret, config.warps[0])
+
+    def shape(width, dtype=inter_dtype):
+        return jax.ShapeDtypeStruct((b, tp, h, width), dtype)
+
+    decay_shape = jax.ShapeDtypeStruct((b, h, n, kd), _F32)
+    if with_apply:
+        out_shape = [shape(kd), shape(kd), shape(kd), shape(vd), shape(CHUNK), decay_shape]  # qg kg w u aqk decay
+        out_specs = [tile(kd), tile(kd), tile(kd), tile(vd), tile(CHUNK), spec.per_chunk(kd)]
+        if return_solve:
+            out_shape += [shape(CHUNK, _F32), shape(CHUNK, _F32), shape(kd, _F32)]  # kk A G
+            out_specs += [tile(CHUNK), tile(CHUNK), tile(kd)]
+    else:
+        out_shape = [shape(kd), shape(kd), shape(CHUNK), decay_shape, shape(CHUNK, _F32), shape(kd, _F32)]
+        out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]  # qg kg aqk decay A G
+        if return_solve:
+            out_shape.append(shape(CHUNK, _F32))  # kk
+            out_specs.append(tile(CHUNK))
+    outs = pl.pallas_call(
+        functools.partial(_fused_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
+                          segmented=segmented, with_solve=return_solve, with_apply=with_apply),
+        out_shape=tuple(out_shape),
+        grid=(n, b * h),
+        in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), spec.rows] + doc_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=params,
+        name="kda_chunk_intra_fused" if with_apply else "kda_chunk_gram_solve",
+    )(q, k, v, g, beta, *doc_ops)
+    if with_apply:
+        qg, kg, w, u, aqk, decay = outs[:6]
+        solve_terms = tuple(outs[6:])
+    else:
+        qg, kg, aqk, decay, a, gc = outs[:6]
+        solve_terms = (outs[6], a, gc) if return_solve else ()
+        u, w = pl.pallas_call(
+            functools.partial(_apply_kernel, precision=precision, block_k=block_k, segmented=segmented),
+            out_shape=(shape(vd), shape(kd)),
+            grid=(n, b * h),
+            in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), spec.rows] + doc_specs,
+            out_specs=[tile(vd), tile(kd)],
+            interpret=interpret,
+            compiler_params=params,
+            name="kda_chunk_apply",
+        )(a, v, k, gc, beta, *doc_ops)
+    if segmented:
+        decay = decay * documents["keep"][:, None, :, None]
+    if return_solve:
+        return qg, kg, w, u, aqk, decay, solve_terms
+    return qg, kg, w, u, aqk, decay
