@@ -666,3 +666,28 @@ def test_fused_intra_kernels_equal_the_split_stage_and_the_token_recurrence(intr
         assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol, name
     with pytest.raises(ValueError, match="intra must be"):
         KernelConfig(intra="fused3")
+
+
+@pytest.mark.parametrize("config", [KernelConfig(block_k=16),  # defaults: split forward, tiled backward
+                                    KernelConfig(block_k=16, intra="single", intra_bwd="auto"),
+                                    KernelConfig(block_k=16, intra="split", intra_bwd="auto"),
+                                    KernelConfig(block_k=16, intra_bwd="state_fused")])
+def test_chunk_decay_gradient_with_mild_gates_equals_token_recurrence(config):
+    """Every backward path with gates mild enough (half the key columns near 0) that the
+    chunk decays 2^G_L, and so their gradient term and its document mask, are not negligible (with gates in
+    (-5, 0) a whole chunk's decay underflows to 0 and that term cannot fail a test)."""
+    q, k, v, g, beta, h0 = _inputs(b=1, t=150, h=1, kd=32, vd=32, seed=48)
+    g[..., :16] *= 0.02
+    seg = _segment_ids(1, 150, [[20]])  # chunk 0 holds a document start (its decay is masked); chunks 1-2 do not
+
+    def kernel(*a):
+        return chunk_kda(*a[:5], initial_state=a[5], segment_ids=seg, output_final_state=True, backend="interpret",
+                         config=config)
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=32 ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    args = (q, k, v, g, beta, h0)
+    w_o, w_s = _cotangents(v, h0, seed=49)
+    for name, x, ref in zip(_GRAD_NAMES, _grad_all(kernel, args, w_o, w_s), _grad_all(recurrent, args, w_o, w_s)):
+        assert _rel_err(x, ref) < 2e-5, name

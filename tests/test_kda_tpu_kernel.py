@@ -210,3 +210,19 @@ def test_tpu_kernel_compiles_for_v5p():
     assert result["device_kind"].startswith("TPU v5")
     for case in ("bf16_fwd_bwd", "f32_segment_ids_fwd_bwd", "bf16_cu_seqlens_fwd_bwd", "f32_k64_fwd_bwd"):
         assert result[case]["mosaic_calls"] == 3, case  # forward, forward saving the states, reverse kernel
+
+
+def test_tpu_backward_chunk_decay_gradient_with_mild_gates_equals_token_recurrence():
+    """Half the key columns with mild gates, so the chunk decays (and their gradient and document mask) are not
+    negligible — with gates in (-5, 0) a whole chunk's decay underflows to 0; a document starts in chunk 0 only."""
+    q, k, v, g, beta, h0 = _inputs(b=1, t=150, h=1, kd=64, vd=64, seed=21)
+    g[..., :32] *= 0.02
+    ids = np.zeros((1, 150), np.int32)
+    ids[:, 20:] = 1
+    seg = jnp.asarray(ids)
+    args = (q, k, v, g, beta, h0)
+
+    def recurrent(*a):
+        return kda_recurrent(*a[:5], scale=64 ** -0.5, initial_state_bhkv=a[5], segment_ids_bt=seg)
+
+    _assert_grads_close(_grads(_tpu_core(segment_ids=seg), args, seed=22), _grads(recurrent, args, seed=22), 2e-5)

@@ -153,7 +153,7 @@ def _tpu_kda_fwd(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens
 
 def _tpu_kda_bwd(scale, cu_seqlens, interpret, bwd, residuals, cotangents):
     if bwd == "xla":
-        return _pallas_kda_bwd(scale, cu_seqlens, interpret, None, "xla", residuals, cotangents)
+        return _pallas_kda_bwd(scale, cu_seqlens, interpret, None, "xla", (*residuals, None), cotangents)
     do, d_final = cotangents
     *inputs, segment_ids = residuals
     grads = chunk_kda_bwd_tpu(*inputs, do, d_final, scale=scale, interpret=interpret, cu_seqlens=cu_seqlens,
