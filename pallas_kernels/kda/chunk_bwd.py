@@ -481,7 +481,9 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     ``d_final_state`` (the final-state shape). ``intra``: the forward's ``return_intra`` results (same config);
     None recomputes them.
 
-    Returns f32 ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the input shapes.
+    Returns ``(dq, dk, dv, dg, dbeta, d_initial_state)`` in the input shapes: dg, dbeta and d_initial_state f32;
+    dq, dk, dv in q's / k's / v's dtype on the tiled and state_fused paths (stored once by the kernel: the same
+    single rounding the caller applies), f32 on the single and split paths.
     """
     b, t, h, kd = q.shape
     vd = v.shape[-1]

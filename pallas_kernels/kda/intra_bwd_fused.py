@@ -211,7 +211,7 @@ def state_solve_grads(a, kk, beta, dv_new, u, v, w, k, gc, d_o, v_new, states, d
     state_spec = pl.BlockSpec((None, None, kd, vd), lambda c, bh: (bh // h, bh % h, c, 0))
     return pl.pallas_call(
         functools.partial(_state_solve_kernel, precision=precision, block_k=block_k, segmented=segmented),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), _F32),  # dv
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), v.dtype),  # dv (in v's dtype)
                    jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),  # dkk
                    jax.ShapeDtypeStruct((b, tp, h), _F32),  # dbeta
                    jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),  # daqk
@@ -233,7 +233,8 @@ def state_solve_grads(a, kk, beta, dv_new, u, v, w, k, gc, d_o, v_new, states, d
 
 def pair_grads_fused(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, *, scale, precision, config, interpret,
                      documents=None):
-    """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` f32 on chunk-padded inputs."""
+    """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` on chunk-padded inputs (dq, dk in q's / k's
+    dtype, dg f32)."""
     b, tp, h, kd = q.shape
     block_k = min(config.block_k, kd)
     segmented = documents is not None
@@ -248,7 +249,8 @@ def pair_grads_fused(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, *, scale, precisi
     doc_specs = [pl.BlockSpec((None, CHUNK), lambda j, c, bh: (bh // h, c))] * len(doc_ops)
     return pl.pallas_call(
         functools.partial(_pair_kernel, scale=scale, precision=precision, segmented=segmented),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),) * 3,
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), q.dtype), jax.ShapeDtypeStruct((b, tp, h, kd), k.dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32)),
         grid=(kd // block_k, tp // CHUNK, b * h),
         in_specs=[key_block(), key_block(), key_block(), key_block(), key_block(), key_block(),
                   key_block(CHUNK), key_block(CHUNK), gl_spec] + doc_specs,

@@ -182,7 +182,8 @@ def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, 
 
 
 def solve_grads(a, kk, beta, dv_new, u, v, dw, w, k, gc, *, precision, config, interpret, documents=None):
-    """Kernel 1 (grid chunk x batch*head): ``(dv, z, dkk, dbeta)`` f32 on chunk-padded inputs."""
+    """Kernel 1 (grid chunk x batch*head): ``(dv, z, dkk, dbeta)`` on chunk-padded inputs (dv in v's dtype, the
+    rest f32)."""
     b, tp, h, kd = k.shape
     vd = v.shape[-1]
     block_k = min(config.block_k, kd, vd)
@@ -193,7 +194,7 @@ def solve_grads(a, kk, beta, dv_new, u, v, dw, w, k, gc, *, precision, config, i
         doc_ops, doc_specs = doc_ops[:2], doc_specs[:2]
     return pl.pallas_call(
         functools.partial(_solve_grads_kernel, precision=precision, block_k=block_k, segmented=segmented),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), _F32),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), v.dtype),  # dv: stored once, in the gradient's dtype
                    jax.ShapeDtypeStruct((b, tp, h, kd), _F32),
                    jax.ShapeDtypeStruct((b, tp, h, CHUNK), _F32),
                    jax.ShapeDtypeStruct((b, tp, h), _F32)),
@@ -209,7 +210,8 @@ def solve_grads(a, kk, beta, dv_new, u, v, dw, w, k, gc, *, precision, config, i
 
 def pair_grads(q, k, gc, beta, z, dqg, dkg, daqk, dkk, d_decay, *, scale, precision, config, interpret,
                documents=None):
-    """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` f32 on chunk-padded inputs."""
+    """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` on chunk-padded inputs (dq, dk in q's / k's
+    dtype: the one rounding the caller would apply, without an f32 round trip; dg f32)."""
     b, tp, h, kd = q.shape
     block_k = min(config.block_k, kd)
     segmented = documents is not None
@@ -225,7 +227,8 @@ def pair_grads(q, k, gc, beta, z, dqg, dkg, daqk, dkk, d_decay, *, scale, precis
     doc_specs = [pl.BlockSpec((None, CHUNK), lambda j, c, bh: (bh // h, c))] * len(doc_ops)
     return pl.pallas_call(
         functools.partial(_pair_grads_kernel, scale=scale, precision=precision, segmented=segmented),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), _F32),) * 3,
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, kd), q.dtype), jax.ShapeDtypeStruct((b, tp, h, kd), k.dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), _F32)),
         grid=(kd // block_k, tp // CHUNK, b * h),
         in_specs=[key_block(), key_block(), key_block(), rows, key_block(), key_block(), key_block(),
                   key_block(CHUNK), key_block(CHUNK), decay_spec] + doc_specs,
