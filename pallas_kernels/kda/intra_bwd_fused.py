@@ -38,12 +38,12 @@ from pallas_kernels.kda.chunk_fwd import (
     CHUNK,
     SUB_CHUNK,
     ChunkSpecs,
-    _dot,
     _dot_nt,
     _dot_tn,
     _rows_masked,
     triton_params,
 )
+from pallas_kernels.kda.intra_bwd_tiled import pair_block, store_block
 
 __all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
 
@@ -138,54 +138,12 @@ def _pair_kernel(q_ref, k_ref, gc_ref, dqs_ref, dkgf_ref, bgz_ref, daqk_ref, dkk
     else:
         dq_ref, dk_ref, dg_ref = refs
         doc_ref = None
-    mm = q_ref.dtype if precision == lax.Precision.DEFAULT else _F32  # dot operands (bf16 inputs: bf16)
-    s = SUB_CHUNK
-    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
-    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
-    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
-    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
 
     def step(i, acc):
-        r = _N_SUB - 1 - i
-        start = pl.multiple_of(r * s, s)
-        rows = pl.ds(start, s)
-        gc = gc_ref[...]  # [64, BK], reloaded per step (not live across steps)
-        k = k_ref[...].astype(_F32)
-        gc_r = gc_ref[rows, :]
-        k_r = k_ref[rows, :].astype(_F32)
-        q_r = q_ref[rows, :].astype(_F32) * scale
-        mid = gc_ref[pl.ds(start + s // 2, 1), :]  # [1, BK] reference row m
-        row_ids, col_ids = start + rows_s1, start + cols_1s
-        keep_row = cols_1c <= row_ids
-        keep_col = rows_c1 >= col_ids
-        if segmented:
-            doc_all = doc_ref[...]
-            doc_r = doc_ref[rows]
-            keep_row = keep_row & (doc_r[:, None] == doc_all[None, :])
-            keep_col = keep_col & (doc_all[:, None] == doc_r[None, :])
-        daqk_row = jnp.where(keep_row, daqk_ref[rows, :], 0.0).astype(mm)
-        daqk_col = jnp.where(keep_col, daqk_ref[:, rows], 0.0).astype(mm)
-
-        # r as the row: columns up to the end of r, referenced to m.
-        k_e = (k * jnp.exp2(jnp.where(rows_c1 < start + s, mid - gc, -jnp.inf))).astype(mm)
-        f_r = jnp.exp2(gc_r - mid)
-        dqs = dqs_ref[rows, :] + f_r * _dot(daqk_row, k_e, precision)
-        dk_row = f_r * _dot(dkk_ref[rows, :].astype(mm), k_e, precision)
-
-        # r as the column: rows from the start of r, referenced to m.
-        rr = jnp.exp2(jnp.where(rows_c1 >= start, gc - mid, -jnp.inf))
-        q_rr = (q_ref[...].astype(_F32) * (scale * rr)).astype(mm)
-        dk_col = jnp.exp2(mid - gc_r) * (_dot_tn(daqk_col, q_rr, precision)
-                                         + _dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
-
-        dkgf_r = dkgf_ref[rows, :]
-        bgz_r = bgz_ref[rows, :]
-        dgrow = q_r * dqs + k_r * (dk_row - dk_col - dkgf_r + bgz_r)
-        blk = jnp.sum(dgrow, axis=0)
-        dg_ref[rows, :] = ((acc + blk)[None, :] - jnp.cumsum(dgrow, axis=0) + dgrow).astype(dg_ref.dtype)
-        dq_ref[rows, :] = (scale * dqs).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dk_row + dk_col + dkgf_r + bgz_r).astype(dk_ref.dtype)
-        return acc + blk
+        rows, q_r, k_r, dq_pairs, dk_row, dk_col = pair_block(q_ref, k_ref, gc_ref, daqk_ref, dkk_ref, doc_ref, i,
+                                                              scale=scale, precision=precision)
+        return store_block(dq_ref, dk_ref, dg_ref, rows, acc, q_r, k_r, dqs_ref[rows, :] + dq_pairs, dk_row, dk_col,
+                           dkgf_ref[rows, :], bgz_ref[rows, :], scale=scale)
 
     lax.fori_loop(0, _N_SUB, step, dgl_ref[...])
 

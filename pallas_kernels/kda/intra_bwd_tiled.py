@@ -54,7 +54,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["intra_bwd_tiled", "pair_grads", "solve_grads"]
+__all__ = ["intra_bwd_tiled", "pair_block", "pair_grads", "solve_grads", "store_block"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -105,10 +105,63 @@ def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w
     dkk_ref[...] = beta_c1 * dakk
 
 
+def pair_block(q_ref, k_ref, gc_ref, daqk_ref, dkk_ref, doc_ref, i, *, scale, precision):
+    """The pairwise-product gradients of 16-row block ``r = 3 - i`` of one [64, BK] key block (shared by the tiled
+    and state_fused pair kernels): ``(rows, q~_r, k_r, dq~_pairs, dk_row, dk_col)``, f32.
+
+    ``dq~_pairs = F (daqk[r, :] (k E))``, ``dk_row = F (dkk[r, :] (k E))``, ``dk_col = P (daqk[:, r]^T (q~ R) +
+    dkk[:, r]^T (k R))`` with every decay relative to the middle row m of r (module docstring, kernel 2); the
+    cotangent blocks are masked to the causal pairs and, with ``doc_ref``, to pairs inside one document.
+    """
+    mm = q_ref.dtype if precision == lax.Precision.DEFAULT else _F32  # dot operands (bf16 inputs: bf16)
+    s = SUB_CHUNK
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
+    start = pl.multiple_of((_N_SUB - 1 - i) * s, s)
+    rows = pl.ds(start, s)
+    gc = gc_ref[...]  # [64, BK], reloaded per step (not live across steps)
+    k = k_ref[...].astype(_F32)
+    gc_r = gc_ref[rows, :]
+    mid = gc_ref[pl.ds(start + s // 2, 1), :]  # [1, BK] reference row m
+    # Cotangent blocks: row block r [16, 64] (columns j <= i) and column block r [64, 16] (rows i >= j).
+    keep_row = cols_1c <= start + jnp.arange(s, dtype=jnp.int32)[:, None]
+    keep_col = rows_c1 >= start + jnp.arange(s, dtype=jnp.int32)[None, :]
+    if doc_ref is not None:
+        doc_all, doc_r = doc_ref[...], doc_ref[rows]
+        keep_row = keep_row & (doc_r[:, None] == doc_all[None, :])
+        keep_col = keep_col & (doc_all[:, None] == doc_r[None, :])
+    daqk_row = jnp.where(keep_row, daqk_ref[rows, :], 0.0).astype(mm)
+    daqk_col = jnp.where(keep_col, daqk_ref[:, rows], 0.0).astype(mm)
+
+    # r as the row: columns up to the end of r, referenced to m.
+    k_e = (k * jnp.exp2(jnp.where(rows_c1 < start + s, mid - gc, -jnp.inf))).astype(mm)
+    f_r = jnp.exp2(gc_r - mid)
+    dq_pairs = f_r * _dot(daqk_row, k_e, precision)
+    dk_row = f_r * _dot(dkk_ref[rows, :].astype(mm), k_e, precision)
+
+    # r as the column: rows from the start of r, referenced to m.
+    rr = jnp.exp2(jnp.where(rows_c1 >= start, gc - mid, -jnp.inf))
+    q_rr = (q_ref[...].astype(_F32) * (scale * rr)).astype(mm)
+    dk_col = jnp.exp2(mid - gc_r) * (_dot_tn(daqk_col, q_rr, precision)
+                                     + _dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
+    q_r = q_ref[rows, :].astype(_F32) * scale
+    return rows, q_r, k_ref[rows, :].astype(_F32), dq_pairs, dk_row, dk_col
+
+
+def store_block(dq_ref, dk_ref, dg_ref, rows, acc, q_r, k_r, dqs, dk_row, dk_col, kg_term, z_term, *, scale):
+    """Writes one 16-row block's ``dq``, ``dk`` and ``dg`` (the reverse cumulative sum inside the chunk, with the
+    later blocks' total ``acc`` as the carry) and returns the new carry. ``kg_term`` = ``dkg 2^(G_L - G)`` (the
+    state-product gradient through kg), ``z_term`` = ``beta 2^G z`` (through w)."""
+    dgrow = q_r * dqs + k_r * (dk_row - dk_col - kg_term + z_term)
+    blk = jnp.sum(dgrow, axis=0)
+    dg_ref[rows, :] = ((acc + blk)[None, :] - jnp.cumsum(dgrow, axis=0) + dgrow).astype(dg_ref.dtype)
+    dq_ref[rows, :] = (scale * dqs).astype(dq_ref.dtype)
+    dk_ref[rows, :] = (dk_row + dk_col + kg_term + z_term).astype(dk_ref.dtype)
+    return acc + blk
+
+
 def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, daqk_ref, dkk_ref, ddecay_ref,
                        *refs, scale, precision, segmented):
-    mm = q_ref.dtype if precision == lax.Precision.DEFAULT else _F32  # dot operands (bf16 inputs: bf16)
-
     """One [64, BK] key block of one chunk of one (batch, head): ``dq``, ``dk``, ``dg`` (module docstring,
     kernel 2)."""
     if segmented:
@@ -116,11 +169,6 @@ def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, 
     else:
         dq_ref, dk_ref, dg_ref = refs
         doc_ref = carry_ref = last_ref = None
-    s = SUB_CHUNK
-    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
-    cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
-    rows_s1 = jnp.arange(s, dtype=jnp.int32)[:, None]
-    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
 
     def row_mask(ref, rows):
         return None if not segmented else ref[rows].astype(_F32)[:, None]
@@ -132,51 +180,15 @@ def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, 
                + jnp.sum(dkg_ref[...].astype(_F32) * k_ref[...].astype(_F32) * kgf_all, axis=0))
 
     def step(i, acc):
-        r = _N_SUB - 1 - i
-        start = pl.multiple_of(r * s, s)
-        rows = pl.ds(start, s)
-        gc = gc_ref[...]  # [64, BK], reloaded per step (not live across steps)
-        k = k_ref[...].astype(_F32)
+        rows, q_r, k_r, dq_pairs, dk_row, dk_col = pair_block(q_ref, k_ref, gc_ref, daqk_ref, dkk_ref, doc_ref, i,
+                                                              scale=scale, precision=precision)
         gc_r = gc_ref[rows, :]
-        k_r = k_ref[rows, :].astype(_F32)
-        q_r = q_ref[rows, :].astype(_F32) * scale
-        mid = gc_ref[pl.ds(start + s // 2, 1), :]  # [1, BK] reference row m
-        # Cotangent blocks: row block r [16, 64] (columns j <= i) and column block r [64, 16] (rows i >= j).
-        row_ids, col_ids = start + rows_s1, start + cols_1s
-        keep_row = cols_1c <= row_ids
-        keep_col = rows_c1 >= col_ids
-        if segmented:
-            doc_all = doc_ref[...]
-            doc_r = doc_ref[rows]
-            keep_row = keep_row & (doc_r[:, None] == doc_all[None, :])
-            keep_col = keep_col & (doc_all[:, None] == doc_r[None, :])
-        daqk_row = jnp.where(keep_row, daqk_ref[rows, :], 0.0).astype(mm)
-        daqk_col = jnp.where(keep_col, daqk_ref[:, rows], 0.0).astype(mm)
-
-        # r as the row: columns up to the end of r, referenced to m.
-        k_e = (k * jnp.exp2(jnp.where(rows_c1 < start + s, mid - gc, -jnp.inf))).astype(mm)
-        f_r = jnp.exp2(gc_r - mid)
         gamma_r = _rows_masked(jnp.exp2(gc_r), row_mask(carry_ref, rows))
-        dqs = dqg_ref[rows, :].astype(_F32) * gamma_r + f_r * _dot(daqk_row, k_e, precision)
-        dk_row = f_r * _dot(dkk_ref[rows, :].astype(mm), k_e, precision)
-
-        # r as the column: rows from the start of r, referenced to m.
-        rr = jnp.exp2(jnp.where(rows_c1 >= start, gc - mid, -jnp.inf))
-        q_rr = (q_ref[...].astype(_F32) * (scale * rr)).astype(mm)
-        dk_col = jnp.exp2(mid - gc_r) * (_dot_tn(daqk_col, q_rr, precision)
-                                         + _dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
-
-        dkg_r = dkg_ref[rows, :].astype(_F32)
-        kgf_r = _rows_masked(jnp.exp2(g_last - gc_r), row_mask(last_ref, rows))
-        z_r = z_ref[rows, :].astype(_F32)
-        beta_r = beta_ref[rows].astype(_F32)[:, None]
-        bgz_r = beta_r * gamma_r * z_r
-        dgrow = q_r * dqs + k_r * (dk_row - dk_col - dkg_r * kgf_r + bgz_r)
-        blk = jnp.sum(dgrow, axis=0)
-        dg_ref[rows, :] = ((acc + blk)[None, :] - jnp.cumsum(dgrow, axis=0) + dgrow).astype(dg_ref.dtype)
-        dq_ref[rows, :] = (scale * dqs).astype(dq_ref.dtype)
-        dk_ref[rows, :] = (dk_row + dk_col + dkg_r * kgf_r + bgz_r).astype(dk_ref.dtype)
-        return acc + blk
+        dqs = dqg_ref[rows, :].astype(_F32) * gamma_r + dq_pairs
+        kg_term = dkg_ref[rows, :].astype(_F32) * _rows_masked(jnp.exp2(g_last - gc_r), row_mask(last_ref, rows))
+        z_term = beta_ref[rows].astype(_F32)[:, None] * gamma_r * z_ref[rows, :].astype(_F32)
+        return store_block(dq_ref, dk_ref, dg_ref, rows, acc, q_r, k_r, dqs, dk_row, dk_col, kg_term, z_term,
+                           scale=scale)
 
     lax.fori_loop(0, _N_SUB, step, dg_last)
 
