@@ -43,16 +43,12 @@ from pallas_kernels.kda.chunk_fwd import (
     _rows_masked,
     triton_params,
 )
-from pallas_kernels.kda.intra_bwd_tiled import pair_block, store_block
+from pallas_kernels.kda.intra_bwd_tiled import _cols, pair_block, store_block, value_block_grads
 
 __all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
-
-
-def _cols(block, width):
-    return pl.ds(pl.multiple_of(block * width, width), width)
 
 
 def _state_solve_kernel(a_ref, kk_ref, beta_ref, dvnew_ref, u_ref, v_ref, w_ref, k_ref, gc_ref, do_ref, vnew_ref,
@@ -78,13 +74,8 @@ def _state_solve_kernel(a_ref, kk_ref, beta_ref, dvnew_ref, u_ref, v_ref, w_ref,
     daqk_ref[...] = jnp.where(rows_c1 >= cols_1c,
                               _dot_nt(do_ref[...].astype(mm_dtype), vnew_ref[...], precision), 0.0)
 
-    def y_block(vb, acc):
-        dakk, dbeta = acc
-        c = _cols(vb, block_k)
-        y = _dot_tn(a_ref[...], dvnew_ref[:, c].astype(_F32), precision)  # A^T dv'
-        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
-        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
-        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+    y_block = value_block_grads(a_ref, dvnew_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k,
+                                precision=precision)
 
     def state_block(kb, carry_):
         """dqg, dkg, d(2^G_L) of key block ``kb``: the pair kernel's ``dqg gamma``, ``dkg kgf`` and ``dG_L``."""

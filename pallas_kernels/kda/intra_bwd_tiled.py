@@ -54,7 +54,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["intra_bwd_tiled", "pair_block", "pair_grads", "solve_grads", "store_block"]
+__all__ = ["intra_bwd_tiled", "pair_block", "pair_grads", "solve_grads", "store_block", "value_block_grads"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -62,6 +62,19 @@ _F32 = jnp.float32
 
 def _cols(block, width):
     return pl.ds(pl.multiple_of(block * width, width), width)
+
+
+def value_block_grads(a_ref, dvnew_ref, u_ref, v_ref, dv_ref, beta_c1, *, block_k, precision):
+    """The loop body over value blocks shared by the solve-gradient kernels: ``y = A^T dv'``, ``dv = beta y``
+    (stored), and the ``(dakk, dbeta)`` accumulator updated by ``- y u^T`` and ``rowsum(y v)``."""
+    def body(vb, acc):
+        dakk, dbeta = acc
+        c = _cols(vb, block_k)
+        y = _dot_tn(a_ref[...], dvnew_ref[:, c].astype(_F32), precision)  # A^T dv'
+        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
+        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
+        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+    return body
 
 
 def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w_ref, k_ref, gc_ref, *refs,
@@ -76,13 +89,7 @@ def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w
     kd, vd = k_ref.shape[-1], v_ref.shape[-1]
     beta_c1 = beta_ref[...].astype(_F32)[:, None]
 
-    def y_block(vb, acc):
-        dakk, dbeta = acc
-        c = _cols(vb, block_k)
-        y = _dot_tn(a_ref[...], du_ref[:, c].astype(_F32), precision)  # A^T dv'
-        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
-        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
-        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+    y_block = value_block_grads(a_ref, du_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k, precision=precision)
 
     def z_block(kb, acc):
         dakk, dbeta = acc
