@@ -43,7 +43,7 @@ from pallas_kernels.kda.chunk_fwd import (
     _rows_masked,
     triton_params,
 )
-from pallas_kernels.kda.intra_bwd_tiled import _cols, pair_block, store_block, value_block_grads
+from pallas_kernels.kda.intra_bwd_tiled import _cols, key_block_spec, pair_block, store_block, value_block_grads
 
 __all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
 
@@ -189,9 +189,7 @@ def pair_grads_fused(q, k, gc, dqs, dkgf, bgz, daqk, dkk, dgl, *, scale, precisi
     segmented = documents is not None
 
     def key_block(width=None):
-        if width is None:
-            return pl.BlockSpec((None, CHUNK, None, block_k), lambda j, c, bh: (bh // h, c, bh % h, j))
-        return pl.BlockSpec((None, CHUNK, None, width), lambda j, c, bh: (bh // h, c, bh % h, 0))
+        return key_block_spec(h, block_k, width)
 
     gl_spec = pl.BlockSpec((None, None, None, block_k), lambda j, c, bh: (bh // h, bh % h, c, j))
     doc_ops = [documents["doc"]] if segmented else []

@@ -54,7 +54,8 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["intra_bwd_tiled", "pair_block", "pair_grads", "solve_grads", "store_block", "value_block_grads"]
+__all__ = ["intra_bwd_tiled", "key_block_spec", "pair_block", "pair_grads", "solve_grads", "store_block",
+           "value_block_grads"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -227,6 +228,14 @@ def solve_grads(a, kk, beta, dv_new, u, v, dw, w, k, gc, *, precision, config, i
     )(a, kk, beta, dv_new, u, v, dw, w, k, gc, *doc_ops)
 
 
+def key_block_spec(h, block_k, width=None):
+    """Block spec on the pair kernels' (key block j, chunk c, batch*head) grid: the [64, block_k] columns of key
+    block j of a chunk tile, or with ``width`` the whole [64, width] tile."""
+    if width is None:
+        return pl.BlockSpec((None, CHUNK, None, block_k), lambda j, c, bh: (bh // h, c, bh % h, j))
+    return pl.BlockSpec((None, CHUNK, None, width), lambda j, c, bh: (bh // h, c, bh % h, 0))
+
+
 def pair_grads(q, k, gc, beta, z, dqg, dkg, daqk, dkk, d_decay, *, scale, precision, config, interpret,
                documents=None):
     """Kernel 2 (grid key block x chunk x batch*head): ``(dq, dk, dg)`` on chunk-padded inputs (dq, dk in q's / k's
@@ -236,9 +245,7 @@ def pair_grads(q, k, gc, beta, z, dqg, dkg, daqk, dkk, d_decay, *, scale, precis
     segmented = documents is not None
 
     def key_block(width=None):
-        if width is None:
-            return pl.BlockSpec((None, CHUNK, None, block_k), lambda j, c, bh: (bh // h, c, bh % h, j))
-        return pl.BlockSpec((None, CHUNK, None, width), lambda j, c, bh: (bh // h, c, bh % h, 0))
+        return key_block_spec(h, block_k, width)
 
     rows = pl.BlockSpec((None, CHUNK, None), lambda j, c, bh: (bh // h, c, bh % h))
     decay_spec = pl.BlockSpec((None, None, None, block_k), lambda j, c, bh: (bh // h, bh % h, c, j))

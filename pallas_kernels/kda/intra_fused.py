@@ -41,7 +41,7 @@ from pallas_kernels.kda.chunk_fwd import (
     document_operands,
     triton_params,
 )
-from pallas_kernels.kda.intra_split import _apply_kernel
+from pallas_kernels.kda.intra_split import apply_call
 
 __all__ = ["intra_chunk_fused"]
 
@@ -209,16 +209,8 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
     else:
         qg, kg, aqk, decay, a, gc = outs[:6]
         solve_terms = (outs[6], a, gc) if return_solve else ()
-        u, w = pl.pallas_call(
-            functools.partial(_apply_kernel, precision=precision, block_k=block_k, segmented=segmented),
-            out_shape=(shape(vd), shape(kd)),
-            grid=(n, b * h),
-            in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), spec.rows] + doc_specs,
-            out_specs=[tile(vd), tile(kd)],
-            interpret=interpret,
-            compiler_params=params,
-            name="kda_chunk_apply",
-        )(a, v, k, gc, beta, *doc_ops)
+        u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision,
+                          config=config, interpret=interpret)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
     if return_solve:

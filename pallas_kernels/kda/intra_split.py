@@ -40,7 +40,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
+__all__ = ["apply_call", "chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -154,6 +154,27 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
     lax.fori_loop(0, k_ref.shape[-1] // block_k, w_block, 0)
 
 
+def apply_call(a, v, k, gc, beta, documents, *, inter_dtype, precision, config, interpret):
+    """Kernel 3 (grid chunk x batch*head): ``(u, w)`` in ``inter_dtype`` from the 64x64 inverse ``a`` and the
+    cumulative gate ``gc`` (shared by the split and "fused2" intra stages)."""
+    b, tp, h, kd = k.shape
+    vd = v.shape[-1]
+    tile = ChunkSpecs(h).tile
+    doc_ops, doc_specs = document_operands(documents, h)
+    return pl.pallas_call(
+        functools.partial(_apply_kernel, precision=precision, block_k=min(config.block_k, kd, vd),
+                          segmented=documents is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype)),
+        grid=(tp // CHUNK, b * h),
+        in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), ChunkSpecs(h).rows] + doc_specs,
+        out_specs=[tile(vd), tile(kd)],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_chunk_apply",
+    )(a, v, k, gc, beta, *doc_ops)
+
+
 def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False):
     """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
     also returns ``(kk, A, G)`` (the pairwise key products, the 64x64 inverse and the cumulative gate) for the
@@ -200,17 +221,8 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
         compiler_params=params,
         name="kda_chunk_solve",
     )(kk, beta)
-    u, w = pl.pallas_call(
-        functools.partial(_apply_kernel, precision=precision, block_k=block_k, segmented=segmented),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype)),
-        grid=(n, b * h),
-        in_specs=[chunk_spec(CHUNK), chunk_spec(vd), chunk_spec(kd), chunk_spec(kd), beta_spec] + doc_specs,
-        out_specs=[chunk_spec(vd), chunk_spec(kd)],
-        interpret=interpret,
-        compiler_params=params,
-        name="kda_chunk_apply",
-    )(a, v, k, gc, beta, *doc_ops)
+    u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
+                      interpret=interpret)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
     if return_solve:
