@@ -143,3 +143,9 @@ def traced_platform() -> str:
     compiled on a CPU host counts as TPU, `sharding.aot`), else JAX's default backend."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
     return getattr(device, "platform", None) or jax.default_backend()
+
+
+def traced_accelerator() -> str | None:
+    """The kernel family for the platform being traced (`traced_platform`): "gpu" (CUDA / ROCm), "tpu", or None
+    (CPU and anything else: the XLA paths). The one place the kernel dispatchers read the platform from."""
+    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(traced_platform())

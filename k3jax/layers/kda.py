@@ -20,7 +20,7 @@ from k3jax.layers import params
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
 from sharding import context_parallel, kda_kernel
-from sharding.mesh import traced_platform
+from sharding.mesh import traced_accelerator
 
 
 class KDAState(NamedTuple):
@@ -199,7 +199,7 @@ def resolve_kda_impl(cfg) -> str:
     (``sharding.kda_kernel``)."""
     if cfg.kda_impl != "auto":
         return cfg.kda_impl
-    on_accelerator = traced_platform() in ("gpu", "cuda", "rocm", "tpu")  # a TPU topology compiled on CPU counts
+    on_accelerator = traced_accelerator() is not None  # a TPU topology compiled on a CPU host counts
     return "pallas" if on_accelerator and cfg.kda_kernel_compatible else "chunked"
 
 

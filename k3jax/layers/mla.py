@@ -17,7 +17,7 @@ from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
 from sharding import context_parallel, kda_kernel
-from sharding.mesh import traced_platform
+from sharding.mesh import traced_accelerator
 
 
 class MLA(nnx.Module):
@@ -194,7 +194,7 @@ def mla_decode_backend(cfg: ModelConfig, num_pages: int, page_size: int) -> str 
 
     if cfg.mla_decode_impl == "xla" or kda_kernel.kernel_mesh() is not None:
         return None
-    on_gpu = traced_platform() in ("gpu", "cuda", "rocm")
+    on_gpu = traced_accelerator() == "gpu"
     if cfg.mla_decode_impl == "pallas":
         return "gpu" if on_gpu else "interpret"
     fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size, num_pages)

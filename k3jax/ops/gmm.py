@@ -105,9 +105,9 @@ def _inference_only_jvp(primals, tangents):
 def _platform_backend() -> str:
     """The `pallas_kernels.gmm` backend for the platform being traced for (a TPU topology compiled on a CPU host
     counts as TPU: `sharding.mesh.traced_platform`)."""
-    from sharding.mesh import traced_platform  # lazy: sharding imports the ops
+    from sharding.mesh import traced_accelerator  # lazy: sharding imports the ops
 
-    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(traced_platform(), "xla")
+    return traced_accelerator() or "xla"
 
 
 def _kernel_backend_here() -> str | None:

@@ -546,9 +546,9 @@ def kda_chunked(
 def decode_kernel_backend():
     """The backend of the Pallas decode kernel for a T == 1 ``impl="pallas"`` call traced now: ``"gpu"`` on a
     GPU, None elsewhere (TPU and CPU take the XLA step). Tests patch it to ``"interpret"`` to run the kernel on CPU."""
-    from sharding.mesh import traced_platform  # lazy, like the chunk kernel's dispatch below
+    from sharding.mesh import traced_accelerator  # lazy, like the chunk kernel's dispatch below
 
-    return "gpu" if traced_platform() in ("gpu", "cuda", "rocm") else None
+    return "gpu" if traced_accelerator() == "gpu" else None
 
 
 def _pallas_one_token(q, k, v, g, beta, *, scale, initial_state):
@@ -592,10 +592,9 @@ def kda(
         return _pallas_one_token(q, k, v, g, beta, scale=scale, initial_state=initial_state)
     if impl == "pallas":
         from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
-        from sharding.mesh import traced_platform
+        from sharding.mesh import traced_accelerator
 
-        platform = traced_platform()
-        backend = "gpu" if platform in ("gpu", "cuda", "rocm") else "tpu" if platform == "tpu" else "interpret"
+        backend = traced_accelerator() or "interpret"
         return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
                          segment_ids=segment_ids, backend=backend)
     if impl == "chunked":
