@@ -6,9 +6,8 @@
 Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd, or with
 ``intra_bwd="tiled"`` its two kernels bwd_intra_a = solve gradients and bwd_intra_b = pair gradients, with
 ``intra_bwd="state_fused"`` bwd_state_solve and bwd_pair_fused in place of state_grads + both) is jitted alone
-on the
-previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls after
-warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
+on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls
+after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
 `--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
 Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]`, e.g.
