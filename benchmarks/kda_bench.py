@@ -4,12 +4,14 @@
         [--impls=pallas,xla] [--variants=64-4-4,32-4-4,64-4-4-doubling] [--breakdown]
 
 Inputs are K3's: raw gate input + A_log + dt_bias with the lower-bounded gate (−5), L2 norm and β sigmoid done
-inside the timed function for every implementation (fla fuses them in its kernel). bf16 q/k/v, K = V = 128. Reports
+inside the timed function for every implementation (fla and our `chunk_kda_gated` activate the gate in-kernel). bf16 q/k/v, K = V = 128. Reports
 the median of `--iters` timed calls after warm-up, nominal TFLOP/s (183 kFLOP per token per head, KERNELS.md §2), the
 fraction of the ≈0.21 ms forward roofline at 1×8192×96 (scaled by tokens·heads for other shapes) and ratios to fla.
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
 Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`
-(KernelConfig.parse); `--breakdown` also times the intra-chunk kernel alone for each variant. `--check` first
+(KernelConfig.parse); `--breakdown` also times the intra-chunk kernel alone for each variant; `--profile` traces
+three forward and three forward+backward calls of each implementation at the first shape (jax.profiler for ours,
+torch.profiler for fla) and prints each GPU kernel's time per call, to compare stage by stage. `--check` first
 runs `pallas_kernels.kda.check`'s GPU check (outputs, state, gradients vs the token recurrence) and stops if it fails.
 The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
@@ -27,6 +29,7 @@ import traceback
 # JAX and torch share the GPU in this process: stop JAX from preallocating 75% of it (fla OOMs at T=32768 otherwise).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +37,7 @@ import numpy as np
 
 from k3jax.layers.norms import l2_normalize
 from k3jax.ops.kda import kda_chunked
-from pallas_kernels.kda import KernelConfig, chunk_kda
+from pallas_kernels.kda import KernelConfig, chunk_kda_gated
 from pallas_kernels.kda.check import run_on_gpu
 from pallas_kernels.kda.chunk_fwd import intra_chunk
 
@@ -51,17 +54,23 @@ def _median_ms(fn, iters):
     return statistics.median(times)
 
 
-def _xla_core(q, k, v, g, beta, scale, chunk, variant):
+def _k3_gate(graw, a_log, dt_bias):
+    return -5.0 * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (graw.astype(jnp.float32) + dt_bias))
+
+
+def _xla_core(q, k, v, graw, blog, a_log, dt_bias, scale, chunk, variant):
     del variant
-    o, _ = kda_chunked(l2_normalize(q), l2_normalize(k), v, g, beta, scale=scale, chunk_size=chunk)
+    o, _ = kda_chunked(l2_normalize(q), l2_normalize(k), v, _k3_gate(graw, a_log, dt_bias),
+                       jax.nn.sigmoid(blog.astype(jnp.float32)), scale=scale, chunk_size=chunk)
     return o
 
 
-def _pallas_core(q, k, v, g, beta, scale, chunk, variant):
-    """variant: a KernelConfig."""
+def _pallas_core(q, k, v, graw, blog, a_log, dt_bias, scale, chunk, variant):
+    """variant: a KernelConfig. K3's entry point (chunk_kda_gated: the gate is activated inside the intra kernel
+    for the intra modes that can, like fla's use_gate_in_kernel)."""
     del chunk
-    qn, kn = (l2_normalize(x).astype(x.dtype) for x in (q, k))
-    o, _ = chunk_kda(qn, kn, v, g, beta, scale=scale, backend="gpu", config=variant)
+    o, _ = chunk_kda_gated(q, k, v, graw, blog, A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0, scale=scale,
+                           backend="gpu", config=variant)
     return o
 
 
@@ -80,9 +89,51 @@ def bench_intra(b, t, h, d, iters, variant):
 
 
 DEFAULT_VARIANT = KernelConfig()
+PROFILE_CALLS = 3
 
 
-def bench_jax(core, b, t, h, d, iters, chunk, variant=DEFAULT_VARIANT, with_bwd=True):
+def _print_kernels(label, kernels):
+    """kernels: [(name, us per call, launches per call)], printed longest first."""
+    total = sum(us for _, us, _ in kernels)
+    print(f"profile {label}: {total / 1e3:.3f} ms of kernels per call", flush=True)
+    for name, us, count in sorted(kernels, key=lambda r: -r[1])[:20]:
+        print(f"  {us:9.1f} us  x{count:<5.3g} {name[:110]}", flush=True)
+
+
+def profile_jax(label, fn, args):
+    """Device time per GPU kernel of `fn(*args)` (already compiled), from a jax.profiler trace."""
+    import glob
+    import tempfile
+
+    from trace_summary import summarize_xplane
+
+    log_dir = tempfile.mkdtemp(prefix="kda_profile_")
+    with jax.profiler.trace(log_dir):
+        for _ in range(PROFILE_CALLS):
+            jax.block_until_ready(fn(*args))
+    path = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    summary = summarize_xplane(path, PROFILE_CALLS, top=40)
+    _print_kernels(label, [(r["name"], r["per_step_us"], r["count_per_step"]) for r in summary.get("top_kernels") or summary.get("top_events", [])])
+
+
+def profile_torch(label, fn):
+    """Device time per CUDA kernel of `fn()` (already autotuned), from torch.profiler."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_CALLS):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if us:
+            rows.append((ev.key, us / PROFILE_CALLS, ev.count / PROFILE_CALLS))
+    _print_kernels(label, rows)
+
+
+def bench_jax(core, b, t, h, d, iters, chunk, variant=DEFAULT_VARIANT, with_bwd=True, profile=None):
     rng = np.random.default_rng(0)
     q, k, v, graw = (jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16) for _ in range(4))
     blog = jnp.asarray(rng.standard_normal((b, t, h)), jnp.bfloat16)
@@ -90,9 +141,7 @@ def bench_jax(core, b, t, h, d, iters, chunk, variant=DEFAULT_VARIANT, with_bwd=
     dt_bias = jnp.asarray(rng.standard_normal((h, d)) * 0.1, jnp.float32)
 
     def fwd(q, k, v, graw, blog):
-        g = -5.0 * jax.nn.sigmoid(jnp.exp(a_log)[:, None] * (graw.astype(jnp.float32) + dt_bias))
-        o = core(q, k, v, g, jax.nn.sigmoid(blog.astype(jnp.float32)), d ** -0.5, chunk, variant)
-        return o.astype(jnp.bfloat16)
+        return core(q, k, v, graw, blog, a_log, dt_bias, d ** -0.5, chunk, variant).astype(jnp.bfloat16)
 
     f = jax.jit(fwd)
     # value_and_grad: the loss value keeps the forward output live (with grad alone XLA drops a custom_vjp forward
@@ -101,14 +150,18 @@ def bench_jax(core, b, t, h, d, iters, chunk, variant=DEFAULT_VARIANT, with_bwd=
     args = (q, k, v, graw, blog)
     jax.block_until_ready(f(*args))
     ms_f = _median_ms(lambda: jax.block_until_ready(f(*args)), iters)
+    if profile:
+        profile_jax(f"{profile} fwd", f, args)
     if not with_bwd:
         return ms_f, float("nan")
     jax.block_until_ready(fb(*args))
     ms_fb = _median_ms(lambda: jax.block_until_ready(fb(*args)), iters)
+    if profile:
+        profile_jax(f"{profile} fwd+bwd", fb, args)
     return ms_f, ms_fb
 
 
-def bench_fla(b, t, h, d, iters):
+def bench_fla(b, t, h, d, iters, profile=False):
     import torch
     from fla.ops.kda import chunk_kda as fla_chunk_kda
 
@@ -145,7 +198,14 @@ def bench_fla(b, t, h, d, iters):
             torch.cuda.synchronize()
         return _median_ms(run, iters)
 
-    return timed(fwd, False), timed(fwd_bwd, True)
+    ms = timed(fwd, False), timed(fwd_bwd, True)
+    if profile:
+        def fwd_nograd():
+            with torch.no_grad():
+                fwd()
+        profile_torch("fla fwd", fwd_nograd)
+        profile_torch("fla fwd+bwd", fwd_bwd)
+    return ms
 
 
 def main():
@@ -160,6 +220,7 @@ def main():
     p.add_argument("--no_fla", action="store_true")
     p.add_argument("--check", action="store_true")
     p.add_argument("--breakdown", action="store_true", help="also time the intra-chunk kernel alone")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU time of each implementation, first shape")
     args = p.parse_args()
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
     if args.check:  # the kernels' own GPU check (outputs, final state and all gradients vs the token recurrence)
@@ -174,7 +235,8 @@ def main():
             sys.exit(1)
     fla_shapes = set((args.fla_shapes or args.shapes).split(","))
     rows = []
-    for shape in args.shapes.split(","):
+    for shape_index, shape in enumerate(args.shapes.split(",")):
+        profile = args.profile and shape_index == 0
         b, t, h = (int(x) for x in shape.split("x"))
         nominal = b * t * h * FLOP_PER_TOKEN_HEAD
         roofline_ms = ROOFLINE_MS_1x8192x96 * (b * t * h) / (8192 * 96)
@@ -185,7 +247,8 @@ def main():
                 name = impl if i == 0 else f"{impl}_{var}"
                 try:
                     ms_f, ms_fb = bench_jax(CORES[impl], b, t, h, 128, args.iters, args.chunk,
-                                            KernelConfig.parse(var), with_bwd=i == 0)
+                                            KernelConfig.parse(var), with_bwd=i == 0,
+                                            profile=f"{name} {shape}" if profile else None)
                     if impl == "pallas" and args.breakdown:
                         row[f"{name}_intra_ms"] = bench_intra(b, t, h, 128, args.iters, KernelConfig.parse(var))
                 except Exception:  # noqa: BLE001 -- report and time the other implementations
@@ -197,7 +260,7 @@ def main():
                 print(f"{shape}: {name} ({var}) fwd {ms_f:.3f} ms, fwd+bwd {ms_fb:.3f} ms", flush=True)
         if not args.no_fla and shape in fla_shapes:
             try:
-                row["fla_fwd_ms"], row["fla_fwdbwd_ms"] = bench_fla(b, t, h, 128, args.iters)
+                row["fla_fwd_ms"], row["fla_fwdbwd_ms"] = bench_fla(b, t, h, 128, args.iters, profile=profile)
                 for key in [k for k in row if k.endswith("_fwd_ms") and not k.startswith("fla")]:
                     name = key[: -len("_fwd_ms")]
                     row[f"{name}_over_fla_fwd"] = row[key] / row["fla_fwd_ms"]

@@ -9,7 +9,7 @@ Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, 
 on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls
 after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
-`--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
+`--profile` prints the GPU kernels inside each stage of the first variant; `--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
 Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]`, e.g.
 `64-4-4-doubling-1-32-split-tiled` (`KernelConfig.parse`).
 """
@@ -24,6 +24,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
@@ -109,7 +110,7 @@ def stage_fns(b, t, h, d, dtype, config, interpret=False):
     return stages, out
 
 
-def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, only=None):
+def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, only=None, profile=False):
     stages, out = stage_fns(b, t, h, d, dtype, config, interpret)
     rows = {}
     needed = {"intra"} if only is None else set(only) | {"intra"}
@@ -134,6 +135,10 @@ def run_stages(b, t, h, d, dtype, config, iters, timed=True, interpret=False, on
                 jax.block_until_ready(fn(*a))
                 times.append((time.perf_counter() - t0) * 1e3)
             rows[name] = round(statistics.median(times), 3)
+            if profile:
+                from kda_bench import profile_jax
+
+                profile_jax(f"stage {name}", fn, a)
         else:
             rows[name] = "ok"
     return rows
@@ -157,6 +162,7 @@ def main():
     p.add_argument("--no_compile_check", action="store_true")
     p.add_argument("--interpret", action="store_true", help="CPU smoke run of this script (Pallas interpreter)")
     p.add_argument("--stages", default=None, help="comma list of stage names to time (default: all)")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU time inside each stage (first variant)")
     p.add_argument("--check", action="store_true",
                    help="first check each variant against the token recurrence (outputs, state, gradients)")
     args = p.parse_args()
@@ -172,7 +178,8 @@ def main():
                 rows = run_stages(1, 256, 2, 128, dtype, config, 0, timed=False, interpret=args.interpret)
                 print(json.dumps({"variant": text, "compile_check": jnp.dtype(dtype).name, **rows}), flush=True)
         only = None if args.stages is None else args.stages.split(",")
-        rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only)
+        rows = run_stages(b, t, h, 128, jnp.bfloat16, config, args.iters, interpret=args.interpret, only=only,
+                          profile=args.profile and index == 0)
         fwd = {k: v for k, v in rows.items() if not str(v).startswith("error")}
         fwd_ms = sum(fwd.get(k, 0) for k in ("intra", "recurrence"))
         recompute = ("intra",) if config.residuals == "inputs" else ()  # "intra": the forward's results are kept

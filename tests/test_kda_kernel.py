@@ -436,12 +436,20 @@ def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
     assert _rel_err(y_mesh, y_ref) < 2e-5 and _rel_err(dx_mesh, dx_ref) < 2e-5
 
 
-def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid():
+@pytest.mark.parametrize("t,intra,in_kernel", [(70, "split", False), (128, "fused2", True), (70, "fused2", False)])
+def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid(t, intra, in_kernel, monkeypatch):
     """chunk_kda_gated (raw q/k, raw gate + A_log + dt_bias with the -5 lower bound, beta logits) equals the token
     recurrence on inputs preprocessed here in float64 NumPy; gradients reach A_log and dt_bias and equal the
-    recurrence's."""
+    recurrence's. With intra="fused2" and T a multiple of 64 the intra kernel activates the raw gate itself (the
+    raw-gate custom VJP runs); with T = 70 (padded tokens must not decay) the gate is activated in XLA first."""
+    from pallas_kernels.kda import dispatch
+
+    calls = []
+    raw_gate = dispatch._pallas_kda_raw_gate
+    monkeypatch.setattr(dispatch, "_pallas_kda_raw_gate", lambda *a: calls.append(1) or raw_gate(*a))
+    config = KernelConfig(block_k=16, intra=intra)
     rng = np.random.default_rng(41)
-    b, t, h, d = 1, 70, 2, 16
+    b, h, d = 1, 2, 16
     q, k, v, g_raw = (rng.standard_normal((b, t, h, d)).astype(np.float32) for _ in range(4))
     beta_logits = rng.standard_normal((b, t, h)).astype(np.float32)
     a_log = np.log(rng.uniform(1, 16, h)).astype(np.float32)
@@ -456,8 +464,9 @@ def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid():
         beta = 1.0 / (1.0 + np.exp(-np.asarray(beta_logits, np.float64)))
         return qn, kn, g, beta
 
-    o, _ = jax.jit(lambda *a: chunk_kda_gated(*a[:5], A_log=a[5], dt_bias=a[6], backend="interpret"))(
-        q, k, v, g_raw, beta_logits, a_log, dt_bias)
+    o, _ = jax.jit(lambda *a: chunk_kda_gated(*a[:5], A_log=a[5], dt_bias=a[6], backend="interpret",
+                                              config=config))(q, k, v, g_raw, beta_logits, a_log, dt_bias)
+    assert bool(calls) == in_kernel
     qn, kn, g, beta = numpy_inputs(q, k, g_raw, beta_logits, a_log, dt_bias)
     want, _ = _numpy_token_loop(qn, kn, v, g, beta, np.zeros((b, h, d, d)), scale=d ** -0.5)
     assert _rel_err(o, want) < 2e-5
@@ -471,7 +480,7 @@ def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid():
     w_o = rng.standard_normal(v.shape).astype(np.float32)
     args = (q, k, v, g_raw, beta_logits, a_log, dt_bias)
     got = jax.jit(jax.grad(lambda *a: jnp.sum(chunk_kda_gated(*a[:5], A_log=a[5], dt_bias=a[6],
-                                                              backend="interpret")[0] * w_o),
+                                                              backend="interpret", config=config)[0] * w_o),
                            argnums=tuple(range(7))))(*args)
     ref = jax.jit(jax.grad(lambda *a: jnp.sum(reference(*a) * w_o), argnums=tuple(range(7))))(*args)
     for name, x, r in zip(("q", "k", "v", "g_raw", "beta_logits", "A_log", "dt_bias"), got, ref):

@@ -68,6 +68,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.chunk_fwd import (
     _INVERSES,
     _LOG2E,
+    _SPLIT_FAMILY,
     CHUNK,
     SUB_CHUNK,
     ChunkSpecs,
@@ -502,7 +503,7 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     if config.intra_bwd not in ("auto", "tiled", "state_fused"):
         raise ValueError(f"KernelConfig.intra_bwd must be 'auto', 'tiled' or 'state_fused', got {config.intra_bwd!r}")
     tiled = config.intra_bwd == "tiled"
-    split = config.intra in ("split", "fused", "fused2") or tiled
+    split = config.intra in _SPLIT_FAMILY or tiled
     if intra is None:
         intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                    documents=documents)

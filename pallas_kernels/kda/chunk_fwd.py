@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["CHUNK", "SUB_CHUNK", "ChunkSpecs", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd",
-           "chunk_layout", "chunk_states", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
+           "chunk_layout", "chunk_states", "activate_gate", "gate_operands", "GATE_IN_KERNEL", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
            "triton_params", "varlen_layout"]
 
 CHUNK = 64
@@ -47,6 +47,11 @@ SUB_CHUNK = 16
 _N_SUB = CHUNK // SUB_CHUNK
 _LOG2E = 1.4426950408889634
 _F32 = jnp.float32
+
+
+INTRA_MODES = ("single", "split", "fused", "fused2", "pairs")
+GATE_IN_KERNEL = ("fused", "fused2", "pairs")  # intra modes that can apply K3's gate activation while loading g
+_SPLIT_FAMILY = ("split", "fused", "fused2", "pairs")  # intra modes producing the split stage's solve terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +66,9 @@ class KernelConfig:
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
     intra: "single" (one intra-chunk kernel per chunk and head) or "split" (intra_split.py: cumulative gate in XLA,
       then gram / solve / apply kernels with less serial work per program), "fused" (intra_fused.py: the split
-      stage's algebra as one kernel, cumulative gate in-kernel; same results) or "fused2" (intra_fused.py: gram +
-      solve fused, then the split apply kernel).
+      stage's algebra as one kernel, cumulative gate in-kernel; same results), "fused2" (intra_fused.py: gram +
+      solve fused, then the split apply kernel) or "pairs" (intra_pairs.py: as "fused2" with the gram products
+      formed per pair of 16-row sub-chunks).
     intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
       through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
       products in 16-row steps; intra_bwd_tiled.py) or "state_fused" (as "tiled" with the state-product gradients
@@ -73,15 +79,16 @@ class KernelConfig:
       stage) or "inputs" (q, k, v, g, beta only; the backward recomputes the intra stage).
 
     Defaults = the fastest measured on an H200 at 1x8192x96 bf16 (``benchmarks/kda_stages.py``, RESULTS.md):
-    split forward intra 3.78 ms (single 4.53), tiled backward intra 2.38 + 3.84 ms (single 18.1).
+    forward intra fused2 (block_k 64) 2.46 ms, split 3.92, single 4.53; tiled backward intra 1.80 + 3.42 ms at
+    block_k 64 (2.20 + 3.92 at 32; single 18.1).
     """
 
     block_v: int = 64
     warps: tuple[int, int] = (4, 4)
     solve: str = "doubling"
     stages: int = 1
-    block_k: int = 32
-    intra: str = "split"
+    block_k: int = 64
+    intra: str = "fused2"
     intra_bwd: str = "tiled"
     residuals: str = "intra"
 
@@ -101,8 +108,8 @@ class KernelConfig:
     def __post_init__(self):
         if self.solve not in ("substitution", "doubling"):
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
-        if self.intra not in ("single", "split", "fused", "fused2"):
-            raise ValueError(f"KernelConfig.intra must be 'single', 'split', 'fused' or 'fused2', got {self.intra!r}")
+        if self.intra not in INTRA_MODES:
+            raise ValueError(f"KernelConfig.intra must be one of {INTRA_MODES}, got {self.intra!r}")
         if self.intra_bwd not in ("auto", "tiled", "state_fused"):
             raise ValueError("KernelConfig.intra_bwd must be 'auto', 'tiled' or 'state_fused', got "
                              f"{self.intra_bwd!r}")
@@ -421,18 +428,30 @@ def _is_pow2(n):
     return n >= 16 and n & (n - 1) == 0
 
 
-def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, documents=None):
+def activate_gate(g_raw, gate):
+    """K3's lower-bounded gate in f32, ``lower_bound * sigmoid(a_hk * (g_raw + bias_hk))`` with ``gate = (a_hk,
+    bias_hk, lower_bound)`` (``a_hk = exp(A_log)`` broadcast to ``[H, K]``); the in-kernel gate computes the same
+    expression as each tile of ``g_raw [B, T, H, K]`` is loaded."""
+    a_hk, bias_hk, lower_bound = gate
+    return lower_bound / (1.0 + jnp.exp(-(a_hk * (g_raw.astype(_F32) + bias_hk))))
+
+
+def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, documents=None, gate=None):
     """Kernel 1 on chunk-padded inputs ``[B, Tp, H, *]`` (Tp a multiple of 64; g, beta f32).
 
     Returns ``(qg, kg, w, u, aqk)`` as ``[B, Tp, H, *]`` (bf16 for bf16/f16 q, else f32) and ``decay [B, H, N, K]``.
     ``documents``: ``document_layout(...)`` for packed documents (decay is then zero where ``keep`` is).
+    ``gate``: None (``g`` is the activated gate) or ``(a_hk, bias_hk, lower_bound)`` with ``g`` the raw gate input,
+    activated inside the kernels (``config.intra`` in ``GATE_IN_KERNEL``; see ``activate_gate``).
     """
     config = config or KernelConfig()
-    if config.intra in ("split", "fused", "fused2"):
+    if config.intra in _SPLIT_FAMILY:
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents)
+                                 documents=documents, gate=gate)
+    if gate is not None:
+        raise ValueError(f"intra_chunk: an in-kernel gate needs KernelConfig.intra in {GATE_IN_KERNEL}")
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -488,6 +507,16 @@ class ChunkSpecs:
     def per_chunk(self, width):
         h = self.h
         return pl.BlockSpec((None, None, None, width), lambda c, bh: (bh // h, bh % h, c, 0))
+
+
+def gate_operands(gate, h):
+    """``(operands, block specs)`` of an in-kernel gate's ``[H, K]`` coefficients (``intra_chunk``'s ``gate``)
+    for the (chunk, batch*head) grid: each program reads its head's ``a`` and ``bias`` rows."""
+    if gate is None:
+        return [], []
+    a_hk, bias_hk, _ = gate
+    spec = pl.BlockSpec((None, a_hk.shape[-1]), lambda c, bh: (bh % h, 0))
+    return [a_hk, bias_hk], [spec, spec]
 
 
 def document_operands(documents, h):
@@ -661,23 +690,24 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
     )(qg, kg, w, u, aqk, decay, *specs.meta_ops, initial_state.astype(_F32))
 
 
-def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents):
+def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents, gate=None):
     """The intra-chunk results the backward reads, on chunk-padded inputs: ``(qg, kg, w, u, aqk, decay, solve)``
     with ``solve`` the split stage's ``(kk, A, G)`` when the backward's intra kernels need them (``intra="split"``
     or ``intra_bwd="tiled"``), else None. The forward calls it when it keeps these as residuals; the backward calls
     it to recompute them otherwise."""
-    if config.intra in ("split", "fused", "fused2") or config.intra_bwd in ("tiled", "state_fused"):
+    if config.intra in _SPLIT_FAMILY or config.intra_bwd in ("tiled", "state_fused"):
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents, return_solve=True)
-    return (*intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents),
-            None)
+                                 documents=documents, return_solve=True, gate=gate)
+    return (*intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents,
+                         gate=gate), None)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens", "return_intra"))
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens", "return_intra",
+                                             "gate_lower_bound"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
-                  cu_seqlens=None, segment_ids=None, return_intra=False):
+                  cu_seqlens=None, segment_ids=None, return_intra=False, gate_hk=None, gate_lower_bound=None):
     """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the chunk loop).
 
     Args:
@@ -693,6 +723,9 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
 
       return_intra: also return the intra-chunk results for the backward (``intra_for_backward``'s tuple, on the
         chunk-padded layout): ``((o, final_state), intra)``.
+      gate_hk, gate_lower_bound: None, or ``(a_hk, bias_hk)`` ``[H, K]`` f32 and the static lower bound: ``g`` is
+        then K3's raw gate input, activated as ``activate_gate`` inside the intra kernel when ``config.intra`` is
+        in ``GATE_IN_KERNEL`` and the tokens fill whole chunks (no padding to keep decay-free), else in XLA first.
 
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B or N_seq, H, K, V] f32)``.
@@ -703,20 +736,26 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     vd = v.shape[-1]
     block_v = check_dims(kd, vd, config)
     _, precision = _matmul_policy(q.dtype)
-    g = g.astype(_F32)
     beta = beta.astype(_F32)
 
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
+    gate = None
+    if gate_hk is not None:
+        gate = (*(x.astype(_F32) for x in gate_hk), float(gate_lower_bound))
+        if config.intra not in GATE_IN_KERNEL or layout is not None or n * CHUNK != t:
+            g, gate = activate_gate(g, gate), None  # padded tokens must not decay: activate before padding
+    if gate is None:
+        g = g.astype(_F32)
     q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
 
     documents = None if segment_ids is None else document_layout(segment_ids, n)
     if return_intra:
         intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                   documents=documents)
+                                   documents=documents, gate=gate)
         qg, kg, w, u, aqk, decay = intra[:6]
     else:
         qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                               documents=documents)
+                                               documents=documents, gate=gate)
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype,
                                       precision=precision, config=config, interpret=interpret)

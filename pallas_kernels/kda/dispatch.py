@@ -31,7 +31,7 @@ import numpy as np
 from k3jax.layers.norms import l2_normalize
 from k3jax.ops.kda import kda_chunked
 from pallas_kernels.kda.chunk_bwd import chunk_kda_bwd
-from pallas_kernels.kda.chunk_fwd import CHUNK, KernelConfig, chunk_kda_fwd
+from pallas_kernels.kda.chunk_fwd import CHUNK, GATE_IN_KERNEL, KernelConfig, activate_gate, chunk_kda_fwd
 from pallas_kernels.kda.tpu import chunk_kda_bwd_tpu, chunk_kda_fwd_tpu
 
 __all__ = ["BACKENDS", "BWD_IMPLS", "KernelConfig", "chunk_kda", "chunk_kda_gated", "default_backend"]
@@ -138,6 +138,41 @@ def _pallas_kda_bwd(scale, cu_seqlens, interpret, config, bwd, residuals, cotang
 _pallas_kda.defvjp(_pallas_kda_fwd, _pallas_kda_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
+def _pallas_kda_raw_gate(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
+                         interpret, config):
+    """``_pallas_kda`` taking K3's raw gate input: the intra kernel activates it as it loads each tile
+    (``chunk_fwd.activate_gate``), so the forward never writes the activated ``[B, T, H, K]`` f32 gate. The
+    backward activates it in XLA for the backward kernels and chains ``dg`` through the activation."""
+    return chunk_kda_fwd(q, k, v, g_raw, beta, initial_state, scale=scale, interpret=interpret, config=config,
+                         segment_ids=segment_ids, gate_hk=(a_hk, bias_hk), gate_lower_bound=lower_bound)
+
+
+def _pallas_kda_raw_gate_fwd(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
+                             interpret, config):
+    keep = config.residuals == "intra"
+    result = chunk_kda_fwd(q, k, v, g_raw, beta, initial_state, scale=scale, interpret=interpret, config=config,
+                           segment_ids=segment_ids, gate_hk=(a_hk, bias_hk), gate_lower_bound=lower_bound,
+                           return_intra=keep)
+    out, intra = result if keep else (result, None)
+    return out, (q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, intra)
+
+
+def _pallas_kda_raw_gate_bwd(scale, lower_bound, interpret, config, residuals, cotangents):
+    q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, intra = residuals
+    do, d_final = cotangents
+    g, gate_vjp = jax.vjp(lambda *x: activate_gate(x[0], (x[1], x[2], lower_bound)), g_raw, a_hk, bias_hk)
+    dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(q, k, v, g, beta, initial_state, do, d_final, scale=scale,
+                                                     interpret=interpret, config=config, segment_ids=segment_ids,
+                                                     intra=intra)
+    dg_raw, da, dbias = gate_vjp(dg.astype(jnp.float32))
+    grads = zip((dq, dk, dv, dg_raw, dbeta, d_initial), (q, k, v, g_raw, beta, initial_state))
+    return (*(gr.astype(x.dtype) for gr, x in grads), None, da, dbias)
+
+
+_pallas_kda_raw_gate.defvjp(_pallas_kda_raw_gate_fwd, _pallas_kda_raw_gate_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
 def _tpu_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens, interpret, bwd):
     """The Mosaic TPU forward; gradients by the TPU backward kernels (``bwd="pallas"``) or the XLA path."""
@@ -162,6 +197,31 @@ def _tpu_kda_bwd(scale, cu_seqlens, interpret, bwd, residuals, cotangents):
 
 
 _tpu_kda.defvjp(_tpu_kda_fwd, _tpu_kda_bwd)
+
+
+def _resolve_args(q, k, v, g, beta, initial_state, cu_seqlens, segment_ids, scale, backend, bwd):
+    """Validated call arguments: ``(cu_seqlens as host ints or None, segment_ids int32 or None, initial_state
+    (zeros if None), scale (float), backend)``."""
+    cu_seqlens = _static_cu_seqlens(cu_seqlens)
+    _check(q, k, v, g, beta, initial_state, cu_seqlens)
+    if segment_ids is not None:
+        if cu_seqlens is not None:
+            raise ValueError("chunk_kda: pass cu_seqlens or segment_ids, not both")
+        if segment_ids.shape != q.shape[:2]:
+            raise ValueError(f"chunk_kda: segment_ids must have shape [B, T] = {q.shape[:2]}, "
+                             f"got {segment_ids.shape}")
+        segment_ids = jnp.asarray(segment_ids, jnp.int32)
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
+    if bwd not in BWD_IMPLS:
+        raise ValueError(f"chunk_kda: unknown bwd {bwd!r}; expected one of {BWD_IMPLS}")
+    b, _, h, kd = q.shape
+    n_states = b if cu_seqlens is None else len(cu_seqlens) - 1
+    scale = float(kd ** -0.5 if scale is None else scale)
+    if initial_state is None:
+        initial_state = jnp.zeros((n_states, h, kd, v.shape[-1]), jnp.float32)
+    return cu_seqlens, segment_ids, initial_state, scale, backend
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
@@ -189,25 +249,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B, H, K, V] f32 or None)``.
     """
-    cu_seqlens = _static_cu_seqlens(cu_seqlens)
-    _check(q, k, v, g, beta, initial_state, cu_seqlens)
-    if segment_ids is not None:
-        if cu_seqlens is not None:
-            raise ValueError("chunk_kda: pass cu_seqlens or segment_ids, not both")
-        if segment_ids.shape != q.shape[:2]:
-            raise ValueError(f"chunk_kda: segment_ids must have shape [B, T] = {q.shape[:2]}, "
-                             f"got {segment_ids.shape}")
-        segment_ids = jnp.asarray(segment_ids, jnp.int32)
-    backend = default_backend() if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"chunk_kda: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if bwd not in BWD_IMPLS:
-        raise ValueError(f"chunk_kda: unknown bwd {bwd!r}; expected one of {BWD_IMPLS}")
-    b, _, h, kd = q.shape
-    n_states = b if cu_seqlens is None else len(cu_seqlens) - 1
-    scale = float(kd ** -0.5 if scale is None else scale)
-    if initial_state is None:
-        initial_state = jnp.zeros((n_states, h, kd, v.shape[-1]), jnp.float32)
+    cu_seqlens, segment_ids, initial_state, scale, backend = _resolve_args(
+        q, k, v, g, beta, initial_state, cu_seqlens, segment_ids, scale, backend, bwd)
 
     if backend == "xla":
         o, final_state = _xla_kda(q, k, v, g, beta, initial_state, segment_ids, scale, cu_seqlens)
@@ -228,8 +271,10 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
     gate, L2 norm and beta sigmoid): q, k are L2-normalised (f32 math, back to q's dtype), the gate is K3's
     lower-bounded ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))`` and ``beta = sigmoid(beta_logits)``.
 
-    These elementwise steps run in XLA around the kernels (XLA fuses them into one pass each way; at 1x8192x96 they
-    cost ~0.1 ms of the forward on an H200), and gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
+    The L2 norms and beta run in XLA around the kernels; the gate is activated inside the intra kernel when it can
+    (``config.intra`` in ``GATE_IN_KERNEL`` on the GPU / interpret backends with ``bwd="pallas"``, no
+    ``cu_seqlens`` and T a multiple of 64: the forward then never writes the activated f32 gate), else in XLA
+    before ``chunk_kda``. Gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
     ``dt_bias`` by autodiff through them.
 
     Args:
@@ -250,9 +295,19 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
     def l2(x):
         return l2_normalize(x).astype(x.dtype)
 
-    z = g_raw.astype(jnp.float32) + dt_bias.reshape(h, kd).astype(jnp.float32)
-    g = lower_bound * jax.nn.sigmoid(jnp.exp(A_log.astype(jnp.float32))[:, None] * z)
+    a_hk = jnp.broadcast_to(jnp.exp(A_log.astype(jnp.float32))[:, None], (h, kd))
+    bias_hk = dt_bias.reshape(h, kd).astype(jnp.float32)
     beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
+    config = config or KernelConfig()
+    if (cu_seqlens is None and t % CHUNK == 0 and config.intra in GATE_IN_KERNEL
+            and (backend or default_backend()) in ("gpu", "interpret") and bwd == "pallas"):
+        # the intra kernel activates the gate as it loads it
+        _, segment_ids, initial_state, scale, backend = _resolve_args(
+            q, k, v, g_raw, beta, initial_state, None, segment_ids, scale, backend, bwd)
+        o, final_state = _pallas_kda_raw_gate(l2(q), l2(k), v, g_raw, beta, initial_state, segment_ids, a_hk,
+                                              bias_hk, scale, float(lower_bound), backend == "interpret", config)
+        return o, (final_state if output_final_state else None)
+    g = activate_gate(g_raw, (a_hk, bias_hk, lower_bound))
     return chunk_kda(l2(q), l2(k), v, g, beta, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, segment_ids=segment_ids,
                      backend=backend, config=config, bwd=bwd)

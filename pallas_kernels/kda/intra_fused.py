@@ -39,6 +39,7 @@ from pallas_kernels.kda.chunk_fwd import (
     _row,
     _rows_masked,
     document_operands,
+    gate_operands,
     triton_params,
 )
 from pallas_kernels.kda.intra_split import apply_call
@@ -49,17 +50,28 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def _cumulative_gate(g_ref, c):
-    """``[64, BK]`` f32: inclusive cumulative sum of ``g * log2(e)`` over the chunk's rows (columns ``c``)."""
-    return jnp.cumsum(g_ref[:, c].astype(_F32) * _LOG2E, axis=0)
+def _cumulative_gate(g_ref, c, gate_refs=None):
+    """``[64, BK]`` f32: inclusive cumulative sum of ``g * log2(e)`` over the chunk's rows (columns ``c``).
+
+    ``gate_refs = (a_ref, bias_ref, lower_bound)``: ``g_ref`` holds K3's raw gate input, activated here as
+    ``chunk_fwd.activate_gate`` (``lower_bound * sigmoid(a * (g_raw + bias))``, this head's ``[K]`` rows)."""
+    g = g_ref[:, c].astype(_F32)
+    if gate_refs is not None:
+        a_ref, bias_ref, lower_bound = gate_refs
+        g = lower_bound / (1.0 + jnp.exp(-(a_ref[c][None, :] * (g + bias_ref[c][None, :]))))
+    return jnp.cumsum(g * _LOG2E, axis=0)
 
 
 def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
-                  with_solve, with_apply):
+                  with_solve, with_apply, lower_bound):
     """One chunk of one (batch, head); see the module docstring for the three phases. Without ``with_apply``
     (``intra="fused2"``) phase 3 is left to ``intra_split._apply_kernel``: outputs are then ``qg, kg, aqk, decay,
     A, G`` (+ ``kk`` with ``with_solve``)."""
     refs = list(refs)  # v_ref is read only in phase 3
+    gate_refs = None
+    if lower_bound is not None:  # in-kernel gate: g_ref is the raw gate input
+        gate_refs = (refs[0], refs[1], lower_bound)
+        refs = refs[2:]
     if segmented:
         doc_ref, carry_ref, last_ref = refs[:3]
         refs = refs[3:]
@@ -89,7 +101,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
     def gram_block(kb, acc):
         aqk, kk = list(acc[0]), list(acc[1])
         c = cols(kb)
-        gc_all = _cumulative_gate(g_ref, c)  # [64, BK]
+        gc_all = _cumulative_gate(g_ref, c, gate_refs)  # [64, BK]
         if writes_solve:
             gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
@@ -151,7 +163,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
 
     def w_block(kb, carry_):
         c = cols(kb)
-        rhs = _rows_masked(beta_all * k_ref[:, c].astype(_F32) * jnp.exp2(_cumulative_gate(g_ref, c)), carry_all)
+        gamma = jnp.exp2(_cumulative_gate(g_ref, c, gate_refs))
+        rhs = _rows_masked(beta_all * k_ref[:, c].astype(_F32) * gamma, carry_all)
         for i in subs:
             w_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
         return carry_
@@ -160,10 +173,11 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
     lax.fori_loop(0, kd // block_k, w_block, 0)
 
 
-def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False):
+def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
+                      gate=None):
     """``intra_split.intra_chunk_split`` (same arguments and results) through the fused kernel: one kernel for
     ``config.intra == "fused"``; for ``"fused2"`` the fused gram + solve kernel (writing ``A`` and ``G``), then the
-    split stage's apply kernel (64-row products, few registers)."""
+    split stage's apply kernel (64-row products, few registers). ``gate``: see ``chunk_fwd.intra_chunk``."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -172,6 +186,7 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
     segmented = documents is not None
     with_apply = config.intra == "fused"
     doc_ops, doc_specs = document_operands(documents, h)
+    gate_ops, gate_specs = gate_operands(gate, h)
     spec = ChunkSpecs(h)
     tile = spec.tile
     params = triton_params(interpret, config.warps[0])
@@ -194,15 +209,16 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
             out_specs.append(tile(CHUNK))
     outs = pl.pallas_call(
         functools.partial(_fused_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
-                          segmented=segmented, with_solve=return_solve, with_apply=with_apply),
+                          segmented=segmented, with_solve=return_solve, with_apply=with_apply,
+                          lower_bound=None if gate is None else gate[2]),
         out_shape=tuple(out_shape),
         grid=(n, b * h),
-        in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), spec.rows] + doc_specs,
+        in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), spec.rows] + gate_specs + doc_specs,
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=params,
         name="kda_chunk_intra_fused" if with_apply else "kda_chunk_gram_solve",
-    )(q, k, v, g, beta, *doc_ops)
+    )(q, k, v, g, beta, *gate_ops, *doc_ops)
     if with_apply:
         qg, kg, w, u, aqk, decay = outs[:6]
         solve_terms = tuple(outs[6:])

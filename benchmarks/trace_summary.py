@@ -1,0 +1,171 @@
+"""Where a traced GPU run's time goes, from a `jax.profiler` .xplane.pb (no TensorBoard needed).
+
+Shared by the benchmarks' `--profile` options (decode_bench.py, kda_bench.py): per-kernel, per-op, per-JAX-scope and
+per-source-line device time, busy vs span, host CUDA API calls and device copies.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["summarize_xplane", "short_source", "scope_group"]
+
+
+# Name-stack components that say how an op was traced, not which part of the model it belongs to.
+_NOISE_SCOPES = {"while", "body", "cond", "eval_jaxpr", "closed_call", "core_call", "checkpoint", "remat",
+                 "custom_jvp_call", "custom_vjp_call"}
+
+
+def _stats(event) -> dict:
+    try:
+        return {str(k): v for k, v in event.stats}
+    except Exception:  # noqa: BLE001 -- stats are best-effort metadata
+        return {}
+
+
+# Kernel-name patterns -> category (first match wins), for a per-step breakdown by kind of work.
+_KERNEL_CATEGORIES = (
+    ("copy/memset", r"memcpy|memset|copy"),
+    ("matmul (cuBLAS/cutlass/XLA gemm)", r"gemm|cublas|cutlass|nvjet|xmma|sm90|dot"),
+    ("Triton / Pallas (incl. gmm)", r"triton|pallas|gmm|kernel_call"),
+    ("sort / top-k / scan (cub)", r"sort|cub|topk|top_k|scan"),
+    ("reductions", r"reduce|reduction"),
+    ("other fusions", r"fusion"),
+)
+
+
+def _categories(kernels: dict) -> dict:
+    out = {}
+    for name, (t, c) in kernels.items():
+        cat = next((k for k, pat in _KERNEL_CATEGORIES if re.search(pat, name, re.IGNORECASE)), "other")
+        tt, cc = out.get(cat, (0, 0))
+        out[cat] = (tt + t, cc + c)
+    return out
+
+
+def scope_group(name_stack: str) -> str:
+    """A JAX name stack (`jit(_decode)/while/body/.../dot_general`) without its transform scopes."""
+    parts = [p for p in name_stack.split("/") if p and p not in _NOISE_SCOPES]
+    if parts and parts[0].startswith("jit("):  # the jitted entry point itself (jit(_decode))
+        parts = parts[1:]
+    return "/".join(parts)[-100:] or name_stack[-100:]
+
+
+def short_source(src: str) -> str:
+    """`/abs/path/k3jax/layers/moe.py:123` -> `k3jax/layers/moe.py:123` (from the repo's top-level package on)."""
+    m = re.search(r"((?:k3jax|pallas_kernels|sharding|benchmarks|flax|jax|optax)/.*)$", src)
+    return m.group(1) if m else src[-100:]
+
+
+def _union_ns(intervals) -> int:
+    total, end = 0, None
+    for s, e in sorted(intervals):
+        if end is None or s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _top(agg: dict, steps: int, n: int) -> list[dict]:
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][0])[:n]
+    return [{"name": k[:140], "total_ms": t / 1e6, "per_step_us": t / 1e3 / steps, "count_per_step": c / steps,
+             "avg_us": t / 1e3 / max(c, 1)} for k, (t, c) in rows]
+
+
+def summarize_xplane(path: str, steps: int, top: int = 25) -> dict:
+    """Where the time of `steps` traced decode steps goes, from a jax.profiler .xplane.pb (no TensorBoard needed).
+
+    GPU: the "/device:*" planes' "Stream*" lines hold kernels and copies, "XLA Ops" the HLO ops (with their JAX name
+    stack in a stat when present), "XLA Modules" the executions (one per jitted call). CPU (smoke runs): the host
+    plane's XLA threads, summarised by event name only."""
+    from jax.profiler import ProfileData
+
+    pd = path if isinstance(path, ProfileData) else ProfileData.from_file(path)
+    planes = [p for p in pd.planes if p.name.startswith("/device:")]
+    out = {"planes": [p.name for p in pd.planes], "steps": steps}
+    if not planes:  # CPU: XLA work runs on the host's client/Eigen threads
+        agg, count = {}, 0
+        for p in pd.planes:
+            if p.name != "/host:CPU":
+                continue
+            for line in p.lines:
+                if line.name == "python" or not line.name.startswith("tf_XLA"):
+                    continue
+                for e in line.events:
+                    t, c = agg.get(e.name, (0, 0))
+                    agg[e.name] = (t + e.duration_ns, c + 1)
+                    count += 1
+        out.update(backend="cpu", events=count, top_events=_top(agg, steps, top))
+        return out
+    plane = planes[0]
+    kernels, ops, scopes, sources, copies, modules, intervals, stat_names = {}, {}, {}, {}, {}, [], [], {}
+    n_kernels = copy_bytes = 0
+    line_counts = []
+    for line in plane.lines:
+        events = list(line.events)
+        line_counts.append((line.name, len(events)))
+        names = set()
+        if line.name.startswith("Stream"):
+            for e in events:
+                t, c = kernels.get(e.name, (0, 0))
+                kernels[e.name] = (t + e.duration_ns, c + 1)
+                intervals.append((e.start_ns, e.start_ns + e.duration_ns))
+                n_kernels += 1
+                st = _stats(e)
+                names.update(st)
+                if "name" in st:  # jax 0.11 puts the op's JAX name stack on each kernel / copy
+                    g = scope_group(str(st["name"]))
+                    t, c = scopes.get(g, (0, 0))
+                    scopes[g] = (t + e.duration_ns, c + 1)
+                m = re.search(r"size:(\d+)", str(st.get("memcpy_details", "")))
+                if m:
+                    copy_bytes += int(m.group(1))
+                    g = scope_group(str(st.get("name", e.name)))
+                    t, c = copies.get(g, (0, 0))
+                    copies[g] = (t + e.duration_ns, c + 1)
+        elif "Ops" in line.name:
+            for e in events:
+                st = _stats(e)
+                names.update(st)
+                t, c = ops.get(e.name, (0, 0))
+                ops[e.name] = (t + e.duration_ns, c + 1)
+                stack = next((str(st[k]) for k in ("tf_op", "name_stack") if k in st), None)
+                hlo = str(st.get("long_name", ""))
+                if stack is None and hlo:  # HLO text: the name stack is in its metadata
+                    m = re.search(r'op_name="([^"]+)"', hlo)
+                    stack = m.group(1) if m else None
+                src = next((str(st[k]) for k in ("source", "source_info") if k in st), None)
+                m = re.search(r'source_file="([^"]+)" source_line=(\d+)', hlo) if src is None and hlo else None
+                src = f"{m.group(1)}:{m.group(2)}" if m else src
+                for key, agg in ((scope_group(stack) if stack else None, scopes),
+                                 (short_source(src) if src else None, sources)):
+                    if key:
+                        t, c = agg.get(key, (0, 0))
+                        agg[key] = (t + e.duration_ns, c + 1)
+        elif "Modules" in line.name:
+            modules += [(e.name, e.duration_ns) for e in events]
+        stat_names[line.name] = sorted(names)[:20]
+    host_api = {}  # CUDA driver/runtime calls the host made (CUPTI): launches, copies, synchronisations
+    for p in pd.planes:
+        if p.name == "/host:CPU":
+            for line in p.lines:
+                for e in line.events:
+                    if e.name.startswith(("cu", "Cu")):
+                        t, c = host_api.get(e.name, (0, 0))
+                        host_api[e.name] = (t + e.duration_ns, c + 1)
+    busy = _union_ns(intervals)
+    span = sum(d for _, d in modules) or (max(e for _, e in intervals) - min(s for s, _ in intervals))
+    out.update(backend="gpu", plane=plane.name, lines=line_counts, op_stat_names=stat_names,
+               modules=[(n[:80], d / 1e6) for n, d in modules[:8]], span_ms=span / 1e6,
+               span_per_step_ms=span / 1e6 / steps, busy_per_step_ms=busy / 1e6 / steps,
+               idle_per_step_ms=(span - busy) / 1e6 / steps, kernels_per_step=n_kernels / steps,
+               mean_kernel_us=(sum(t for t, _ in kernels.values()) / 1e3 / max(n_kernels, 1)),
+               top_kernels=_top(kernels, steps, top), top_ops=_top(ops, steps, top),
+               top_scopes=_top(scopes, steps, top), top_sources=_top(sources, steps, top),
+               host_cuda_api=_top(host_api, steps, 12), copies_by_scope=_top(copies, steps, 12),
+               copy_mb_per_step=copy_bytes / 1e6 / steps,
+               kernel_categories=_top(_categories(kernels), steps, len(_KERNEL_CATEGORIES) + 1))
+    return out
