@@ -1,0 +1,212 @@
+"""Intra-chunk stage with the gram products formed per pair of 16-row sub-chunks (``KernelConfig.intra="pairs"``).
+
+Same contract and results as ``intra_fused.intra_chunk_fused`` for ``intra="fused2"`` (``qg, kg, w, u, aqk, decay``
+and, with ``return_solve``, the backward's ``(kk, A, G)``): one gram + solve kernel writing ``A`` (``G`` only for
+the backward), then the split stage's apply kernel for ``u`` and ``w``. The difference is how the pairwise decays
+are formed. "fused2" exponentiates the key operand ``k 2^(G_n - G)`` over all 64 rows for every row block (256 rows
+of ``exp2`` per key block). Here the pair blocks ``(i, j)``, ``i >= j``, of one key sub-chunk ``j`` are stacked as a
+[64, 16] column block (rows above ``j`` zero), each referenced to the LAST row ``e_j`` of sub-chunk ``j``:
+
+* column side: ``k_j 2^(G_e_j - G_j)`` (exponent <= 0, >= -15 tokens of decay);
+* row side: ``x_r 2^(G_r - G_e_j)`` for rows ``r >= n_j`` (``x`` = ``q`` scaled, or ``k``): ``>= 0`` and at most
+  15 tokens (<= ~108 in base 2 at the -5 nats/token gate bound: finite in f32) inside ``j``, ``<= 0`` after it.
+  One ``exp2`` over the chunk gives every row's factor to the end of its own sub-chunk; the factor for column block
+  ``j`` is that of block ``j + 1`` times the [1, BK] bridge ``2^(G_e_j+1 - G_e_j)`` (16 tokens: normal in f32) on
+  the rows after ``j``. Every factor after the first is a true partial decay <= 1, so a product underflows only where
+  the pairwise decay itself is below f32's range.
+
+The product is ``2^(G_r - G_c)`` as in "fused2" (only the rounding of the factorisation differs). ``exp2`` work per
+key block: 2 x 64 rows for the pair factors plus ``qg`` / ``kg`` (as "fused2"), against 4 x 64 + 64 there. The [64,
+16] column blocks are split into the 16x16 ``akk`` pair blocks for a blocked forward substitution
+(``A_jj = inv_j``, ``A_ij = -inv_i sum_{j <= m < i} akk_im A_mj``); ``aqk`` / ``kk`` are written by column block and
+``A`` by 16x16 block.
+
+(Accumulating each pair as its own [16, 16] tile, the first form tried, makes Triton replicate the 16x16 MMA over
+the 4 warps of a program: 20 accumulators plus operands spilled ~550-1300 bytes per thread in the ptxas proxy.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_fwd import (
+    _INVERSES,
+    CHUNK,
+    SUB_CHUNK,
+    ChunkSpecs,
+    _dot,
+    _dot_nt,
+    _matmul_policy,
+    _row,
+    _rows_masked,
+    cumulative_gate_tile,
+    document_operands,
+    gate_operands,
+    load_rows,
+    row_norms,
+    triton_params,
+)
+from pallas_kernels.kda.intra_split import apply_call
+
+__all__ = ["intra_chunk_pairs"]
+
+_N_SUB = CHUNK // SUB_CHUNK
+_F32 = jnp.float32
+
+
+def _block_inverse(akk, *, solve, precision):
+    """``{(i, j): [16, 16]}`` blocks (``j <= i``) of ``(I + akk)^-1`` from the pair blocks of the strictly lower
+    ``akk``: diagonal blocks by ``_INVERSES[solve]``, the rest by blocked forward substitution."""
+    inv = [_INVERSES[solve](akk[i, i]) for i in range(_N_SUB)]
+    blocks = {}
+    for j in range(_N_SUB):
+        blocks[j, j] = inv[j]
+        for i in range(j + 1, _N_SUB):
+            acc = _dot(akk[i, j], inv[j], precision)
+            for m in range(j + 1, i):
+                acc = acc + _dot(akk[i, m], blocks[m, j], precision)
+            blocks[i, j] = -_dot(inv[i], acc, precision)
+    return blocks
+
+
+def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented, with_solve,
+                  lower_bound, normalize):
+    """One chunk of one (batch, head): phase 1 accumulates the [64, 16] column blocks of ``aqk`` / ``kk`` (the
+    pair blocks of one key sub-chunk, stacked) over key blocks, writing ``qg``, ``kg``, ``decay``, ``G`` as
+    "fused2"; phase 2 masks them and solves for ``A``. Outputs ``qg, kg, aqk, decay, A`` (+ ``kk, G`` with
+    ``with_solve``). ``lower_bound`` not None: ``g_ref`` is
+    the raw gate input, activated in-kernel (``chunk_fwd.cumulative_gate_tile``) with the next two refs."""
+    refs = list(refs)
+    gate_refs = None
+    if lower_bound is not None:
+        gate_refs = (refs[0], refs[1], lower_bound)
+        refs = refs[2:]
+    if segmented:
+        doc_ref, carry_ref, last_ref = refs[:3]
+        refs = refs[3:]
+        carry_all = carry_ref[...].astype(_F32)[:, None]
+        last_all = last_ref[...].astype(_F32)[:, None]
+    else:
+        carry_all = last_all = None
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref = refs[:5]
+    kk_ref, gc_ref = refs[5:7] if with_solve else (None, None)
+    s = SUB_CHUNK
+    kd = k_ref.shape[-1]
+    inter_dtype = qg_ref.dtype
+    subs = range(_N_SUB)
+
+    rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
+    q_norms, k_norms = row_norms(q_ref, normalize), row_norms(k_ref, normalize)  # in-kernel L2 norm (or None)
+    k_sub = jnp.split(k_norms, _N_SUB, axis=0) if normalize else [None] * _N_SUB
+
+    # 1. Column blocks of the gram products (the pairs (i, j) of column block j stacked over i), qg, kg, decay, G.
+    def gram_block(kb, acc):
+        aqk, kk = list(acc[0]), list(acc[1])
+        c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
+        if with_solve:  # G leaves the chip only for the backward (the apply kernel recomputes it)
+            gc_ref[:, c] = gc_all
+        gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
+        ends = [_row(x, s - 1)[None, :] for x in gc_sub]  # [1, BK]: G at the last row e_j of each sub-chunk
+        q_all = load_rows(q_ref, slice(None), c, q_norms) * scale
+        k_all = load_rows(k_ref, slice(None), c, k_norms)
+        qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
+        kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(ends[-1] - gc_all), last_all).astype(inter_dtype)
+        decay_ref[c] = jnp.exp2(ends[-1][0])
+        # 2^(G_r - G_e(r)), e(r) the last row of r's own sub-chunk: exponent >= 0, <= 15 tokens of decay.
+        own_end = jnp.where(rows_c1 < s, ends[0],
+                            jnp.where(rows_c1 < 2 * s, ends[1], jnp.where(rows_c1 < 3 * s, ends[2], ends[3])))
+        to_end = jnp.exp2(gc_all - own_end)
+        rows_factor = None
+        for j in reversed(subs):
+            # rows_factor = 2^(G_r - G_e_j) for rows r >= n_j, 0 above: rows after sub-chunk j from the factor of
+            # column block j + 1 times the bridge 2^(G_e_j+1 - G_e_j) (both <= 1), sub-chunk j's own rows from to_end.
+            own = jnp.where(rows_c1 >= j * s, to_end, 0.0)
+            if rows_factor is not None:
+                bridge = jnp.exp2(ends[j + 1] - ends[j])  # [1, BK], 16 tokens of decay: normal in f32
+                own = jnp.where(rows_c1 >= (j + 1) * s, rows_factor * bridge, own)
+            rows_factor = own
+            # Keys of sub-chunk j decayed to its last row: exponent <= 0, >= -15 tokens of decay.
+            k_end = load_rows(k_ref, pl.ds(j * s, s), c, k_sub[j]) * jnp.exp2(ends[j] - gc_sub[j])
+            aqk[j] = aqk[j] + _dot_nt(q_all * rows_factor, k_end, precision)
+            kk[j] = kk[j] + _dot_nt(k_all * rows_factor, k_end, precision)
+        return aqk, kk
+
+    zeros = [jnp.zeros((CHUNK, s), _F32)] * _N_SUB
+    aqk_cols, kk_cols = lax.fori_loop(0, kd // block_k, gram_block, (zeros, zeros))
+
+    # 2. Masks (causal, documents), then A = (I + diag(beta) kk)^-1 from the 16x16 pair blocks.
+    cols_1s = jnp.arange(s, dtype=jnp.int32)[None, :]
+    beta_all = beta_ref[...].astype(_F32)[:, None]
+    doc_all = doc_ref[...] if segmented else None
+    akk = {}
+    for j in subs:
+        cols = pl.ds(j * s, s)
+        keep_a, keep_k = j * s + cols_1s <= rows_c1, j * s + cols_1s < rows_c1
+        if segmented:
+            same = doc_all[:, None] == doc_ref[cols][None, :]
+            keep_a, keep_k = keep_a & same, keep_k & same
+        aqk_ref[:, cols] = jnp.where(keep_a, aqk_cols[j], 0.0).astype(inter_dtype)
+        kk_j = jnp.where(keep_k, kk_cols[j], 0.0)
+        if with_solve:
+            kk_ref[:, cols] = kk_j
+        for i, akk_ij in enumerate(jnp.split(beta_all * kk_j, _N_SUB, axis=0)):
+            if i >= j:
+                akk[i, j] = akk_ij
+    a_blocks = _block_inverse(akk, solve=solve, precision=precision)
+    zeros_ss = jnp.zeros((s, s), _F32)
+    for i in subs:
+        for j in subs:
+            a_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = a_blocks.get((i, j), zeros_ss)
+
+
+def intra_chunk_pairs(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
+                      gate=None, normalize=False):
+    """``intra_split.intra_chunk_split`` (same arguments and results) through the pair-block gram + solve kernel
+    (writing ``A``, and ``G`` for the backward), then the split stage's apply kernel for ``u`` and ``w``.
+    ``gate``, ``normalize``: see ``chunk_fwd.intra_chunk``."""
+    b, tp, h, kd = q.shape
+    vd = v.shape[-1]
+    n = tp // CHUNK
+    inter_dtype, precision = _matmul_policy(q.dtype)
+    block_k = min(config.block_k, kd, vd)
+    segmented = documents is not None
+    doc_ops, doc_specs = document_operands(documents, h)
+    gate_ops, gate_specs = gate_operands(gate, h)
+    spec = ChunkSpecs(h)
+    tile = spec.tile
+
+    def shape(width, dtype=inter_dtype):
+        return jax.ShapeDtypeStruct((b, tp, h, width), dtype)
+
+    out_shape = [shape(kd), shape(kd), shape(CHUNK), jax.ShapeDtypeStruct((b, h, n, kd), _F32),
+                 shape(CHUNK, _F32)]  # qg kg aqk decay A
+    out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK)]
+    if return_solve:
+        out_shape += [shape(CHUNK, _F32), shape(kd, _F32)]  # kk G
+        out_specs += [tile(CHUNK), tile(kd)]
+    outs = pl.pallas_call(
+        functools.partial(_pairs_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
+                          segmented=segmented, with_solve=return_solve,
+                          lower_bound=None if gate is None else gate[2], normalize=normalize),
+        out_shape=tuple(out_shape),
+        grid=(n, b * h),
+        in_specs=[tile(kd), tile(kd), tile(kd), spec.rows] + gate_specs + doc_specs,
+        out_specs=out_specs,
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_chunk_gram_pairs",
+    )(q, k, g, beta, *gate_ops, *doc_ops)
+    qg, kg, aqk, decay, a = outs[:5]
+    u, w = apply_call(a, v, k, g, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
+                      interpret=interpret, gate=gate, cumulative=True, normalize=normalize)
+    if segmented:
+        decay = decay * documents["keep"][:, None, :, None]
+    if return_solve:
+        return qg, kg, w, u, aqk, decay, (outs[5], a, outs[6])
+    return qg, kg, w, u, aqk, decay
