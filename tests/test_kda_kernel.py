@@ -441,13 +441,13 @@ def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
 def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid(t, intra, in_kernel, monkeypatch):
     """chunk_kda_gated (raw q/k, raw gate + A_log + dt_bias with the -5 lower bound, beta logits) equals the token
     recurrence on inputs preprocessed here in float64 NumPy; gradients reach A_log and dt_bias and equal the
-    recurrence's. With intra="fused2" and T a multiple of 64 the intra kernels normalise q, k and activate the raw
-    gate themselves (the raw-input custom VJP runs); with T = 70 (padded tokens must not decay) XLA does first."""
+    recurrence's. With intra="fused2" / "pairs" and T a multiple of 64 the intra kernel activates the raw gate itself
+    (the raw-gate custom VJP runs); with T = 70 (padded tokens must not decay) the gate is activated in XLA first."""
     from pallas_kernels.kda import dispatch
 
     calls = []
-    raw_inputs = dispatch._pallas_kda_raw
-    monkeypatch.setattr(dispatch, "_pallas_kda_raw", lambda *a: calls.append(1) or raw_inputs(*a))
+    raw_gate = dispatch._pallas_kda_raw_gate
+    monkeypatch.setattr(dispatch, "_pallas_kda_raw_gate", lambda *a: calls.append(1) or raw_gate(*a))
     config = KernelConfig(block_k=16, intra=intra)
     rng = np.random.default_rng(41)
     b, h, d = 1, 2, 16

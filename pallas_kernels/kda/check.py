@@ -116,8 +116,8 @@ def run_on_gpu(b=2, t=1000, h=3, d=128, config=None, backend="gpu"):
 
 
 def _gated_check(rng, b, t, h, d, config, backend):
-    """``chunk_kda_gated`` on raw inputs (T a multiple of 64, so the intra kernels normalise q, k and activate the
-    gate in-kernel for the modes that can) vs the token recurrence on inputs prepared in XLA: outputs and the
+    """``chunk_kda_gated`` on raw inputs (T a multiple of 64, so the intra kernel activates the gate in-kernel for
+    the modes that can) vs the token recurrence on inputs prepared in XLA: outputs and the
     gradients of all seven inputs, in f32 (all checked) and bf16 (dA_log / ddt_bias, sums over every token with
     cancellation, are reported but not checked in bf16: the XLA-gate path's error there is as large)."""
     raw = [rng.standard_normal((b, t, h, d)) for _ in range(4)]

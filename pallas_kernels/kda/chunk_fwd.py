@@ -38,11 +38,9 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from k3jax.layers.norms import l2_normalize
-
-__all__ = ["CHUNK", "SUB_CHUNK", "ChunkSpecs", "KernelConfig", "SequentialSpecs", "check_dims", "chunk_kda_fwd",
-           "chunk_layout", "chunk_states", "activate_gate", "cumulative_gate_tile", "load_rows", "row_norms", "gate_operands", "GATE_IN_KERNEL", "document_layout", "document_operands", "fused_recurrence", "intra_chunk",
-           "triton_params", "varlen_layout"]
+__all__ = ["CHUNK", "ChunkSpecs", "GATE_IN_KERNEL", "KernelConfig", "SUB_CHUNK", "SequentialSpecs", "activate_gate",
+           "check_dims", "chunk_kda_fwd", "chunk_layout", "chunk_states", "cumulative_gate_tile", "document_layout",
+           "document_operands", "fused_recurrence", "gate_operands", "intra_chunk", "triton_params", "varlen_layout"]
 
 CHUNK = 64
 SUB_CHUNK = 16
@@ -438,24 +436,22 @@ def activate_gate(g_raw, gate):
     return lower_bound / (1.0 + jnp.exp(-(a_hk * (g_raw.astype(_F32) + bias_hk))))
 
 
-def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, documents=None, gate=None,
-                normalize=False):
+def intra_chunk(q, k, v, g, beta, *, scale, config=None, interpret=False, documents=None, gate=None):
     """Kernel 1 on chunk-padded inputs ``[B, Tp, H, *]`` (Tp a multiple of 64; g, beta f32).
 
     Returns ``(qg, kg, w, u, aqk)`` as ``[B, Tp, H, *]`` (bf16 for bf16/f16 q, else f32) and ``decay [B, H, N, K]``.
     ``documents``: ``document_layout(...)`` for packed documents (decay is then zero where ``keep`` is).
     ``gate``: None (``g`` is the activated gate) or ``(a_hk, bias_hk, lower_bound)`` with ``g`` the raw gate input,
-    activated inside the kernels (``config.intra`` in ``GATE_IN_KERNEL``; see ``activate_gate``). ``normalize``:
-    ``q``, ``k`` are raw and L2-normalised inside the kernels (same modes; ``load_rows``).
+    activated inside the kernels (``config.intra`` in ``GATE_IN_KERNEL``; see ``activate_gate``).
     """
     config = config or KernelConfig()
     if config.intra in _SPLIT_FAMILY:
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents, gate=gate, normalize=normalize)
-    if gate is not None or normalize:
-        raise ValueError(f"intra_chunk: an in-kernel gate or L2 norm needs KernelConfig.intra in {GATE_IN_KERNEL}")
+                                 documents=documents, gate=gate)
+    if gate is not None:
+        raise ValueError(f"intra_chunk: an in-kernel gate needs KernelConfig.intra in {GATE_IN_KERNEL}")
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -523,27 +519,6 @@ def cumulative_gate_tile(g_ref, c, gate_refs=None):
         a_ref, bias_ref, lower_bound = gate_refs
         g = lower_bound / (1.0 + jnp.exp(-(a_ref[c][None, :] * (g + bias_ref[c][None, :]))))
     return jnp.cumsum(g * _LOG2E, axis=0)
-
-
-L2_EPS = 1e-6  # k3jax.layers.norms.l2_normalize's
-
-
-def row_norms(ref, normalize):
-    """In-kernel L2 norms ``sqrt(sum(x^2) + eps)`` of a ``[64, K]`` tile's rows as ``[64, 1]`` f32 (None unless
-    ``normalize``): what ``load_rows`` divides by."""
-    if not normalize:
-        return None
-    x = ref[...].astype(_F32)
-    return jnp.sqrt(jnp.sum(x * x, axis=1, keepdims=True) + L2_EPS)
-
-
-def load_rows(ref, rows, c, norms):
-    """``ref[rows, c]`` in f32, L2-normalised by ``norms`` (``[len(rows), 1]`` from ``row_norms``; None: as is)
-    and rounded to the input dtype, as ``k3jax.layers.norms.l2_normalize(x).astype(x.dtype)`` gives it."""
-    x = ref[rows, c].astype(_F32)
-    if norms is None:
-        return x
-    return (x / norms).astype(ref.dtype).astype(_F32)
 
 
 def gate_operands(gate, h):
@@ -727,7 +702,7 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
     )(qg, kg, w, u, aqk, decay, *specs.meta_ops, initial_state.astype(_F32))
 
 
-def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents, gate=None, normalize=False):
+def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents, gate=None):
     """The intra-chunk results the backward reads, on chunk-padded inputs: ``(qg, kg, w, u, aqk, decay, solve)``
     with ``solve`` the split stage's ``(kk, A, G)`` when the backward's intra kernels need them (``intra="split"``
     or ``intra_bwd="tiled"``), else None. The forward calls it when it keeps these as residuals; the backward calls
@@ -736,16 +711,15 @@ def intra_for_backward(q, k, v, g, beta, *, scale, config, interpret, documents,
         from pallas_kernels.kda.intra_split import intra_chunk_split  # imports this module
 
         return intra_chunk_split(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents, return_solve=True, gate=gate, normalize=normalize)
+                                 documents=documents, return_solve=True, gate=gate)
     return (*intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret, documents=documents,
-                         gate=gate, normalize=normalize), None)
+                         gate=gate), None)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "config", "cu_seqlens", "return_intra",
-                                             "gate_lower_bound", "normalize_qk"))
+                                             "gate_lower_bound"))
 def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, config=KernelConfig(),
-                  cu_seqlens=None, segment_ids=None, return_intra=False, gate_hk=None, gate_lower_bound=None,
-                  normalize_qk=False):
+                  cu_seqlens=None, segment_ids=None, return_intra=False, gate_hk=None, gate_lower_bound=None):
     """Chunkwise KDA forward through the Pallas kernels (intra-chunk, then the chunk loop).
 
     Args:
@@ -764,8 +738,6 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
       gate_hk, gate_lower_bound: None, or ``(a_hk, bias_hk)`` ``[H, K]`` f32 and the static lower bound: ``g`` is
         then K3's raw gate input, activated as ``activate_gate`` inside the intra kernel when ``config.intra`` is
         in ``GATE_IN_KERNEL`` and the tokens fill whole chunks (no padding to keep decay-free), else in XLA first.
-      normalize_qk: ``q``, ``k`` are raw: L2-normalised (``k3jax.layers.norms.l2_normalize``, rounded to their
-        dtype) inside the intra kernels under the same conditions, else in XLA first.
 
     Returns:
       ``(o [B, T, H, V] in q.dtype, final_state [B or N_seq, H, K, V] f32)``.
@@ -780,14 +752,10 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
 
     n, layout, to_padded, from_padded = chunk_layout(b, t, cu_seqlens)
     gate = None
-    in_kernel = config.intra in GATE_IN_KERNEL and layout is None and n * CHUNK == t
     if gate_hk is not None:
         gate = (*(x.astype(_F32) for x in gate_hk), float(gate_lower_bound))
-        if not in_kernel:
+        if config.intra not in GATE_IN_KERNEL or layout is not None or n * CHUNK != t:
             g, gate = activate_gate(g, gate), None  # padded tokens must not decay: activate before padding
-    normalize = normalize_qk and in_kernel
-    if normalize_qk and not in_kernel:
-        q, k = (l2_normalize(x).astype(x.dtype) for x in (q, k))
     if gate is None:
         g = g.astype(_F32)
     q, k, v, g, beta = (to_padded(x) for x in (q, k, v, g, beta))  # zero tokens neither decay nor write the state
@@ -795,11 +763,11 @@ def chunk_kda_fwd(q, k, v, g, beta, initial_state, *, scale, interpret=False, co
     documents = None if segment_ids is None else document_layout(segment_ids, n)
     if return_intra:
         intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                   documents=documents, gate=gate, normalize=normalize)
+                                   documents=documents, gate=gate)
         qg, kg, w, u, aqk, decay = intra[:6]
     else:
         qg, kg, w, u, aqk, decay = intra_chunk(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                               documents=documents, gate=gate, normalize=normalize)
+                                               documents=documents, gate=gate)
     specs = SequentialSpecs(b=b, h=h, n=n, kd=kd, vd=vd, block_v=block_v, layout=layout)
     o, final_state = fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs, out_dtype=q.dtype,
                                       precision=precision, config=config, interpret=interpret)

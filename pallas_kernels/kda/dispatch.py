@@ -143,43 +143,38 @@ def _l2(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(9, 10, 11, 12))
-def _pallas_kda_raw(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
-                    interpret, config):
-    """``_pallas_kda`` on K3's raw q, k and gate input: the intra kernels L2-normalise q, k and activate the gate as
-    they load each tile (``chunk_fwd.load_rows`` / ``activate_gate``), so the forward never writes normalised q, k
-    or the f32 gate. The backward forms them in XLA for the backward kernels and chains the gradients back."""
+def _pallas_kda_raw_gate(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
+                         interpret, config):
+    """``_pallas_kda`` taking K3's raw gate input: the intra kernel activates it as it loads each tile
+    (``chunk_fwd.activate_gate``), so the forward never writes the activated ``[B, T, H, K]`` f32 gate. The
+    backward activates it in XLA for the backward kernels and chains ``dg`` through the activation."""
     return chunk_kda_fwd(q, k, v, g_raw, beta, initial_state, scale=scale, interpret=interpret, config=config,
-                         segment_ids=segment_ids, gate_hk=(a_hk, bias_hk), gate_lower_bound=lower_bound,
-                         normalize_qk=True)
+                         segment_ids=segment_ids, gate_hk=(a_hk, bias_hk), gate_lower_bound=lower_bound)
 
 
-def _pallas_kda_raw_fwd(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
-                        interpret, config):
+def _pallas_kda_raw_gate_fwd(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale, lower_bound,
+                             interpret, config):
     keep = config.residuals == "intra"
     result = chunk_kda_fwd(q, k, v, g_raw, beta, initial_state, scale=scale, interpret=interpret, config=config,
                            segment_ids=segment_ids, gate_hk=(a_hk, bias_hk), gate_lower_bound=lower_bound,
-                           normalize_qk=True, return_intra=keep)
+                           return_intra=keep)
     out, intra = result if keep else (result, None)
     return out, (q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, intra)
 
 
-def _pallas_kda_raw_bwd(scale, lower_bound, interpret, config, residuals, cotangents):
+def _pallas_kda_raw_gate_bwd(scale, lower_bound, interpret, config, residuals, cotangents):
     q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, intra = residuals
     do, d_final = cotangents
-
-    def prepare(q, k, g_raw, a_hk, bias_hk):
-        return _l2(q), _l2(k), activate_gate(g_raw, (a_hk, bias_hk, lower_bound))
-
-    (qn, kn, g), prepare_vjp = jax.vjp(prepare, q, k, g_raw, a_hk, bias_hk)
-    dqn, dkn, dv, dg, dbeta, d_initial = chunk_kda_bwd(qn, kn, v, g, beta, initial_state, do, d_final, scale=scale,
-                                                       interpret=interpret, config=config, segment_ids=segment_ids,
-                                                       intra=intra)
-    dq, dk, dg_raw, da, dbias = prepare_vjp((dqn.astype(qn.dtype), dkn.astype(kn.dtype), dg.astype(jnp.float32)))
+    g, gate_vjp = jax.vjp(lambda *x: activate_gate(x[0], (x[1], x[2], lower_bound)), g_raw, a_hk, bias_hk)
+    dq, dk, dv, dg, dbeta, d_initial = chunk_kda_bwd(q, k, v, g, beta, initial_state, do, d_final, scale=scale,
+                                                     interpret=interpret, config=config, segment_ids=segment_ids,
+                                                     intra=intra)
+    dg_raw, da, dbias = gate_vjp(dg.astype(jnp.float32))
     grads = zip((dq, dk, dv, dg_raw, dbeta, d_initial), (q, k, v, g_raw, beta, initial_state))
     return (*(gr.astype(x.dtype) for gr, x in grads), None, da, dbias)
 
 
-_pallas_kda_raw.defvjp(_pallas_kda_raw_fwd, _pallas_kda_raw_bwd)
+_pallas_kda_raw_gate.defvjp(_pallas_kda_raw_gate_fwd, _pallas_kda_raw_gate_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
@@ -280,10 +275,11 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
     gate, L2 norm and beta sigmoid): q, k are L2-normalised (f32 math, back to q's dtype), the gate is K3's
     lower-bounded ``lower_bound * sigmoid(exp(A_log) * (g_raw + dt_bias))`` and ``beta = sigmoid(beta_logits)``.
 
-    beta runs in XLA; the L2 norms and the gate run inside the intra kernels when they can (``config.intra`` in
-    ``GATE_IN_KERNEL`` on the GPU / interpret backends with ``bwd="pallas"``, no ``cu_seqlens`` and T a multiple
-    of 64: the forward then never writes normalised q, k or the activated f32 gate), else in XLA before
-    ``chunk_kda``. Gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
+    The L2 norms and beta run in XLA around the kernels; the gate is activated inside the intra kernel when it can
+    (``config.intra`` in ``GATE_IN_KERNEL`` on the GPU / interpret backends with ``bwd="pallas"``, no
+    ``cu_seqlens`` and T a multiple of 64: the forward then never writes the activated f32 gate), else in XLA
+    before ``chunk_kda``. (Normalising q, k inside the intra kernels as well measured slower on an H200: the
+    kernels' register pressure; see benchmarks/RESULTS.md.) Gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
     ``dt_bias`` by autodiff through them.
 
     Args:
@@ -307,11 +303,11 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
     config = config or KernelConfig()
     if (cu_seqlens is None and t % CHUNK == 0 and config.intra in GATE_IN_KERNEL
             and (backend or default_backend()) in ("gpu", "interpret") and bwd == "pallas"):
-        # the intra kernels normalise q, k and activate the gate as they load them
+        # the intra kernel activates the gate as it loads it
         _, segment_ids, initial_state, scale, backend = _resolve_args(
             q, k, v, g_raw, beta, initial_state, None, segment_ids, scale, backend, bwd)
-        o, final_state = _pallas_kda_raw(q, k, v, g_raw, beta, initial_state, segment_ids, a_hk, bias_hk, scale,
-                                         float(lower_bound), backend == "interpret", config)
+        o, final_state = _pallas_kda_raw_gate(_l2(q), _l2(k), v, g_raw, beta, initial_state, segment_ids, a_hk,
+                                              bias_hk, scale, float(lower_bound), backend == "interpret", config)
         return o, (final_state if output_final_state else None)
     g = activate_gate(g_raw, (a_hk, bias_hk, lower_bound))
     return chunk_kda(_l2(q), _l2(k), v, g, beta, scale=scale, initial_state=initial_state,

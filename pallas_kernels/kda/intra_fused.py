@@ -14,9 +14,8 @@ kernel, so the pairwise products and the 64x64 inverse never leave the chip:
 
 HBM per chunk and head (bf16 inputs, K = V = 128): reads q, k, v, g (f32) once, writes qg, kg, w, u, aqk (bf16) and
 ``decay``; ``return_solve`` adds ``kk``, ``A`` (f32 64x64) and ``G`` (f32), which the split path writes anyway.
-``intra="fused2"`` stops after phase 2 (writing ``A``) and runs the split stage's apply kernel, whose 64-row
-products keep that phase at few registers (it recomputes ``G`` from ``g``: ``G`` leaves the chip only for the
-backward). Packed documents are masked exactly as in the split kernels.
+``intra="fused2"`` stops after phase 2 (writing ``A`` and ``G``) and runs the split stage's apply kernel, whose
+64-row products keep that phase at few registers. Packed documents are masked exactly as in the split kernels.
 """
 
 from __future__ import annotations
@@ -42,8 +41,6 @@ from pallas_kernels.kda.chunk_fwd import (
     cumulative_gate_tile,
     document_operands,
     gate_operands,
-    load_rows,
-    row_norms,
     triton_params,
 )
 from pallas_kernels.kda.intra_split import apply_call
@@ -55,7 +52,7 @@ _F32 = jnp.float32
 
 
 def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
-                  with_solve, with_apply, lower_bound, normalize):
+                  with_solve, with_apply, lower_bound):
     """One chunk of one (batch, head); see the module docstring for the three phases. Without ``with_apply``
     (``intra="fused2"``) phase 3 is left to ``intra_split._apply_kernel``: outputs are then ``qg, kg, aqk, decay,
     A, G`` (+ ``kk`` with ``with_solve``)."""
@@ -75,9 +72,9 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
         qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = refs[:6]
         kk_ref, a_ref, gc_ref = refs[6:9] if with_solve else (None, None, None)
     else:
-        qg_ref, kg_ref, aqk_ref, decay_ref, a_ref = refs[:5]
-        kk_ref, gc_ref = refs[5:7] if with_solve else (None, None)
-    writes_a = with_solve or not with_apply  # A leaves the kernel (G only for the backward: apply recomputes it)
+        qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
+        kk_ref = refs[6] if with_solve else None
+    writes_solve = with_solve or not with_apply  # A and G leave the kernel
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
@@ -89,21 +86,17 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
     def cols(b):
         return pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
 
-    q_norms, k_norms = row_norms(q_ref, normalize), row_norms(k_ref, normalize)  # in-kernel L2 norm (or None)
-    q_sub = jnp.split(q_norms, _N_SUB, axis=0) if normalize else [None] * _N_SUB
-    k_sub = jnp.split(k_norms, _N_SUB, axis=0) if normalize else [None] * _N_SUB
-
     # 1. Gram rows, qg, kg, decay.
     def gram_block(kb, acc):
         aqk, kk = list(acc[0]), list(acc[1])
         c = cols(kb)
         gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
-        if with_solve:
+        if writes_solve:
             gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
         g_last = _row(gc_sub[-1], s - 1)[None, :]  # [1, BK]
-        k_all = load_rows(k_ref, slice(None), c, k_norms)
-        q_all = load_rows(q_ref, slice(None), c, q_norms) * scale
+        k_all = k_ref[:, c].astype(_F32)
+        q_all = q_ref[:, c].astype(_F32) * scale
         qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
         kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(g_last - gc_all), last_all).astype(inter_dtype)
         for i in subs:
@@ -112,8 +105,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
             from_first = jnp.exp2(gc_sub[i] - first)  # exponent <= 0
             # Columns up to the end of sub-chunk i, referenced to its first row (<= 15 tokens of growth).
             k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
-            q_i = load_rows(q_ref, rows, c, q_sub[i]) * scale
-            k_i = load_rows(k_ref, rows, c, k_sub[i])
+            q_i = q_ref[rows, c].astype(_F32) * scale
+            k_i = k_ref[rows, c].astype(_F32)
             aqk[i] = aqk[i] + _dot_nt(q_i * from_first, k_cols, precision)
             kk[i] = kk[i] + _dot_nt(k_i * from_first, k_cols, precision)
         decay_ref[c] = jnp.exp2(g_last[0])
@@ -142,7 +135,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
         for j in range(i):
             rhs = rhs - _dot(akk_blocks[j], a_rows[j], precision)
         a_i = _dot(_INVERSES[solve](akk_blocks[i]), rhs, precision)
-        if writes_a:
+        if writes_solve:
             a_ref[rows, :] = a_i
         a_rows.append(a_i)
 
@@ -160,7 +153,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
     def w_block(kb, carry_):
         c = cols(kb)
         gamma = jnp.exp2(cumulative_gate_tile(g_ref, c, gate_refs))
-        rhs = _rows_masked(beta_all * load_rows(k_ref, slice(None), c, k_norms) * gamma, carry_all)
+        rhs = _rows_masked(beta_all * k_ref[:, c].astype(_F32) * gamma, carry_all)
         for i in subs:
             w_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
         return carry_
@@ -170,11 +163,10 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
 
 
 def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
-                      gate=None, normalize=False):
+                      gate=None):
     """``intra_split.intra_chunk_split`` (same arguments and results) through the fused kernel: one kernel for
-    ``config.intra == "fused"``; for ``"fused2"`` the fused gram + solve kernel (writing ``A``, and ``G`` for the
-    backward), then the split stage's apply kernel (64-row products, few registers; it recomputes ``G``). ``gate``, ``normalize``: see
-    ``chunk_fwd.intra_chunk``."""
+    ``config.intra == "fused"``; for ``"fused2"`` the fused gram + solve kernel (writing ``A`` and ``G``), then the
+    split stage's apply kernel (64-row products, few registers). ``gate``: see ``chunk_fwd.intra_chunk``."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -199,15 +191,15 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
             out_shape += [shape(CHUNK, _F32), shape(CHUNK, _F32), shape(kd, _F32)]  # kk A G
             out_specs += [tile(CHUNK), tile(CHUNK), tile(kd)]
     else:
-        out_shape = [shape(kd), shape(kd), shape(CHUNK), decay_shape, shape(CHUNK, _F32)]  # qg kg aqk decay A
-        out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK)]
+        out_shape = [shape(kd), shape(kd), shape(CHUNK), decay_shape, shape(CHUNK, _F32), shape(kd, _F32)]
+        out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]  # qg kg aqk decay A G
         if return_solve:
-            out_shape += [shape(CHUNK, _F32), shape(kd, _F32)]  # kk G
-            out_specs += [tile(CHUNK), tile(kd)]
+            out_shape.append(shape(CHUNK, _F32))  # kk
+            out_specs.append(tile(CHUNK))
     outs = pl.pallas_call(
         functools.partial(_fused_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
                           segmented=segmented, with_solve=return_solve, with_apply=with_apply,
-                          lower_bound=None if gate is None else gate[2], normalize=normalize),
+                          lower_bound=None if gate is None else gate[2]),
         out_shape=tuple(out_shape),
         grid=(n, b * h),
         in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), spec.rows] + gate_specs + doc_specs,
@@ -220,10 +212,10 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
         qg, kg, w, u, aqk, decay = outs[:6]
         solve_terms = tuple(outs[6:])
     else:
-        qg, kg, aqk, decay, a = outs[:5]
-        solve_terms = (outs[5], a, outs[6]) if return_solve else ()
-        u, w = apply_call(a, v, k, g, beta, documents, inter_dtype=inter_dtype, precision=precision,
-                          config=config, interpret=interpret, gate=gate, cumulative=True, normalize=normalize)
+        qg, kg, aqk, decay, a, gc = outs[:6]
+        solve_terms = (outs[6], a, gc) if return_solve else ()
+        u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision,
+                          config=config, interpret=interpret)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
     if return_solve:

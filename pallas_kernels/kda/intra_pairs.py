@@ -1,8 +1,7 @@
 """Intra-chunk stage with the gram products formed per pair of 16-row sub-chunks (``KernelConfig.intra="pairs"``).
 
 Same contract and results as ``intra_fused.intra_chunk_fused`` for ``intra="fused2"`` (``qg, kg, w, u, aqk, decay``
-and, with ``return_solve``, the backward's ``(kk, A, G)``): one gram + solve kernel writing ``A`` (``G`` only for
-the backward), then the split stage's apply kernel for ``u`` and ``w``. The difference is how the pairwise decays
+and, with ``return_solve``, the backward's ``(kk, A, G)``): one gram + solve kernel writing ``A`` and ``G``, then the split stage's apply kernel for ``u`` and ``w``. The difference is how the pairwise decays
 are formed. "fused2" exponentiates the key operand ``k 2^(G_n - G)`` over all 64 rows for every row block (256 rows
 of ``exp2`` per key block). Here the pair blocks ``(i, j)``, ``i >= j``, of one key sub-chunk ``j`` are stacked as a
 [64, 16] column block (rows above ``j`` zero), each referenced to the LAST row ``e_j`` of sub-chunk ``j``:
@@ -47,8 +46,6 @@ from pallas_kernels.kda.chunk_fwd import (
     cumulative_gate_tile,
     document_operands,
     gate_operands,
-    load_rows,
-    row_norms,
     triton_params,
 )
 from pallas_kernels.kda.intra_split import apply_call
@@ -75,10 +72,10 @@ def _block_inverse(akk, *, solve, precision):
 
 
 def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented, with_solve,
-                  lower_bound, normalize):
+                  lower_bound):
     """One chunk of one (batch, head): phase 1 accumulates the [64, 16] column blocks of ``aqk`` / ``kk`` (the
     pair blocks of one key sub-chunk, stacked) over key blocks, writing ``qg``, ``kg``, ``decay``, ``G`` as
-    "fused2"; phase 2 masks them and solves for ``A``. Outputs ``qg, kg, aqk, decay, A`` (+ ``kk, G`` with
+    "fused2"; phase 2 masks them and solves for ``A``. Outputs ``qg, kg, aqk, decay, A, G`` (+ ``kk`` with
     ``with_solve``). ``lower_bound`` not None: ``g_ref`` is
     the raw gate input, activated in-kernel (``chunk_fwd.cumulative_gate_tile``) with the next two refs."""
     refs = list(refs)
@@ -93,28 +90,25 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
         last_all = last_ref[...].astype(_F32)[:, None]
     else:
         carry_all = last_all = None
-    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref = refs[:5]
-    kk_ref, gc_ref = refs[5:7] if with_solve else (None, None)
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
+    kk_ref = refs[6] if with_solve else None
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
     subs = range(_N_SUB)
 
     rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
-    q_norms, k_norms = row_norms(q_ref, normalize), row_norms(k_ref, normalize)  # in-kernel L2 norm (or None)
-    k_sub = jnp.split(k_norms, _N_SUB, axis=0) if normalize else [None] * _N_SUB
 
     # 1. Column blocks of the gram products (the pairs (i, j) of column block j stacked over i), qg, kg, decay, G.
     def gram_block(kb, acc):
         aqk, kk = list(acc[0]), list(acc[1])
         c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
         gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
-        if with_solve:  # G leaves the chip only for the backward (the apply kernel recomputes it)
-            gc_ref[:, c] = gc_all
+        gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
         ends = [_row(x, s - 1)[None, :] for x in gc_sub]  # [1, BK]: G at the last row e_j of each sub-chunk
-        q_all = load_rows(q_ref, slice(None), c, q_norms) * scale
-        k_all = load_rows(k_ref, slice(None), c, k_norms)
+        q_all = q_ref[:, c].astype(_F32) * scale
+        k_all = k_ref[:, c].astype(_F32)
         qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
         kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(ends[-1] - gc_all), last_all).astype(inter_dtype)
         decay_ref[c] = jnp.exp2(ends[-1][0])
@@ -132,7 +126,7 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
                 own = jnp.where(rows_c1 >= (j + 1) * s, rows_factor * bridge, own)
             rows_factor = own
             # Keys of sub-chunk j decayed to its last row: exponent <= 0, >= -15 tokens of decay.
-            k_end = load_rows(k_ref, pl.ds(j * s, s), c, k_sub[j]) * jnp.exp2(ends[j] - gc_sub[j])
+            k_end = k_ref[pl.ds(j * s, s), c].astype(_F32) * jnp.exp2(ends[j] - gc_sub[j])
             aqk[j] = aqk[j] + _dot_nt(q_all * rows_factor, k_end, precision)
             kk[j] = kk[j] + _dot_nt(k_all * rows_factor, k_end, precision)
         return aqk, kk
@@ -166,10 +160,10 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
 
 
 def intra_chunk_pairs(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
-                      gate=None, normalize=False):
+                      gate=None):
     """``intra_split.intra_chunk_split`` (same arguments and results) through the pair-block gram + solve kernel
-    (writing ``A``, and ``G`` for the backward), then the split stage's apply kernel for ``u`` and ``w``.
-    ``gate``, ``normalize``: see ``chunk_fwd.intra_chunk``."""
+    (writing ``A`` and ``G``), then the split stage's apply kernel for ``u`` and ``w``.
+    ``gate``: see ``chunk_fwd.intra_chunk``."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -185,15 +179,15 @@ def intra_chunk_pairs(q, k, v, g, beta, *, scale, config, interpret=False, docum
         return jax.ShapeDtypeStruct((b, tp, h, width), dtype)
 
     out_shape = [shape(kd), shape(kd), shape(CHUNK), jax.ShapeDtypeStruct((b, h, n, kd), _F32),
-                 shape(CHUNK, _F32)]  # qg kg aqk decay A
-    out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK)]
+                 shape(CHUNK, _F32), shape(kd, _F32)]  # qg kg aqk decay A G
+    out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]
     if return_solve:
-        out_shape += [shape(CHUNK, _F32), shape(kd, _F32)]  # kk G
-        out_specs += [tile(CHUNK), tile(kd)]
+        out_shape.append(shape(CHUNK, _F32))  # kk
+        out_specs.append(tile(CHUNK))
     outs = pl.pallas_call(
         functools.partial(_pairs_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
                           segmented=segmented, with_solve=return_solve,
-                          lower_bound=None if gate is None else gate[2], normalize=normalize),
+                          lower_bound=None if gate is None else gate[2]),
         out_shape=tuple(out_shape),
         grid=(n, b * h),
         in_specs=[tile(kd), tile(kd), tile(kd), spec.rows] + gate_specs + doc_specs,
@@ -202,11 +196,11 @@ def intra_chunk_pairs(q, k, v, g, beta, *, scale, config, interpret=False, docum
         compiler_params=triton_params(interpret, config.warps[0]),
         name="kda_chunk_gram_pairs",
     )(q, k, g, beta, *gate_ops, *doc_ops)
-    qg, kg, aqk, decay, a = outs[:5]
-    u, w = apply_call(a, v, k, g, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
-                      interpret=interpret, gate=gate, cumulative=True, normalize=normalize)
+    qg, kg, aqk, decay, a, gc = outs[:6]
+    u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
+                      interpret=interpret)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
     if return_solve:
-        return qg, kg, w, u, aqk, decay, (outs[5], a, outs[6])
+        return qg, kg, w, u, aqk, decay, (outs[6], a, gc)
     return qg, kg, w, u, aqk, decay

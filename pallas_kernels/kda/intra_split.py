@@ -35,12 +35,8 @@ from pallas_kernels.kda.chunk_fwd import (
     _dot_tn,
     _matmul_policy,
     _rows_masked,
-    cumulative_gate_tile,
     document_masks,
     document_operands,
-    gate_operands,
-    load_rows,
-    row_norms,
     triton_params,
 )
 
@@ -132,14 +128,8 @@ def _solve_kernel(kk_ref, beta_ref, a_ref, *, precision, solve):
             a_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = blocks.get((i, j), zeros_ss)
 
 
-def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block_k, segmented, cumulative,
-                  lower_bound, normalize):
-    """``u = A (beta v)``, ``w = A (beta k 2^G)`` (w rows outside the carried-in document masked). ``cumulative``:
-    ``gc_ref`` holds the per-token gate and ``G`` is its in-kernel cumulative sum (``lower_bound``: the raw gate,
-    activated in-kernel with the first two of ``refs``); ``normalize``: L2-normalise ``k``'s rows in-kernel."""
-    gate_refs = None
-    if lower_bound is not None:
-        gate_refs, refs = (refs[0], refs[1], lower_bound), refs[2:]
+def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block_k, segmented):
+    """``u = A (beta v)``, ``w = A (beta k 2^G)`` (w rows outside the carried-in document masked)."""
     if segmented:
         _, carry_ref, _, u_ref, w_ref = refs
         carry = carry_ref[...].astype(_F32)[:, None]
@@ -148,7 +138,6 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
         carry = None
     a_cc = a_ref[...]
     beta_c1 = beta_ref[...].astype(_F32)[:, None]
-    k_norms = row_norms(k_ref, normalize)
 
     def u_block(vb, carry_):
         c = pl.ds(pl.multiple_of(vb * block_k, block_k), block_k)
@@ -157,8 +146,7 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
 
     def w_block(kb, carry_):
         c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-        gc = cumulative_gate_tile(gc_ref, c, gate_refs) if cumulative else gc_ref[:, c]
-        rhs = _rows_masked(beta_c1 * load_rows(k_ref, slice(None), c, k_norms) * jnp.exp2(gc), carry)
+        rhs = _rows_masked(beta_c1 * k_ref[:, c].astype(_F32) * jnp.exp2(gc_ref[:, c]), carry)
         w_ref[:, c] = _dot(a_cc, rhs, precision).astype(w_ref.dtype)
         return carry_
 
@@ -166,55 +154,45 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
     lax.fori_loop(0, k_ref.shape[-1] // block_k, w_block, 0)
 
 
-def apply_call(a, v, k, gc, beta, documents, *, inter_dtype, precision, config, interpret, gate=None,
-               cumulative=False, normalize=False):
+def apply_call(a, v, k, gc, beta, documents, *, inter_dtype, precision, config, interpret):
     """Kernel 3 (grid chunk x batch*head): ``(u, w)`` in ``inter_dtype`` from the 64x64 inverse ``a`` and the
-    cumulative gate ``gc`` (shared by the split and "fused2" / "pairs" intra stages). ``cumulative``: ``gc`` is the
-    per-token gate (raw with ``gate``, as ``chunk_fwd.intra_chunk``), summed in-kernel; ``normalize``: ``k`` is
-    raw and L2-normalised in-kernel."""
-    if gate is not None and not cumulative:
-        raise ValueError("apply_call: an in-kernel gate activation needs cumulative=True")
+    cumulative gate ``gc`` (shared by the split and "fused2" intra stages)."""
     b, tp, h, kd = k.shape
     vd = v.shape[-1]
     tile = ChunkSpecs(h).tile
     doc_ops, doc_specs = document_operands(documents, h)
-    gate_ops, gate_specs = gate_operands(gate, h)
     return pl.pallas_call(
         functools.partial(_apply_kernel, precision=precision, block_k=min(config.block_k, kd, vd),
-                          segmented=documents is not None, cumulative=cumulative,
-                          lower_bound=None if gate is None else gate[2], normalize=normalize),
+                          segmented=documents is not None),
         out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
                    jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype)),
         grid=(tp // CHUNK, b * h),
-        in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), ChunkSpecs(h).rows] + gate_specs + doc_specs,
+        in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), ChunkSpecs(h).rows] + doc_specs,
         out_specs=[tile(vd), tile(kd)],
         interpret=interpret,
         compiler_params=triton_params(interpret, config.warps[0]),
         name="kda_chunk_apply",
-    )(a, v, k, gc, beta, *gate_ops, *doc_ops)
+    )(a, v, k, gc, beta, *doc_ops)
 
 
 def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
-                      gate=None, normalize=False):
+                      gate=None):
     """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
     also returns ``(kk, A, G)`` (the pairwise key products, the 64x64 inverse and the cumulative gate) for the
     backward. ``config.intra`` "fused" / "fused2" run the same algebra in one / two kernels (``intra_fused.py``),
-    "pairs" per pair of sub-chunks (``intra_pairs.py``); those take ``gate`` and ``normalize``
-    (``chunk_fwd.intra_chunk``)."""
+    "pairs" per pair of sub-chunks (``intra_pairs.py``); those take ``gate`` (``chunk_fwd.intra_chunk``)."""
     if config.intra == "pairs":
         from pallas_kernels.kda.intra_pairs import intra_chunk_pairs
 
         return intra_chunk_pairs(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents, return_solve=return_solve, gate=gate,
-                                 normalize=normalize)
+                                 documents=documents, return_solve=return_solve, gate=gate)
     if config.intra in ("fused", "fused2"):
         from pallas_kernels.kda.intra_fused import intra_chunk_fused
 
         return intra_chunk_fused(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
-                                 documents=documents, return_solve=return_solve, gate=gate,
-                                 normalize=normalize)
-    if gate is not None or normalize:
-        raise ValueError("intra_chunk_split: the split kernels read normalised q, k and an activated gate")
+                                 documents=documents, return_solve=return_solve, gate=gate)
+    if gate is not None:
+        raise ValueError("intra_chunk_split: the split kernels read an activated gate (gate must be None)")
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
