@@ -49,9 +49,9 @@ _LOG2E = 1.4426950408889634
 _F32 = jnp.float32
 
 
-INTRA_MODES = ("single", "split", "fused", "fused2", "pairs")
-GATE_IN_KERNEL = ("fused", "fused2", "pairs")  # intra modes that can apply K3's gate activation while loading g
-_SPLIT_FAMILY = ("split", "fused", "fused2", "pairs")  # intra modes producing the split stage's solve terms
+INTRA_MODES = ("single", "split", "fused2", "pairs")
+GATE_IN_KERNEL = ("fused2", "pairs")  # intra modes that can apply K3's gate activation while loading g
+_SPLIT_FAMILY = ("split", "fused2", "pairs")  # intra modes producing the split stage's solve terms
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +64,10 @@ class KernelConfig:
     stages: Triton ``num_stages`` of the sequential kernels (> 1 lets Triton software-pipeline the chunk loop's
       loads).
     block_k: key / value columns per step of the intra-chunk kernel's column loops (power of two >= 16).
-    intra: "single" (one intra-chunk kernel per chunk and head) or "split" (intra_split.py: cumulative gate in XLA,
-      then gram / solve / apply kernels with less serial work per program), "fused" (intra_fused.py: the split
-      stage's algebra as one kernel, cumulative gate in-kernel; same results), "fused2" (intra_fused.py: gram +
-      solve fused, then the split apply kernel) or "pairs" (intra_pairs.py: as "fused2" with the gram products
-      formed per pair of 16-row sub-chunks).
+    intra: "fused2" (intra_fused.py: cumulative gate, gram products and 64x64 solve in one kernel, then the split
+      apply kernel; can activate K3's raw gate in-kernel), "pairs" (intra_pairs.py: as "fused2" with the gram
+      products formed per pair of 16-row sub-chunks, 43% fewer exp2), "split" (intra_split.py: cumulative gate
+      in XLA, then gram / solve / apply kernels) or "single" (one intra-chunk kernel per chunk and head).
     intra_bwd: backward intra-chunk kernels: "auto" (the one kernel matching ``intra``) or "tiled" (recompute
       through the split kernels, then two kernels: solve gradients per chunk, then per key block the dq / dk / dg
       products in 16-row steps; intra_bwd_tiled.py) or "state_fused" (as "tiled" with the state-product gradients

@@ -1,21 +1,20 @@
-"""Intra-chunk stage as ONE kernel per chunk and head (``KernelConfig.intra="fused"``).
+"""Intra-chunk stage as a fused gram + solve kernel, then the split apply kernel (``KernelConfig.intra="fused2"``,
+the default).
 
 Same results as ``intra_split.intra_chunk_split`` (``qg, kg, w, u, aqk, decay`` and, with ``return_solve``, the
-backward's ``(kk, A, G)``), but the split stage's four passes (XLA cumulative gate, gram, solve, apply) become one
-kernel, so the pairwise products and the 64x64 inverse never leave the chip:
+backward's ``(kk, A, G)``); the split stage's XLA cumulative gate, gram and solve passes become one kernel, so the
+pairwise products never leave the chip:
 
-1. per key block: ``G`` = chunk-local inclusive cumulative sum of ``g * log2(e)`` (in-kernel scan), ``qg``, ``kg``,
-   ``decay`` and the four 16-row blocks of ``aqk`` / ``kk`` as [16, BK] x [BK, 64] products, every row block
-   referenced to its first row (the split gram's exponent ranges);
+1. per key block: ``G`` = chunk-local inclusive cumulative sum of ``g * log2(e)`` (in-kernel scan; with ``gate``
+   the raw K3 gate is activated first), ``qg``, ``kg``, ``decay`` and the four 16-row blocks of ``aqk`` / ``kk`` as
+   [16, BK] x [BK, 64] products, every row block referenced to its first row (the split gram's exponent ranges);
 2. ``A = (I + akk)^-1`` by rows of 16: ``A_i = inv_i (E_i - sum_{j<i} akk_ij A_j)`` with ``inv_i`` the 16x16
    diagonal inverse and ``E_i`` the rows ``16 i ..`` of the identity (the product with ``E_i`` places ``inv_i`` in
-   its columns, so no 64x64 tile is ever assembled from blocks);
-3. ``u_i = A_i (beta v)``, ``w_i = A_i (beta k 2^G)`` per value / key block (``G`` recomputed: same scan).
+   its columns, so no 64x64 tile is ever assembled from blocks); writes ``A`` and ``G``;
+3. ``intra_split.apply_call``: ``u = A (beta v)``, ``w = A (beta k 2^G)`` with 64-row products (few registers).
 
-HBM per chunk and head (bf16 inputs, K = V = 128): reads q, k, v, g (f32) once, writes qg, kg, w, u, aqk (bf16) and
-``decay``; ``return_solve`` adds ``kk``, ``A`` (f32 64x64) and ``G`` (f32), which the split path writes anyway.
-``intra="fused2"`` stops after phase 2 (writing ``A`` and ``G``) and runs the split stage's apply kernel, whose
-64-row products keep that phase at few registers. Packed documents are masked exactly as in the split kernels.
+(Phase 3 inside the same kernel, once ``intra="fused"``, measured slower on an H200 — 4.51 vs 2.46 ms at 1x8192x96
+bf16 — and was removed.) Packed documents are masked exactly as in the split kernels.
 """
 
 from __future__ import annotations
@@ -51,12 +50,12 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
-                  with_solve, with_apply, lower_bound):
-    """One chunk of one (batch, head); see the module docstring for the three phases. Without ``with_apply``
-    (``intra="fused2"``) phase 3 is left to ``intra_split._apply_kernel``: outputs are then ``qg, kg, aqk, decay,
-    A, G`` (+ ``kk`` with ``with_solve``)."""
-    refs = list(refs)  # v_ref is read only in phase 3
+def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
+                       with_solve, lower_bound):
+    """One chunk of one (batch, head), phases 1 and 2 of the module docstring: outputs ``qg, kg, aqk, decay, A,
+    G`` (+ ``kk`` with ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated
+    in-kernel with the first two of ``refs``."""
+    refs = list(refs)
     gate_refs = None
     if lower_bound is not None:  # in-kernel gate: g_ref is the raw gate input
         gate_refs = (refs[0], refs[1], lower_bound)
@@ -68,13 +67,8 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
         last_all = last_ref[...].astype(_F32)[:, None]
     else:
         carry_all = last_all = None
-    if with_apply:
-        qg_ref, kg_ref, w_ref, u_ref, aqk_ref, decay_ref = refs[:6]
-        kk_ref, a_ref, gc_ref = refs[6:9] if with_solve else (None, None, None)
-    else:
-        qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
-        kk_ref = refs[6] if with_solve else None
-    writes_solve = with_solve or not with_apply  # A and G leave the kernel
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
+    kk_ref = refs[6] if with_solve else None
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
@@ -91,8 +85,7 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
         aqk, kk = list(acc[0]), list(acc[1])
         c = cols(kb)
         gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
-        if writes_solve:
-            gc_ref[:, c] = gc_all
+        gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
         g_last = _row(gc_sub[-1], s - 1)[None, :]  # [1, BK]
         k_all = k_ref[:, c].astype(_F32)
@@ -135,89 +128,51 @@ def _fused_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *refs, scale, precision,
         for j in range(i):
             rhs = rhs - _dot(akk_blocks[j], a_rows[j], precision)
         a_i = _dot(_INVERSES[solve](akk_blocks[i]), rhs, precision)
-        if writes_solve:
-            a_ref[rows, :] = a_i
+        a_ref[rows, :] = a_i
         a_rows.append(a_i)
 
-    if not with_apply:
-        return
-
-    # 3. u = A (beta v), w = A (beta k 2^G).
-    def u_block(vb, carry_):
-        c = cols(vb)
-        rhs = beta_all * v_ref[:, c].astype(_F32)
-        for i in subs:
-            u_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
-        return carry_
-
-    def w_block(kb, carry_):
-        c = cols(kb)
-        gamma = jnp.exp2(cumulative_gate_tile(g_ref, c, gate_refs))
-        rhs = _rows_masked(beta_all * k_ref[:, c].astype(_F32) * gamma, carry_all)
-        for i in subs:
-            w_ref[pl.ds(i * s, s), c] = _dot(a_rows[i], rhs, precision).astype(inter_dtype)
-        return carry_
-
-    lax.fori_loop(0, v_ref.shape[-1] // block_k, u_block, 0)
-    lax.fori_loop(0, kd // block_k, w_block, 0)
 
 
 def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
                       gate=None):
-    """``intra_split.intra_chunk_split`` (same arguments and results) through the fused kernel: one kernel for
-    ``config.intra == "fused"``; for ``"fused2"`` the fused gram + solve kernel (writing ``A`` and ``G``), then the
-    split stage's apply kernel (64-row products, few registers). ``gate``: see ``chunk_fwd.intra_chunk``."""
+    """``intra_split.intra_chunk_split`` (same arguments and results) through the gram + solve kernel (writing
+    ``A`` and ``G``), then the split stage's apply kernel. ``gate``: see ``chunk_fwd.intra_chunk``."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
     inter_dtype, precision = _matmul_policy(q.dtype)
-    block_k = min(config.block_k, kd, vd)
     segmented = documents is not None
-    with_apply = config.intra == "fused"
     doc_ops, doc_specs = document_operands(documents, h)
     gate_ops, gate_specs = gate_operands(gate, h)
     spec = ChunkSpecs(h)
     tile = spec.tile
-    params = triton_params(interpret, config.warps[0])
 
     def shape(width, dtype=inter_dtype):
         return jax.ShapeDtypeStruct((b, tp, h, width), dtype)
 
-    decay_shape = jax.ShapeDtypeStruct((b, h, n, kd), _F32)
-    if with_apply:
-        out_shape = [shape(kd), shape(kd), shape(kd), shape(vd), shape(CHUNK), decay_shape]  # qg kg w u aqk decay
-        out_specs = [tile(kd), tile(kd), tile(kd), tile(vd), tile(CHUNK), spec.per_chunk(kd)]
-        if return_solve:
-            out_shape += [shape(CHUNK, _F32), shape(CHUNK, _F32), shape(kd, _F32)]  # kk A G
-            out_specs += [tile(CHUNK), tile(CHUNK), tile(kd)]
-    else:
-        out_shape = [shape(kd), shape(kd), shape(CHUNK), decay_shape, shape(CHUNK, _F32), shape(kd, _F32)]
-        out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]  # qg kg aqk decay A G
-        if return_solve:
-            out_shape.append(shape(CHUNK, _F32))  # kk
-            out_specs.append(tile(CHUNK))
+    out_shape = [shape(kd), shape(kd), shape(CHUNK), jax.ShapeDtypeStruct((b, h, n, kd), _F32),
+                 shape(CHUNK, _F32), shape(kd, _F32)]  # qg kg aqk decay A G
+    out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]
+    if return_solve:
+        out_shape.append(shape(CHUNK, _F32))  # kk
+        out_specs.append(tile(CHUNK))
     outs = pl.pallas_call(
-        functools.partial(_fused_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
-                          segmented=segmented, with_solve=return_solve, with_apply=with_apply,
+        functools.partial(_gram_solve_kernel, scale=scale, precision=precision, solve=config.solve,
+                          block_k=min(config.block_k, kd, vd), segmented=segmented, with_solve=return_solve,
                           lower_bound=None if gate is None else gate[2]),
         out_shape=tuple(out_shape),
         grid=(n, b * h),
-        in_specs=[tile(kd), tile(kd), tile(vd), tile(kd), spec.rows] + gate_specs + doc_specs,
+        in_specs=[tile(kd), tile(kd), tile(kd), spec.rows] + gate_specs + doc_specs,
         out_specs=out_specs,
         interpret=interpret,
-        compiler_params=params,
-        name="kda_chunk_intra_fused" if with_apply else "kda_chunk_gram_solve",
-    )(q, k, v, g, beta, *gate_ops, *doc_ops)
-    if with_apply:
-        qg, kg, w, u, aqk, decay = outs[:6]
-        solve_terms = tuple(outs[6:])
-    else:
-        qg, kg, aqk, decay, a, gc = outs[:6]
-        solve_terms = (outs[6], a, gc) if return_solve else ()
-        u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision,
-                          config=config, interpret=interpret)
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_chunk_gram_solve",
+    )(q, k, g, beta, *gate_ops, *doc_ops)
+    qg, kg, aqk, decay, a, gc = outs[:6]
+    u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
+                      interpret=interpret)
     if segmented:
         decay = decay * documents["keep"][:, None, :, None]
     if return_solve:
-        return qg, kg, w, u, aqk, decay, solve_terms
+        return qg, kg, w, u, aqk, decay, (outs[6], a, gc)
     return qg, kg, w, u, aqk, decay

@@ -179,14 +179,14 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
                       gate=None):
     """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
     also returns ``(kk, A, G)`` (the pairwise key products, the 64x64 inverse and the cumulative gate) for the
-    backward. ``config.intra`` "fused" / "fused2" run the same algebra in one / two kernels (``intra_fused.py``),
+    backward. ``config.intra`` "fused2" runs the same algebra as two kernels (``intra_fused.py``),
     "pairs" per pair of sub-chunks (``intra_pairs.py``); those take ``gate`` (``chunk_fwd.intra_chunk``)."""
     if config.intra == "pairs":
         from pallas_kernels.kda.intra_pairs import intra_chunk_pairs
 
         return intra_chunk_pairs(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                  documents=documents, return_solve=return_solve, gate=gate)
-    if config.intra in ("fused", "fused2"):
+    if config.intra == "fused2":
         from pallas_kernels.kda.intra_fused import intra_chunk_fused
 
         return intra_chunk_fused(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
