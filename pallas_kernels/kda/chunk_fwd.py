@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["CHUNK", "ChunkSpecs", "GATE_IN_KERNEL", "KernelConfig", "SUB_CHUNK", "SequentialSpecs", "activate_gate",
+__all__ = ["block_lower_inverse", "CHUNK", "ChunkSpecs", "GATE_IN_KERNEL", "KernelConfig", "SUB_CHUNK", "SequentialSpecs", "activate_gate",
            "check_dims", "chunk_kda_fwd", "chunk_layout", "chunk_states", "cumulative_gate_tile", "document_layout",
            "document_operands", "fused_recurrence", "gate_operands", "intra_chunk", "triton_params", "varlen_layout"]
 
@@ -536,6 +536,23 @@ def document_operands(documents, h):
         return [], []
     spec = pl.BlockSpec((None, CHUNK), lambda c, bh: (bh // h, c))
     return [documents["doc"], documents["carry"], documents["last"]], [spec] * 3
+
+
+def block_lower_inverse(akk, *, solve, precision):
+    """``{(i, j): [16, 16]}`` blocks (``j <= i``) of ``(I + akk)^-1`` from the 16x16 blocks ``akk[i, j]`` (``j <=
+    i``) of a strictly lower-triangular 64x64 ``akk``: diagonal blocks by ``_INVERSES[solve]``, the others by
+    blocked forward substitution ``A_ij = -inv_i sum_{j <= m < i} akk_im A_mj``."""
+    n_sub = CHUNK // SUB_CHUNK
+    inv = [_INVERSES[solve](akk[i, i]) for i in range(n_sub)]
+    blocks = {}
+    for j in range(n_sub):
+        blocks[j, j] = inv[j]
+        for i in range(j + 1, n_sub):
+            acc = _dot(akk[i, j], inv[j], precision)
+            for m in range(j + 1, i):
+                acc = acc + _dot(akk[i, m], blocks[m, j], precision)
+            blocks[i, j] = -_dot(inv[i], acc, precision)
+    return blocks
 
 
 def _matmul_policy(dtype):

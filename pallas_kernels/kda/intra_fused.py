@@ -28,7 +28,6 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import (
     _INVERSES,
-    _LOG2E,
     CHUNK,
     SUB_CHUNK,
     ChunkSpecs,
@@ -50,25 +49,29 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
-                       with_solve, lower_bound):
-    """One chunk of one (batch, head), phases 1 and 2 of the module docstring: outputs ``qg, kg, aqk, decay, A,
-    G`` (+ ``kk`` with ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated
-    in-kernel with the first two of ``refs``."""
+def unpack_refs(refs, lower_bound, segmented):
+    """The optional refs of a gram + solve kernel (after q, k, g, beta) in call order: ``(gate_refs, doc_ref,
+    carry [64, 1] f32, last [64, 1] f32, output refs)``; gate / document entries are None when absent."""
     refs = list(refs)
-    gate_refs = None
+    gate_refs = doc_ref = carry_all = last_all = None
     if lower_bound is not None:  # in-kernel gate: g_ref is the raw gate input
-        gate_refs = (refs[0], refs[1], lower_bound)
-        refs = refs[2:]
+        gate_refs, refs = (refs[0], refs[1], lower_bound), refs[2:]
     if segmented:
         doc_ref, carry_ref, last_ref = refs[:3]
         refs = refs[3:]
         carry_all = carry_ref[...].astype(_F32)[:, None]
         last_all = last_ref[...].astype(_F32)[:, None]
-    else:
-        carry_all = last_all = None
-    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
-    kk_ref = refs[6] if with_solve else None
+    return gate_refs, doc_ref, carry_all, last_all, refs
+
+
+def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
+                       with_solve, lower_bound):
+    """One chunk of one (batch, head), phases 1 and 2 of the module docstring: outputs ``qg, kg, aqk, decay, A,
+    G`` (+ ``kk`` with ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated
+    in-kernel with the first two of ``refs``."""
+    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented)
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = outs[:6]
+    kk_ref = outs[6] if with_solve else None
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
@@ -110,7 +113,6 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
 
     # 2. Masks, then A = (I + diag(beta) kk)^-1 by rows of 16.
     doc_all = doc_ref[...] if segmented else None
-    beta_all = beta_ref[...].astype(_F32)[:, None]
     a_rows = []
     for i in subs:
         rows = pl.ds(i * s, s)
@@ -133,10 +135,11 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
 
 
 
-def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
-                      gate=None):
-    """``intra_split.intra_chunk_split`` (same arguments and results) through the gram + solve kernel (writing
-    ``A`` and ``G``), then the split stage's apply kernel. ``gate``: see ``chunk_fwd.intra_chunk``."""
+def gram_solve_then_apply(kernel, name, q, k, v, g, beta, *, scale, config, interpret, documents, return_solve,
+                          gate):
+    """Runs a gram + solve ``kernel`` (grid chunk x batch*head; outputs ``qg, kg, aqk, decay, A, G`` + ``kk`` with
+    ``return_solve``; keyword arguments as ``_gram_solve_kernel``'s), then ``intra_split.apply_call``: the results
+    of ``intra_split.intra_chunk_split``. Shared by "fused2" and "pairs"."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
@@ -157,7 +160,7 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
         out_shape.append(shape(CHUNK, _F32))  # kk
         out_specs.append(tile(CHUNK))
     outs = pl.pallas_call(
-        functools.partial(_gram_solve_kernel, scale=scale, precision=precision, solve=config.solve,
+        functools.partial(kernel, scale=scale, precision=precision, solve=config.solve,
                           block_k=min(config.block_k, kd, vd), segmented=segmented, with_solve=return_solve,
                           lower_bound=None if gate is None else gate[2]),
         out_shape=tuple(out_shape),
@@ -166,7 +169,7 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
         out_specs=out_specs,
         interpret=interpret,
         compiler_params=triton_params(interpret, config.warps[0]),
-        name="kda_chunk_gram_solve",
+        name=name,
     )(q, k, g, beta, *gate_ops, *doc_ops)
     qg, kg, aqk, decay, a, gc = outs[:6]
     u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
@@ -176,3 +179,12 @@ def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, docum
     if return_solve:
         return qg, kg, w, u, aqk, decay, (outs[6], a, gc)
     return qg, kg, w, u, aqk, decay
+
+
+def intra_chunk_fused(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
+                      gate=None):
+    """``intra_split.intra_chunk_split`` (same arguments and results) through the gram + solve kernel (writing
+    ``A`` and ``G``), then the split stage's apply kernel. ``gate``: see ``chunk_fwd.intra_chunk``."""
+    return gram_solve_then_apply(_gram_solve_kernel, "kda_chunk_gram_solve", q, k, v, g, beta, scale=scale,
+                                 config=config, interpret=interpret, documents=documents,
+                                 return_solve=return_solve, gate=gate)

@@ -26,29 +26,20 @@ the 4 warps of a program: 20 accumulators plus operands spilled ~550-1300 bytes 
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import (
-    _INVERSES,
     CHUNK,
     SUB_CHUNK,
-    ChunkSpecs,
-    _dot,
     _dot_nt,
-    _matmul_policy,
     _row,
     _rows_masked,
+    block_lower_inverse,
     cumulative_gate_tile,
-    document_operands,
-    gate_operands,
-    triton_params,
 )
-from pallas_kernels.kda.intra_split import apply_call
+from pallas_kernels.kda.intra_fused import gram_solve_then_apply, unpack_refs
 
 __all__ = ["intra_chunk_pairs"]
 
@@ -56,42 +47,16 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def _block_inverse(akk, *, solve, precision):
-    """``{(i, j): [16, 16]}`` blocks (``j <= i``) of ``(I + akk)^-1`` from the pair blocks of the strictly lower
-    ``akk``: diagonal blocks by ``_INVERSES[solve]``, the rest by blocked forward substitution."""
-    inv = [_INVERSES[solve](akk[i, i]) for i in range(_N_SUB)]
-    blocks = {}
-    for j in range(_N_SUB):
-        blocks[j, j] = inv[j]
-        for i in range(j + 1, _N_SUB):
-            acc = _dot(akk[i, j], inv[j], precision)
-            for m in range(j + 1, i):
-                acc = acc + _dot(akk[i, m], blocks[m, j], precision)
-            blocks[i, j] = -_dot(inv[i], acc, precision)
-    return blocks
-
-
 def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented, with_solve,
                   lower_bound):
     """One chunk of one (batch, head): phase 1 accumulates the [64, 16] column blocks of ``aqk`` / ``kk`` (the
     pair blocks of one key sub-chunk, stacked) over key blocks, writing ``qg``, ``kg``, ``decay``, ``G`` as
     "fused2"; phase 2 masks them and solves for ``A``. Outputs ``qg, kg, aqk, decay, A, G`` (+ ``kk`` with
-    ``with_solve``). ``lower_bound`` not None: ``g_ref`` is
-    the raw gate input, activated in-kernel (``chunk_fwd.cumulative_gate_tile``) with the next two refs."""
-    refs = list(refs)
-    gate_refs = None
-    if lower_bound is not None:
-        gate_refs = (refs[0], refs[1], lower_bound)
-        refs = refs[2:]
-    if segmented:
-        doc_ref, carry_ref, last_ref = refs[:3]
-        refs = refs[3:]
-        carry_all = carry_ref[...].astype(_F32)[:, None]
-        last_all = last_ref[...].astype(_F32)[:, None]
-    else:
-        carry_all = last_all = None
-    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = refs[:6]
-    kk_ref = refs[6] if with_solve else None
+    ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated in-kernel
+    (``chunk_fwd.cumulative_gate_tile``) with the next two refs."""
+    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented)
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = outs[:6]
+    kk_ref = outs[6] if with_solve else None
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
@@ -152,7 +117,7 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
         for i, akk_ij in enumerate(jnp.split(beta_all * kk_j, _N_SUB, axis=0)):
             if i >= j:
                 akk[i, j] = akk_ij
-    a_blocks = _block_inverse(akk, solve=solve, precision=precision)
+    a_blocks = block_lower_inverse(akk, solve=solve, precision=precision)
     zeros_ss = jnp.zeros((s, s), _F32)
     for i in subs:
         for j in subs:
@@ -164,43 +129,6 @@ def intra_chunk_pairs(q, k, v, g, beta, *, scale, config, interpret=False, docum
     """``intra_split.intra_chunk_split`` (same arguments and results) through the pair-block gram + solve kernel
     (writing ``A`` and ``G``), then the split stage's apply kernel for ``u`` and ``w``.
     ``gate``: see ``chunk_fwd.intra_chunk``."""
-    b, tp, h, kd = q.shape
-    vd = v.shape[-1]
-    n = tp // CHUNK
-    inter_dtype, precision = _matmul_policy(q.dtype)
-    block_k = min(config.block_k, kd, vd)
-    segmented = documents is not None
-    doc_ops, doc_specs = document_operands(documents, h)
-    gate_ops, gate_specs = gate_operands(gate, h)
-    spec = ChunkSpecs(h)
-    tile = spec.tile
-
-    def shape(width, dtype=inter_dtype):
-        return jax.ShapeDtypeStruct((b, tp, h, width), dtype)
-
-    out_shape = [shape(kd), shape(kd), shape(CHUNK), jax.ShapeDtypeStruct((b, h, n, kd), _F32),
-                 shape(CHUNK, _F32), shape(kd, _F32)]  # qg kg aqk decay A G
-    out_specs = [tile(kd), tile(kd), tile(CHUNK), spec.per_chunk(kd), tile(CHUNK), tile(kd)]
-    if return_solve:
-        out_shape.append(shape(CHUNK, _F32))  # kk
-        out_specs.append(tile(CHUNK))
-    outs = pl.pallas_call(
-        functools.partial(_pairs_kernel, scale=scale, precision=precision, solve=config.solve, block_k=block_k,
-                          segmented=segmented, with_solve=return_solve,
-                          lower_bound=None if gate is None else gate[2]),
-        out_shape=tuple(out_shape),
-        grid=(n, b * h),
-        in_specs=[tile(kd), tile(kd), tile(kd), spec.rows] + gate_specs + doc_specs,
-        out_specs=out_specs,
-        interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[0]),
-        name="kda_chunk_gram_pairs",
-    )(q, k, g, beta, *gate_ops, *doc_ops)
-    qg, kg, aqk, decay, a, gc = outs[:6]
-    u, w = apply_call(a, v, k, gc, beta, documents, inter_dtype=inter_dtype, precision=precision, config=config,
-                      interpret=interpret)
-    if segmented:
-        decay = decay * documents["keep"][:, None, :, None]
-    if return_solve:
-        return qg, kg, w, u, aqk, decay, (outs[6], a, gc)
-    return qg, kg, w, u, aqk, decay
+    return gram_solve_then_apply(_pairs_kernel, "kda_chunk_gram_pairs", q, k, v, g, beta, scale=scale,
+                                 config=config, interpret=interpret, documents=documents,
+                                 return_solve=return_solve, gate=gate)

@@ -25,7 +25,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import (
-    _INVERSES,
     _LOG2E,
     CHUNK,
     SUB_CHUNK,
@@ -35,6 +34,7 @@ from pallas_kernels.kda.chunk_fwd import (
     _dot_tn,
     _matmul_policy,
     _rows_masked,
+    block_lower_inverse,
     document_masks,
     document_operands,
     triton_params,
@@ -113,15 +113,7 @@ def _solve_kernel(kk_ref, beta_ref, a_ref, *, precision, solve):
     subs = range(_N_SUB)
     beta = [beta_ref[pl.ds(i * s, s)].astype(_F32)[:, None] for i in subs]
     akk = {(i, j): beta[i] * kk_ref[pl.ds(i * s, s), pl.ds(j * s, s)] for (i, j) in _PAIRS}
-    inv = [_INVERSES[solve](akk[i, i]) for i in subs]
-    blocks = {}
-    for j in subs:
-        blocks[j, j] = inv[j]
-        for i in range(j + 1, _N_SUB):
-            acc = _dot(akk[i, j], inv[j], precision)
-            for m in range(j + 1, i):
-                acc = acc + _dot(akk[i, m], blocks[m, j], precision)
-            blocks[i, j] = -_dot(inv[i], acc, precision)
+    blocks = block_lower_inverse(akk, solve=solve, precision=precision)
     zeros_ss = jnp.zeros((s, s), _F32)
     for i in subs:
         for j in subs:
