@@ -9,7 +9,8 @@ Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, 
 on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and timed (median of `--iters` calls
 after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
-`--profile` prints the GPU kernels inside each stage of the first variant; `--check` first runs `pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
+`--profile` prints the GPU kernels inside each stage of the first variant; `--check` first runs
+`pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
 Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]`, e.g.
 `64-4-4-doubling-1-32-split-tiled` (`KernelConfig.parse`).
 """

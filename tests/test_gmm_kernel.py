@@ -291,3 +291,23 @@ def test_glu_and_mxfp4_reject_bad_input():
         gmm_mxfp4(x64, jnp.zeros((6, N, 16), jnp.uint8), jnp.zeros((6, N, 2), jnp.uint8), sizes)
     with pytest.raises(ValueError, match="uint8"):
         gmm_mxfp4(x64, jnp.zeros((6, N, 32), jnp.int8), jnp.zeros((6, N, 2), jnp.uint8), sizes)
+
+
+def test_decode_sized_calls_take_the_thin_tiling_and_match_float64_loop():
+    """GPU gmm calls with <= 32 rows per group (decode: B=64 routes ~8 rows to each of 64 experts) default to the
+    measured decode tiling; bigger calls and TPU keep theirs. A decode-sized call with the default tiling (uneven
+    and empty groups, N not a tile multiple) equals the float64 loop through the interpreter."""
+    from pallas_kernels.gmm import api
+
+    assert api._default_tiling("gpu", "gmm", 512, 64) == api._GPU_DECODE
+    assert api._default_tiling("gpu", "gmm_t", 512, 64) == api._GPU_DECODE
+    assert api._default_tiling("gpu", "gmm", 8192, 64) == api._DEFAULTS["gpu"]["gmm"]
+    assert api._default_tiling("gpu", "glu", 512, 64) == api._DEFAULTS["gpu"]["glu"]
+    assert api._default_tiling("tpu", "gmm", 512, 64) == api._DEFAULTS["tpu"]["gmm"]
+    rng = np.random.default_rng(3)
+    sizes = np.array([5, 0, 9, 3, 7, 6, 4, 6], np.int32)
+    x = rng.standard_normal((int(sizes.sum()), 64)).astype(np.float32)
+    w = (rng.standard_normal((len(sizes), 64, 96)) / 8).astype(np.float32)
+    out = jax.jit(lambda a, b, gs: gmm(a, b, gs, backend="interpret"))(x, w, jnp.asarray(sizes))
+    want, _, _ = reference_f64(x, w, sizes, np.zeros((x.shape[0], 96), np.float32))
+    _assert_close(out, want, jnp.float32, "decode-sized gmm")

@@ -278,9 +278,9 @@ def chunk_kda_gated(q, k, v, g_raw, beta_logits, *, A_log, dt_bias, lower_bound=
     The L2 norms and beta run in XLA around the kernels; the gate is activated inside the intra kernel when it can
     (``config.intra`` in ``GATE_IN_KERNEL`` on the GPU / interpret backends with ``bwd="pallas"``, no
     ``cu_seqlens`` and T a multiple of 64: the forward then never writes the activated f32 gate), else in XLA
-    before ``chunk_kda``. (Normalising q, k inside the intra kernels as well measured slower on an H200: the
-    kernels' register pressure; see benchmarks/RESULTS.md.) Gradients reach ``q, k, v, g_raw, beta_logits``, ``A_log`` and
-    ``dt_bias`` by autodiff through them.
+    before ``chunk_kda``. (Normalising q, k inside the intra kernels too measured slower in another device call,
+    3.97 vs 3.40 ms forward at 1x8192x96; a same-run A/B is pending, benchmarks/RESULTS.md.) Gradients reach
+    ``q, k, v, g_raw, beta_logits``, ``A_log`` and ``dt_bias`` by autodiff through them.
 
     Args:
       q, k, g_raw: ``[B, T, H, K]``; v: ``[B, T, H, V]``; beta_logits: ``[B, T, H]``.
