@@ -516,7 +516,7 @@ def cumulative_gate_tile(g_ref, c, gate_refs=None):
     g = g_ref[:, c].astype(_F32)
     if gate_refs is not None:
         a_ref, bias_ref, lower_bound = gate_refs
-        g = lower_bound / (1.0 + jnp.exp(-(a_ref[c][None, :] * (g + bias_ref[c][None, :]))))
+        g = activate_gate(g, (a_ref[c][None, :], bias_ref[c][None, :], lower_bound))
     return jnp.cumsum(g * _LOG2E, axis=0)
 
 

@@ -43,7 +43,14 @@ from pallas_kernels.kda.chunk_fwd import (
     _rows_masked,
     triton_params,
 )
-from pallas_kernels.kda.intra_bwd_tiled import _cols, key_block_spec, pair_block, store_block, value_block_grads
+from pallas_kernels.kda.intra_bwd_tiled import (
+    _cols,
+    key_block_spec,
+    key_block_update,
+    pair_block,
+    store_block,
+    value_block_grads,
+)
 
 __all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
 
@@ -98,15 +105,12 @@ def _state_solve_kernel(a_ref, kk_ref, beta_ref, dvnew_ref, u_ref, v_ref, w_ref,
 
     def z_block(kb, acc):
         """z = A^T dw with dw = -dv' S^T for key block ``kb``: dakk, dbeta and the pair kernel's ``beta gamma z``."""
-        dakk, dbeta = acc
         c = _cols(kb, block_k)
         dw = -_dot_nt(dvnew_ref[...], s_ref[c, :], precision)
         z = _dot_tn(a_ref[...], dw, precision)  # A^T dw
-        gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
-        dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
-        dbeta = dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)
+        acc, gamma = key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)
         bgz_ref[:, c] = beta_c1 * gamma * z
-        return dakk, dbeta
+        return acc
 
     lax.fori_loop(0, kd // block_k, state_block, 0)
     acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))

@@ -54,7 +54,7 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["intra_bwd_tiled", "key_block_spec", "pair_block", "pair_grads", "solve_grads", "store_block",
+__all__ = ["intra_bwd_tiled", "key_block_spec", "key_block_update", "pair_block", "pair_grads", "solve_grads", "store_block",
            "value_block_grads"]
 
 _N_SUB = CHUNK // SUB_CHUNK
@@ -78,6 +78,15 @@ def value_block_grads(a_ref, dvnew_ref, u_ref, v_ref, dv_ref, beta_c1, *, block_
     return body
 
 
+def key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision):
+    """The ``(dakk, dbeta)`` accumulator of the solve-gradient kernels updated for key block ``c`` of ``z = A^T dw``
+    (``- z w^T`` and ``rowsum(z k 2^G)``), and ``gamma = 2^G`` (rows outside the carried-in document zero)."""
+    dakk, dbeta = acc
+    gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
+    dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
+    return (dakk, dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)), gamma
+
+
 def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w_ref, k_ref, gc_ref, *refs,
                         precision, block_k, segmented):
     """One chunk of one (batch, head): ``dv``, ``z``, ``dkk``, ``dbeta`` (see the module docstring, kernel 1)."""
@@ -93,13 +102,10 @@ def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w
     y_block = value_block_grads(a_ref, du_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k, precision=precision)
 
     def z_block(kb, acc):
-        dakk, dbeta = acc
         c = _cols(kb, block_k)
         z = _dot_tn(a_ref[...], dw_ref[:, c].astype(_F32), precision)  # A^T dw
         z_ref[:, c] = z.astype(z_ref.dtype)
-        gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
-        dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
-        return dakk, dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)
+        return key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)[0]
 
     acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))
     acc = lax.fori_loop(0, vd // block_k, y_block, acc)

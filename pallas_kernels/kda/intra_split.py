@@ -39,6 +39,7 @@ from pallas_kernels.kda.chunk_fwd import (
     document_operands,
     triton_params,
 )
+from pallas_kernels.kda.intra_bwd_tiled import key_block_update, value_block_grads
 
 __all__ = ["apply_call", "chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
 
@@ -267,21 +268,12 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
     def cols(b):
         return pl.ds(pl.multiple_of(b * block_k, block_k), block_k)
 
-    def y_block(vb, acc):
-        dakk, dbeta = acc
-        c = cols(vb)
-        y = _dot_tn(a_cc, du_ref[:, c].astype(_F32), precision)
-        dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
-        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
-        return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
+    y_block = value_block_grads(a_ref, du_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k, precision=precision)
 
     def z_block(kb, acc):
-        dakk, dbeta = acc
         c = cols(kb)
         z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
-        gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
-        dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
-        return dakk, dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)
+        return key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)[0]
 
     acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))
     acc = lax.fori_loop(0, vd // block_k, y_block, acc)
