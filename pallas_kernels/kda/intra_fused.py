@@ -75,6 +75,7 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
+    operand = inter_dtype  # gram dot operands: bf16 for bf16 inputs, f32 for f32
     subs = range(_N_SUB)
     rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
     cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
@@ -103,8 +104,9 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
             k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
             q_i = q_ref[rows, c].astype(_F32) * scale
             k_i = k_ref[rows, c].astype(_F32)
-            aqk[i] = aqk[i] + _dot_nt(q_i * from_first, k_cols, precision)
-            kk[i] = kk[i] + _dot_nt(k_i * from_first, k_cols, precision)
+            k_cols_op = k_cols.astype(operand)  # 16-bit operands for 16-bit inputs (as the recurrence's dots)
+            aqk[i] = aqk[i] + _dot_nt((q_i * from_first).astype(operand), k_cols_op, precision)
+            kk[i] = kk[i] + _dot_nt((k_i * from_first).astype(operand), k_cols_op, precision)
         decay_ref[c] = jnp.exp2(g_last[0])
         return aqk, kk
 
