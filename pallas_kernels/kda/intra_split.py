@@ -131,16 +131,19 @@ def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block
         carry = None
     a_cc = a_ref[...]
     beta_c1 = beta_ref[...].astype(_F32)[:, None]
+    operand = u_ref.dtype  # dot operands: bf16 for bf16 inputs (A rounded to bf16, as fla's w/u kernel), f32 for f32
+    a_op = a_cc.astype(operand)
 
     def u_block(vb, carry_):
         c = pl.ds(pl.multiple_of(vb * block_k, block_k), block_k)
-        u_ref[:, c] = _dot(a_cc, beta_c1 * v_ref[:, c].astype(_F32), precision).astype(u_ref.dtype)
+        rhs = (beta_c1 * v_ref[:, c].astype(_F32)).astype(operand)
+        u_ref[:, c] = _dot(a_op, rhs, precision).astype(u_ref.dtype)
         return carry_
 
     def w_block(kb, carry_):
         c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
         rhs = _rows_masked(beta_c1 * k_ref[:, c].astype(_F32) * jnp.exp2(gc_ref[:, c]), carry)
-        w_ref[:, c] = _dot(a_cc, rhs, precision).astype(w_ref.dtype)
+        w_ref[:, c] = _dot(a_op, rhs.astype(operand), precision).astype(w_ref.dtype)
         return carry_
 
     lax.fori_loop(0, v_ref.shape[-1] // block_k, u_block, 0)
