@@ -625,9 +625,12 @@ def test_fused_intra_kernels_equal_the_split_stage_and_the_token_recurrence(intr
 
     got, want = intra_stage(config), intra_stage(KernelConfig(block_k=16, intra="split"))
     names = ("qg", "kg", "w", "u", "aqk", "decay", "kk", "A", "G")
+    # fused2 feeds 16-bit inputs to its dots as 16-bit operands (split: f32 operands), so with bf16 inputs the two
+    # agree to a few bf16 roundings (2^-8 of the largest entry each), in f32 to accumulation order.
+    stage_tol = 1e-5 if dtype == jnp.float32 else 1e-2
     for name, x, ref in zip(names, (*got[:6], *got[6]), (*want[:6], *want[6])):
         assert x.shape == ref.shape and x.dtype == ref.dtype, name
-        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < 1e-5, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < stage_tol, name
     assert float(jnp.max(want[5])) > 1e-3  # some chunk decays matter
 
     def fused(*a):

@@ -79,13 +79,14 @@ class KernelConfig:
 
     Defaults = the fastest measured on an H200 at 1x8192x96 bf16 (``benchmarks/kda_stages.py``, RESULTS.md):
     forward intra fused2 (block_k 64) 2.46 ms, split 3.92, single 4.53; tiled backward intra 1.80 + 3.42 ms at
-    block_k 64 (2.20 + 3.92 at 32; single 18.1).
+    block_k 64 (2.20 + 3.92 at 32; single 18.1). Whole op (``kda_bench.py``, pipelined): stages 3 vs 1 forward
+    2.49 vs 2.64 ms at 1x8192x96 and 1.57 vs 1.94 ms at 1x8192x64 (block_v 32: 2.72 / 1.79).
     """
 
     block_v: int = 64
     warps: tuple[int, int] = (4, 4)
     solve: str = "doubling"
-    stages: int = 1
+    stages: int = 3
     block_k: int = 64
     intra: str = "fused2"
     intra_bwd: str = "tiled"
