@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
-from k3jax.layers.mlp import glu
+from k3jax.layers.mlp import grouped_glu
 from k3jax.numerics import wide
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
 from sharding.mesh import traced_platform
@@ -161,7 +161,7 @@ def _local_experts(rows_rl, local_expert_r, w1_elm, w3_elm, w2_eml, cfg: ModelCo
     order = jnp.argsort(local_expert_r, stable=True)
     group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[local_expert_r].add(1)[:n_local]
     rows = rows_rl[order]
-    hidden = glu(gmm(rows, w1_elm, group_sizes), gmm(rows, w3_elm, group_sizes), cfg)
+    hidden = grouped_glu(rows, w1_elm, w3_elm, group_sizes, cfg)
     out = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype)).astype(rows_rl.dtype)
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 

@@ -302,7 +302,8 @@ def test_decode_sized_calls_take_the_thin_tiling_and_match_float64_loop():
     assert api._default_tiling("gpu", "gmm", 512, 64) == api._GPU_DECODE
     assert api._default_tiling("gpu", "gmm_t", 512, 64) == api._GPU_DECODE
     assert api._default_tiling("gpu", "gmm", 8192, 64) == api._DEFAULTS["gpu"]["gmm"]
-    assert api._default_tiling("gpu", "glu", 512, 64) == api._DEFAULTS["gpu"]["glu"]
+    assert api._default_tiling("gpu", "glu", 512, 64) == api._GPU_DECODE
+    assert api._default_tiling("gpu", "glu", 8192, 64) == api._DEFAULTS["gpu"]["glu"]
     assert api._default_tiling("tpu", "gmm", 512, 64) == api._DEFAULTS["tpu"]["gmm"]
     rng = np.random.default_rng(3)
     sizes = np.array([5, 0, 9, 3, 7, 6, 4, 6], np.int32)
@@ -311,3 +312,32 @@ def test_decode_sized_calls_take_the_thin_tiling_and_match_float64_loop():
     out = jax.jit(lambda a, b, gs: gmm(a, b, gs, backend="interpret"))(x, w, jnp.asarray(sizes))
     want, _, _ = reference_f64(x, w, sizes, np.zeros((x.shape[0], 96), np.float32))
     _assert_close(out, want, jnp.float32, "decode-sized gmm")
+
+
+@pytest.mark.parametrize("rows,fused", [(44, True), (200, False)], ids=["decode-sized-fused", "large-two-gmm"])
+def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fused, monkeypatch):
+    """The MoE's expert up-projection (`k3jax.layers.mlp.grouped_glu`): a call with <= 32 rows per expert runs the
+    fused `gmm_glu` kernel, a bigger one two gmm calls + the activation; both equal the float64 loop of
+    SiTU(x @ w_gate, x @ w_up) per group (interpreted kernels, f32). MXFP4 weights and impl='ragged_dot' never
+    take the fused kernel."""
+    from k3jax.layers import mlp
+    from k3jax.ops import gmm as gmm_ops
+    from configs import get_config
+
+    cfg = get_config("tiny")
+    calls = []
+    real = gmm_ops.gmm_glu
+    monkeypatch.setattr(gmm_ops, "gmm_glu", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rng = np.random.default_rng(5)
+    sizes = np.array([rows // 4, 0, rows // 2, rows - rows // 4 - rows // 2], np.int32)  # uneven, one empty
+    x = rng.standard_normal((rows, 64)).astype(np.float32)
+    w_gate, w_up = ((2.0 * rng.standard_normal((len(sizes), 64, 48)) / 8).astype(np.float32) for _ in range(2))
+    got = mlp.grouped_glu(jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(sizes), cfg,
+                          impl="pallas")
+    assert bool(calls) == fused
+    beta1, beta2 = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
+    want = glu_reference_f64(x, w_gate, w_up, sizes, np.zeros((rows, 48), np.float32), "situ", beta1, beta2)[0]
+    _assert_close(got, want, jnp.float32, f"grouped_glu rows={rows}")
+    assert not gmm_ops.fused_glu_applies(rows, jnp.asarray(w_gate), "ragged_dot")
+    packed = gmm_ops.MXFP4Experts.quantize(jnp.asarray(w_gate))
+    assert not gmm_ops.fused_glu_applies(rows, packed, "pallas")

@@ -10,6 +10,7 @@ from k3jax.numerics import upcast
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
+from k3jax.ops import gmm as gmm_ops
 
 
 def situ_glu(gate: jax.Array, up: jax.Array, beta1: float, beta2: float) -> jax.Array:
@@ -28,6 +29,21 @@ def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
     if cfg.hidden_act == "situ":
         return situ_glu(gate, up, cfg.activation_situ_beta, cfg.activation_situ_linear_beta).astype(gate.dtype)
     return silu_glu(gate, up)
+
+
+def grouped_glu(rows_mk: jax.Array, w_gate, w_up, group_sizes_g: jax.Array, cfg: ModelConfig,
+                impl: str = "auto") -> jax.Array:
+    """The experts' gated up-projection act(rows @ w_gate[e], rows @ w_up[e]) per expert row group, in the rows'
+    dtype. Decode-sized calls on a kernel backend run the fused kernel (`k3jax.ops.gmm.gmm_glu`: one launch,
+    pre-activations kept in f32); otherwise two grouped matmuls (pre-activations rounded to the rows' dtype, as
+    the released model) and `glu`. `impl`: as `k3jax.ops.gmm.gmm`."""
+    if gmm_ops.fused_glu_applies(rows_mk.shape[0], w_gate, impl):
+        betas = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else (None,
+                                                                                                           None)
+        return gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act, beta1=betas[0],
+                               beta2=betas[1], impl=impl)
+    return glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl),
+               gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl), cfg)
 
 
 class GatedMLP(nnx.Module):

@@ -14,7 +14,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.mlp import GatedMLP, glu
+from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.gmm import MXFP4Experts, dense_expert_weights, expert_weights, gmm, inference_only
 from k3jax.training.balancing import margin_histogram, routing_margins
@@ -52,7 +52,7 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     token_of_row = order // k
     group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts)
     rows = z_nl[token_of_row]
-    hidden = glu(gmm(rows, w1_elm, group_sizes), gmm(rows, w3_elm, group_sizes), cfg)
+    hidden = grouped_glu(rows, w1_elm, w3_elm, group_sizes, cfg)
     out_rows = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype))
     out_rows = out_rows * weights_nk.reshape(-1)[order][:, None]
     return jnp.zeros((n, z_nl.shape[-1]), out_rows.dtype).at[token_of_row].add(out_rows)

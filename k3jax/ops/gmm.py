@@ -152,3 +152,30 @@ def gmm(lhs_mk: jax.Array, rhs, group_sizes_g: jax.Array, *, impl: str = "auto",
         return jax.lax.ragged_dot(lhs_mk, rhs, group_sizes_g, preferred_element_type=preferred_element_type)
     return pallas_gmm.gmm(lhs_mk, rhs, group_sizes_g, preferred_element_type=preferred_element_type,
                           backend=backend)
+
+
+def fused_glu_applies(m: int, w_gate, impl: str = "auto") -> bool:
+    """Whether `gmm_glu` runs the fused kernel for an [m, k] lhs: array weights, a kernel backend, and a
+    decode-sized call (at most `DECODE_ROWS_PER_GROUP` rows per group). There one launch that reads the rows once
+    beats two gmm calls plus the activation's kernels; at training sizes the fused epilogue measured slower
+    (0.93x forward, 0.84x fwd+bwd of two gmm calls, RESULTS.md 2026-11-30 session 2)."""
+    if isinstance(w_gate, MXFP4Experts) or impl == "ragged_dot":
+        return False
+    if impl == "auto" and _kernel_backend_here() is None:
+        return False
+    return m <= pallas_gmm.DECODE_ROWS_PER_GROUP * max(w_gate.shape[0], 1)
+
+
+def gmm_glu(lhs_mk: jax.Array, w_gate_gkn: jax.Array, w_up_gkn: jax.Array, group_sizes_g: jax.Array, *,
+            activation: str, beta1: float | None = None, beta2: float | None = None,
+            impl: str = "auto") -> jax.Array:
+    """act(lhs @ w_gate[i], lhs @ w_up[i]) on the rows of group i, in lhs's dtype, through the fused kernel
+    (`pallas_kernels.gmm.gmm_glu`: both products accumulate in f32 and the activation is the epilogue). Callers
+    check `fused_glu_applies` first (`k3jax.layers.mlp.grouped_glu`)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown gmm impl {impl!r}; available: {', '.join(repr(i) for i in IMPLS)}")
+    if impl == "ragged_dot":
+        raise ValueError("gmm_glu is the fused kernel; impl='ragged_dot' has no fused form (use gmm twice)")
+    return pallas_gmm.gmm_glu(lhs_mk, w_gate_gkn, w_up_gkn, group_sizes_g.astype(jnp.int32),
+                              activation=activation, beta1=beta1, beta2=beta2,
+                              preferred_element_type=lhs_mk.dtype, backend=_backend(impl))

@@ -50,7 +50,7 @@ _DEFAULTS = {
 # the weights once: thin row tiles, 4 warps and deeper pipelining. H200, 512x768x768, 64 groups, 50 chained calls
 # (`gmm_bench.py --chain=50`): 32.9 us balanced / 30.8 us skewed vs 38.3 / 38.1 with the training tiling.
 _GPU_DECODE = Tiling(16, 64, 128, 4, 4)
-_DECODE_ROWS_PER_GROUP = 32
+DECODE_ROWS_PER_GROUP = 32
 _FAMILY = {"gpu": "gpu", "interpret": "gpu", "tpu": "tpu", "tpu_interpret": "tpu"}
 
 
@@ -93,7 +93,7 @@ def _fit(tiling: Tiling, m: int, k: int, n: int, family: str) -> Tiling:
 
 def _default_tiling(family: str, call: str, m: int, groups: int) -> Tiling:
     """The family's default tiling for `call`, or the decode tiling when the rows per group are few (GPU gmm)."""
-    if family == "gpu" and call in ("gmm", "gmm_t") and m <= _DECODE_ROWS_PER_GROUP * max(groups, 1):
+    if family == "gpu" and call in ("gmm", "gmm_t", "glu") and m <= DECODE_ROWS_PER_GROUP * max(groups, 1):
         return _GPU_DECODE
     return _DEFAULTS[family][call]
 

@@ -41,7 +41,7 @@ def _kernel_glu(lhs_mk, w_gate, w_up, bounds, static: _GluStatic):
     interpret = static.backend in ("interpret", "tpu_interpret")
     m, k = lhs_mk.shape
     n = w_gate.shape[2]
-    tiling = api._fit(static.tiling or api._DEFAULTS[family]["glu"], m, k, n, family)
+    tiling = api._fit(static.tiling or api._default_tiling(family, "glu", m, w_gate.shape[0]), m, k, n, family)
     tm, tk, tn = tiling[:3]
     w_gate, w_up = (api._pad_to(api._pad_to(w, 1, tk), 2, tn) for w in (w_gate, w_up))
     act = dict(activation=static.activation, beta1=static.beta1, beta2=static.beta2)
