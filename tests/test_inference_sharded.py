@@ -91,14 +91,13 @@ def _axes(spec, mesh, ndim: int) -> tuple:
 
 def assert_cache_layout(cache, mesh, batch_axes: tuple, head_axes: tuple):
     """Every leaf carries the intended layout: KDA states [(R,) B, H, K, V] on B and H, conv histories
-    [(R,) B, W-1, H*K] on B and H*K, page pools replicated, page table and lengths on B."""
+    [(R,) B, W-1, 3, H*K] on B and H*K, page pools replicated, page table and lengths on B."""
     for group in cache.layers:
         for state in group:
             if isinstance(state, KDAState):
                 lead = ((),) * (state.state_bhkv.ndim - 4)
                 want = {"state_bhkv": lead + (batch_axes, head_axes, (), ()),
-                        "conv_q_bwp": lead + (batch_axes, (), head_axes)}
-                want["conv_k_bwp"] = want["conv_v_bwp"] = want["conv_q_bwp"]
+                        "conv_bwcp": lead + (batch_axes, (), (), head_axes)}
                 for field, axes in want.items():
                     x = getattr(state, field)
                     assert _axes(x.sharding.spec, mesh, x.ndim) == axes, (field, x.sharding.spec)

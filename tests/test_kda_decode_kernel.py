@@ -199,7 +199,7 @@ def test_layer_decode_under_a_mesh_runs_the_kernel_per_shard(monkeypatch):
     layer = KDA(base.replace(kda_impl="chunked"), rngs=nnx.Rngs(3))
     state = layer.init_state(4)
     state = state._replace(state_bhkv=jnp.asarray(rng.standard_normal(state.state_bhkv.shape), jnp.float32),
-                           conv_q_bwp=jnp.asarray(rng.standard_normal(state.conv_q_bwp.shape), jnp.float32))
+                           conv_bwcp=jnp.asarray(rng.standard_normal(state.conv_bwcp.shape), jnp.float32))
     _, params = nnx.split(layer)
 
     def decode(impl):

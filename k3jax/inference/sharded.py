@@ -107,9 +107,9 @@ def _kda_shardings(state: KDAState, mesh: Mesh) -> KDAState:
     pre = (None,) * lead
     state_spec = _spec(pre + (BATCH_RULE, "kda_heads", None, None), state.state_bhkv.shape, mesh)
     batch_part, heads_part = state_spec[lead], state_spec[lead + 1]
-    conv_spec = PartitionSpec(*pre, batch_part, None, heads_part)  # H*K split only where H is: whole heads per rank
-    conv = NamedSharding(mesh, conv_spec)
-    return KDAState(conv, conv, conv, NamedSharding(mesh, state_spec))
+    # [B, W-1, 3 (q|k|v), H*K]: H*K split only where H is (whole heads per rank)
+    conv_spec = PartitionSpec(*pre, batch_part, None, None, heads_part)
+    return KDAState(NamedSharding(mesh, conv_spec), NamedSharding(mesh, state_spec))
 
 
 def cache_shardings(cache, mesh: Mesh):

@@ -24,11 +24,11 @@ from sharding.mesh import traced_accelerator
 
 
 class KDAState(NamedTuple):
-    """Decode state of one KDA layer: the last W-1 pre-conv q/k/v inputs and the f32 recurrent state."""
+    """Decode state of one KDA layer: the last W-1 pre-conv q/k/v inputs, stacked ``[B, W-1, 3, H*K]`` (q, k, v
+    along axis 2, so a decode step runs one short conv and one history update for all three), and the f32
+    recurrent state ``[B, H, K, V]``."""
 
-    conv_q_bwp: jax.Array
-    conv_k_bwp: jax.Array
-    conv_v_bwp: jax.Array
+    conv_bwcp: jax.Array
     state_bhkv: jax.Array
 
 
@@ -65,9 +65,9 @@ def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: j
 def init_kda_state(cfg: ModelConfig, batch_size: int) -> KDAState:
     """Zero decode state: empty conv history (dtype of activations) and a zero recurrent state (at least f32)."""
     p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
-    conv = jnp.zeros((batch_size, w - 1, p), cfg.jnp_dtype)
+    conv = jnp.zeros((batch_size, w - 1, 3, p), cfg.jnp_dtype)
     s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
-    return KDAState(conv, conv, conv, s)
+    return KDAState(conv, s)
 
 
 class KDA(nnx.Module):
@@ -123,7 +123,7 @@ class KDA(nnx.Module):
         Traced under a mesh whose 'context' axis is > 1, the conv and the core run context-parallel
         (`sharding.context_parallel`: conv halo from the left neighbour, KCP affine state passing)."""
         cp_mesh = context_parallel.context_mesh(x_btd.shape[1], self.cfg.kda_short_conv_kernel_size - 1)
-        return self._forward(x_btd, None, None, segment_ids_bt, cp_mesh)[0]
+        return self._forward(x_btd, None, None, segment_ids_bt, cp_mesh, with_state=False)[0]
 
     def forward(self, x_btd: jax.Array, state: KDAState | None) -> tuple[jax.Array, KDAState]:
         """Runs T >= 1 tokens from `state` (None: zeros); returns the output and the state after the last token."""
@@ -140,31 +140,39 @@ class KDA(nnx.Module):
         """
         return self._forward(x_btd, state, valid_len_b)
 
-    def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None, cp_mesh=None):
+    def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None, cp_mesh=None, with_state=True):
         """`cp_mesh` (training only: zero state, no `valid_len_b`): run the conv and the core context-parallel on
-        that mesh; the returned KDAState then has no conv histories."""
+        that mesh. `with_state=False` (the training forward): the conv histories are not formed (None)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        if cp_mesh is not None and (state is not None or valid_len_b is not None):
+        if cp_mesh is not None and (state is not None or valid_len_b is not None or with_state):
             raise ValueError("KDA: the context-parallel path is for the training forward (no state, no valid_len)")
         b, t, _ = x_btd.shape
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         x = x_btd.astype(dt)
-        hist = state if state is not None else KDAState(None, None, None, None)
 
-        def project_conv(name, history):
-            proj = jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
-            kernel = getattr(self, f"{name}_conv1d")[...]
-            if cp_mesh is not None:
-                y = context_parallel.short_conv_context_parallel(proj, kernel, segment_ids_bt, mesh=cp_mesh)
-                return y.astype(dt).reshape(b, t, h, k), None
+        def project(name):
+            return jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
+
+        if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
+            history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
+            proj = jnp.stack([project(name) for name in "qkv"], axis=2).reshape(b, t, 3 * h * k)
+            kernel = jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1).reshape(-1, 3 * h * k)
             y, new_history = causal_depthwise_conv(proj, kernel, history, segment_ids_bt)
             if valid_len_b is not None:
                 new_history = history_at(history, proj, valid_len_b)
-            return y.astype(dt).reshape(b, t, h, k), new_history
+            q, k_, v = (y.astype(dt).reshape(b, t, 3, h, k)[:, :, i] for i in range(3))
+            conv_bwcp = new_history.reshape(b, -1, 3, h * k)
+        else:  # training: one conv per projection (no stacked copy of the activations)
+            def project_conv(name):
+                proj, kernel = project(name), getattr(self, f"{name}_conv1d")[...]
+                if cp_mesh is not None:
+                    y = context_parallel.short_conv_context_parallel(proj, kernel, segment_ids_bt, mesh=cp_mesh)
+                else:
+                    y = causal_depthwise_conv(proj, kernel, None, segment_ids_bt)[0]
+                return y.astype(dt).reshape(b, t, h, k)
 
-        q, conv_q = project_conv("q", hist.conv_q_bwp)
-        k_, conv_k = project_conv("k", hist.conv_k_bwp)
-        v, conv_v = project_conv("v", hist.conv_v_bwp)
+            q, k_, v = (project_conv(name) for name in "qkv")
+            conv_bwcp = None
         g = self.decay(x)
         beta = jax.nn.sigmoid(upcast(x @ self.b_proj[...].astype(dt)))
         impl = resolve_kda_impl(cfg)
@@ -184,12 +192,12 @@ class KDA(nnx.Module):
         elif impl == "pallas" and (mesh := kda_kernel.kernel_mesh()) is not None:
             core = functools.partial(kda_kernel.kda_kernel_on_mesh, mesh=mesh)  # GSPMD cannot split a Pallas call
         o_bthv, new_s = core(
-            q, k_, v, g, beta, scale=k ** -0.5, initial_state=hist.state_bhkv,
+            q, k_, v, g, beta, scale=k ** -0.5, initial_state=None if state is None else state.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
         y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))
-        return y, KDAState(conv_q, conv_k, conv_v, new_s)
+        return y, KDAState(conv_bwcp, new_s)
 
 
 def resolve_kda_impl(cfg) -> str:
