@@ -65,9 +65,16 @@ ROUTED_NAMES = ("w1", "w2", "w3")
 
 def build_params(cfg):
     """(spec, flat params) of a randomly initialised model, initialised on device in one jitted call."""
+    t0 = time.perf_counter()
     abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)
-    state = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0))))()
+    lowered = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0)))).lower()
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    state = jax.block_until_ready(compiled())
+    print(f"init: trace+lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, run {time.perf_counter() - t2:.1f}s "
+          "(set JAX_COMPILATION_CACHE_DIR to reuse compiled programs across runs on one machine)", flush=True)
     leaves, treedef = jax.tree.flatten(state)
     return sched_lib._intern((graphdef, treedef)), tuple(leaves), abstract
 
