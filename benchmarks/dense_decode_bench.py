@@ -1,0 +1,155 @@
+"""Decode-sized dense matmuls on one GPU: how fast the weights stream from HBM.
+
+    python benchmarks/dense_decode_bench.py [--m=64] [--shapes=1536x4608,1536x1536,...] [--iters=20]
+                                            [--tilings=16-64-128-4-4,...] [--no_cublas_run] [--check]
+
+Why: the `k3_gpu` decode profile at batch 64 (RESULTS.md, 2026-11-30 session 5) spends ~790 us per step in ~140
+dense matmuls whose weights stream at ~1.3-1.9 TB/s (e.g. the merged KDA q/k/v projection, 14 MB, 10.4 us), while
+the grouped-matmul kernel streams the experts at ~3.2 TB/s. This measures, per decode shape (M rows x K x N, bf16
+in and out, f32 accumulation), µs per call and weight bytes per second of:
+
+- ``xla``: ``x @ w`` as the model writes it (XLA picks a Triton gemm fusion or cuBLAS);
+- ``xla_cublas``: the same in a child process with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS only), unless
+  ``--no_cublas_run``;
+- ``gmm_<tiling>``: our grouped-matmul kernel (`pallas_kernels.gmm.gmm`) with one group holding all M rows, per
+  tiling ``tm-tk-tn-warps-stages``.
+
+Each timed call multiplies the same x by ``copies`` distinct weight matrices (together >= 256 MB, so the weights
+come from HBM, not the 50 MB L2, as in a decode step where every layer has its own weights), all inside one jit;
+the figure is the median call time / copies. Default shapes are `k3_gpu`'s decode matmuls: merged KDA q/k/v
+(1536x4608), KDA o_proj and output gate (1536x1536), shared-expert gate+up (1536x3072), latent MoE down/up
+(1536x768, 768x1536), MLA q_a (1536x768) and the LM head (1536x163840). ``--check`` compares every
+implementation's output with a float64 NumPy product first.
+Prints one JSON line per measurement and a Markdown table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from pallas_kernels.gmm import Tiling, gmm  # noqa: E402
+
+DEFAULT_SHAPES = "1536x4608,1536x1536,1536x3072,1536x768,768x1536,1536x163840"
+
+
+def parse_tiling(text: str) -> Tiling:
+    parts = [int(x) for x in text.split("-")]
+    if len(parts) != 5:
+        raise ValueError(f"tiling {text!r}: expected tm-tk-tn-warps-stages")
+    return Tiling(*parts)
+
+
+def _median_ms(fn, iters: int) -> float:
+    jax.block_until_ready(fn())  # compile + warm-up
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def implementations(m: int, tilings: list[str]) -> dict:
+    group_sizes = jnp.asarray([m], jnp.int32)
+
+    def xla(x, w):
+        return x @ w
+
+    impls = {"xla": xla}
+    for text in tilings:
+        tiling = parse_tiling(text)
+        impls[f"gmm_{text}"] = (lambda t: lambda x, w: gmm(x, w[None], group_sizes, tiling=t))(tiling)
+    return impls
+
+
+def bench_shape(m: int, k: int, n: int, impls: dict, iters: int, check: bool, stream_bytes: int,
+                label_prefix: str = "") -> list[dict]:
+    weight_bytes = k * n * 2
+    copies = max(1, -(-stream_bytes // weight_bytes))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    key = jax.random.key(1)
+    ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * (k ** -0.5) for i in range(copies)]
+    rows = []
+    for name, fn in impls.items():
+        if check:
+            got = np.asarray(jax.jit(fn)(x, ws[0]), np.float64)
+            want = np.asarray(x, np.float64) @ np.asarray(ws[0], np.float64)
+            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+            if err > 2e-2:
+                raise SystemExit(f"{label_prefix}{name} {m}x{k}x{n}: max relative error {err:.3g} > 2e-2")
+        many = jax.jit(lambda x, *w, fn=fn: tuple(fn(x, wi) for wi in w))
+        ms = _median_ms(lambda: many(x, *ws), iters) / copies
+        row = {"impl": label_prefix + name, "m": m, "k": k, "n": n, "copies": copies, "us": ms * 1e3,
+               "weight_TB_per_s": weight_bytes / (ms * 1e-3) / 1e12}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--m", type=int, default=64, help="rows (decode batch)")
+    p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of KxN")
+    p.add_argument("--tilings", default="16-64-128-4-4,64-64-64-4-4,64-128-32-4-4,16-128-64-4-4",
+                   help="gmm tilings tm-tk-tn-warps-stages ('' for none)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--stream_mb", type=int, default=256, help="weight bytes per timed call (> L2: from HBM)")
+    p.add_argument("--no_cublas_run", action="store_true", help="skip the cuBLAS-only child process")
+    p.add_argument("--xla_only", action="store_true", help=argparse.SUPPRESS)  # the child process
+    args = p.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
+    tilings = [t for t in args.tilings.split(",") if t] if not args.xla_only else []
+    impls = implementations(args.m, tilings)
+    prefix = "xla_cublas" if args.xla_only else ""
+    if args.xla_only:
+        impls = {"": impls["xla"]}
+    else:
+        print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}", flush=True)
+    rows = []
+    for k, n in shapes:
+        try:
+            rows += bench_shape(args.m, k, n, impls, args.iters, args.check, args.stream_mb * 2 ** 20, prefix)
+        except Exception as e:  # noqa: BLE001 -- report and go on with the other shapes
+            print(f"{k}x{n}: failed: {type(e).__name__}: {e}", flush=True)
+    if args.xla_only:
+        return
+    if not args.no_cublas_run:
+        env = dict(os.environ)
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
+        cmd = [sys.executable, __file__, "--xla_only", f"--m={args.m}", f"--shapes={args.shapes}",
+               f"--iters={args.iters}", f"--stream_mb={args.stream_mb}"] + (["--check"] if args.check else [])
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        for line in out.stdout.splitlines():
+            if line.startswith("{"):
+                print(line, flush=True)
+                rows.append(json.loads(line))
+        if out.returncode:
+            print(f"cuBLAS-only run failed (rc {out.returncode}): {out.stderr[-2000:]}", flush=True)
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    print(f"\nM = {args.m}, bf16; µs per call (weight TB/s)\n")
+    print("| K x N | weight MB | " + " | ".join(names) + " |")
+    print("|---|---:|" + "---:|" * len(names))
+    for k, n in shapes:
+        cells = []
+        for name in names:
+            r = next((r for r in rows if r["impl"] == name and (r["k"], r["n"]) == (k, n)), None)
+            cells.append(f"{r['us']:.1f} ({r['weight_TB_per_s']:.2f})" if r else "—")
+        print(f"| {k}x{n} | {k * n * 2 / 1e6:.1f} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
