@@ -11,6 +11,8 @@ in and out, f32 accumulation), µs per call and weight bytes per second of:
 - ``xla``: ``x @ w`` as the model writes it (XLA picks a Triton gemm fusion or cuBLAS);
 - ``xla_cublas``: the same in a child process with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS only), unless
   ``--no_cublas_run``;
+- ``split_k_tn<tn>``: our split-K decode kernel (`pallas_kernels.dense.decode_matmul`, K split until the grid has
+  ~2 programs per SM; the partial products summed by XLA inside the timed call);
 - ``gmm_<tiling>``: our grouped-matmul kernel (`pallas_kernels.gmm.gmm`) with one group holding all M rows, per
   tiling ``tm-tk-tn-warps-stages``.
 
@@ -39,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels.dense import SplitTiling, decode_matmul  # noqa: E402
 from pallas_kernels.gmm import Tiling, gmm  # noqa: E402
 
 DEFAULT_SHAPES = "1536x4608,1536x1536,1536x3072,1536x768,768x1536,1536x163840"
@@ -68,6 +71,10 @@ def implementations(m: int, tilings: list[str]) -> dict:
         return x @ w
 
     impls = {"xla": xla}
+    backend = "gpu" if jax.default_backend() == "gpu" else "interpret"  # interpret: CPU smoke runs only
+    for tn in (64, 128):
+        impls[f"split_k_tn{tn}"] = (lambda t: lambda x, w: decode_matmul(x, w, tiling=t, backend=backend))(
+            SplitTiling(tn=tn))
     for text in tilings:
         tiling = parse_tiling(text)
         impls[f"gmm_{text}"] = (lambda t: lambda x, w: gmm(x, w[None], group_sizes, tiling=t))(tiling)
