@@ -85,6 +85,9 @@ class ModelConfig:
     # (gather every sequence's pages, then einsums); "pallas" forces the kernel (the Pallas interpreter off GPU:
     # exact but slow, for tests). Under a multi-device mesh the XLA path always runs.
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
+    # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; the interpreter off GPU: tests).
+    decode_matmul_impl: Literal["xla", "pallas"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

@@ -22,6 +22,7 @@ from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import wide
+from k3jax.ops.linear import project as dense
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
@@ -307,9 +308,11 @@ class K3Model(nnx.Module):
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         dt = self.cfg.jnp_dtype
-        head = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return constrain(jnp.einsum("btd,dv->btv", h_btd.astype(dt), head.astype(dt),
-                                    preferred_element_type=wide(dt)), ACT_BTV)
+        if self.cfg.tie_word_embeddings:  # a transposed view: the XLA product (no per-step transposed copy)
+            return constrain(jnp.einsum("btd,dv->btv", h_btd.astype(dt), self.embed_tokens[...].T.astype(dt),
+                                        preferred_element_type=wide(dt)), ACT_BTV)
+        return constrain(dense(h_btd.astype(dt), self.lm_head[...].astype(dt), self.cfg,
+                               preferred_element_type=wide(dt)), ACT_BTV)
 
     def __call__(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Logits f32 [B, T, V]; `segment_ids_bt`: packed documents (see `hidden_states`)."""

@@ -19,6 +19,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.linear import project as dense
 from sharding import context_parallel, kda_kernel
 from sharding.mesh import traced_accelerator
 
@@ -104,7 +105,7 @@ class KDA(nnx.Module):
     def decay(self, x_btd: jax.Array) -> jax.Array:
         """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        z = jnp.einsum("btr,rhk->bthk", x_btd @ self.f_a_proj[...].astype(dt), self.f_b_proj[...].astype(dt))
+        z = dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)
         z = upcast(z) + upcast(self.dt_bias[...])
         a_h = jnp.exp(upcast(self.A_log[...]))[:, None]
         if cfg.kda_gate == "lower_bound":
@@ -112,10 +113,10 @@ class KDA(nnx.Module):
         return -a_h * jax.nn.softplus(z)
 
     def output_gate(self, x_btd: jax.Array) -> jax.Array:
-        dt = self.cfg.jnp_dtype
-        if self.cfg.kda_output_gate == "full_rank":
-            return jnp.einsum("btd,dhk->bthk", x_btd, self.g_proj[...].astype(dt))
-        return jnp.einsum("btr,rhk->bthk", x_btd @ self.g_a_proj[...].astype(dt), self.g_b_proj[...].astype(dt))
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        if cfg.kda_output_gate == "full_rank":
+            return dense(x_btd, self.g_proj[...].astype(dt), cfg)
+        return dense(dense(x_btd, self.g_a_proj[...].astype(dt), cfg), self.g_b_proj[...].astype(dt), cfg)
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward from a zero state. `segment_ids_bt` int [B, T] (optional) packs several documents
@@ -151,7 +152,7 @@ class KDA(nnx.Module):
         x = x_btd.astype(dt)
 
         def project(name):
-            return jnp.einsum("btd,dhk->bthk", x, getattr(self, f"{name}_proj")[...].astype(dt)).reshape(b, t, h * k)
+            return dense(x, getattr(self, f"{name}_proj")[...].astype(dt), cfg).reshape(b, t, h * k)
 
         if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
             history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
@@ -174,7 +175,7 @@ class KDA(nnx.Module):
             q, k_, v = (project_conv(name) for name in "qkv")
             conv_bwcp = None
         g = self.decay(x)
-        beta = jax.nn.sigmoid(upcast(x @ self.b_proj[...].astype(dt)))
+        beta = jax.nn.sigmoid(upcast(dense(x, self.b_proj[...].astype(dt), cfg)))
         impl = resolve_kda_impl(cfg)
         q, k_ = l2_normalize(q), l2_normalize(k_)
         if impl == "pallas":  # the kernel's numerics policy: model-dtype q/k/v operands, f32 state and accumulation
@@ -196,7 +197,7 @@ class KDA(nnx.Module):
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
-        y = jnp.einsum("bthk,hkd->btd", o, self.o_proj[...].astype(dt))
+        y = dense(o, self.o_proj[...].astype(dt), cfg, contract=2)
         return y, KDAState(conv_bwcp, new_s)
 
 

@@ -16,6 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
+from k3jax.ops.linear import project as dense
 from sharding import context_parallel, kda_kernel
 from sharding.mesh import traced_accelerator
 
@@ -42,17 +43,17 @@ class MLA(nnx.Module):
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""
         dt = self.cfg.jnp_dtype
-        c = x_btd.astype(dt) @ self.kv_a_proj_with_mqa[...].astype(dt)
+        c = dense(x_btd.astype(dt), self.kv_a_proj_with_mqa[...].astype(dt), self.cfg)
         lat, k_r = c[..., :self.cfg.kv_lora_rank], c[..., self.cfg.kv_lora_rank:]
         return jnp.concatenate([self.kv_a_layernorm(lat), k_r], axis=-1)
 
     def queries(self, x_btd: jax.Array) -> jax.Array:
-        dt = self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         x = x_btd.astype(dt)
-        if self.cfg.q_lora_rank is None:
-            return jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
-        q_lat = self.q_a_layernorm(x @ self.q_a_proj[...].astype(dt))
-        return jnp.einsum("btr,rhk->bthk", q_lat, self.q_b_proj[...].astype(dt))
+        if cfg.q_lora_rank is None:
+            return dense(x, self.q_proj[...].astype(dt), cfg)
+        q_lat = self.q_a_layernorm(dense(x, self.q_a_proj[...].astype(dt), cfg))
+        return dense(q_lat, self.q_b_proj[...].astype(dt), cfg)
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.
@@ -81,9 +82,9 @@ class MLA(nnx.Module):
         """Sigmoid output gate (K3) and o_proj on the f32 attention output."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         if cfg.mla_use_output_gate:
-            gate = jnp.einsum("btd,dhv->bthv", x_btd.astype(dt), self.g_proj[...].astype(dt))
+            gate = dense(x_btd.astype(dt), self.g_proj[...].astype(dt), cfg)
             o_bthv = o_bthv * jax.nn.sigmoid(upcast(gate))
-        return jnp.einsum("bthv,hvd->btd", o_bthv.astype(dt), self.o_proj[...].astype(dt))
+        return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
     # ---------------------------------------------------------------------------------------------
     # Incremental decoding over a paged latent cache

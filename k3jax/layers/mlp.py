@@ -11,6 +11,7 @@ from k3jax.numerics import upcast
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.ops import gmm as gmm_ops
+from k3jax.ops.linear import project as dense
 
 
 def situ_glu(gate: jax.Array, up: jax.Array, beta1: float, beta2: float) -> jax.Array:
@@ -57,7 +58,7 @@ class GatedMLP(nnx.Module):
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        dt = self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         x = x_btd.astype(dt)
-        h = glu(x @ self.gate_proj[...].astype(dt), x @ self.up_proj[...].astype(dt), self.cfg)
-        return h @ self.down_proj[...].astype(dt)
+        h = glu(dense(x, self.gate_proj[...].astype(dt), cfg), dense(x, self.up_proj[...].astype(dt), cfg), cfg)
+        return dense(h, self.down_proj[...].astype(dt), cfg)

@@ -16,6 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
+from k3jax.ops.linear import project as dense
 from k3jax.ops.gmm import MXFP4Experts, dense_expert_weights, expert_weights, gmm, inference_only
 from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
@@ -130,12 +131,12 @@ class LatentMoE(nnx.Module):
         if cfg.record_routing_stats:
             self._record_routing(scores_ne, experts_nk)
         latent = cfg.routed_expert_hidden_size is not None
-        z_nl = x_nd @ self.routed_expert_down_proj[...].astype(dt) if latent else x_nd
+        z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
             if cfg.latent_moe_use_norm:
                 u_nl = rms_norm(u_nl, self.routed_expert_norm[...], cfg.rms_norm_eps).astype(dt)
-            u_nl = u_nl @ self.routed_expert_up_proj[...].astype(dt)
+            u_nl = dense(u_nl, self.routed_expert_up_proj[...].astype(dt), cfg)
         y_btd = u_nl.reshape(b, t, d)
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
