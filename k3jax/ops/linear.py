@@ -31,7 +31,7 @@ def _tile(size: int) -> int:
 
 
 def _kernel_backend(cfg, rows: int, k: int, n: int) -> str | None:
-    if getattr(cfg, "decode_matmul_impl", "xla") != "pallas" or rows > DECODE_MAX_ROWS:
+    if cfg.decode_matmul_impl != "pallas" or rows > DECODE_MAX_ROWS:
         return None
     if not (_tile(k) and _tile(n)):
         return None
