@@ -63,18 +63,26 @@ HBM_BYTES_PER_S = 4.8e12
 ROUTED_NAMES = ("w1", "w2", "w3")
 
 
-def build_params(cfg):
-    """(spec, flat params) of a randomly initialised model, initialised on device in one jitted call."""
+def build_params(cfg, init_on: str = "cpu"):
+    """(spec, flat params) of a randomly initialised model, initialised in one jitted call on the host CPU (then
+    copied to the accelerator: the GPU compile of the whole-model init program took 157 s on the H200, the CPU one
+    ~11 s) or on the accelerator (`init_on="device"`)."""
     t0 = time.perf_counter()
     abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
     graphdef, _ = nnx.split(abstract)
-    lowered = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0)))).lower()
-    t1 = time.perf_counter()
-    compiled = lowered.compile()
-    t2 = time.perf_counter()
-    state = jax.block_until_ready(compiled())
-    print(f"init: trace+lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, run {time.perf_counter() - t2:.1f}s "
-          "(set JAX_COMPILATION_CACHE_DIR to reuse compiled programs across runs on one machine)", flush=True)
+    init_device = jax.devices("cpu")[0] if init_on == "cpu" else jax.devices()[0]
+    with jax.default_device(init_device):
+        lowered = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0)))).lower()
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        t2 = time.perf_counter()
+        state = jax.block_until_ready(compiled())
+    t3 = time.perf_counter()
+    if init_device != jax.devices()[0]:  # via host memory, so the arrays stay uncommitted (like jit outputs):
+        # committed parameters beside the uncommitted cache made every decode call recompile (2 s steps on CPU)
+        state = jax.block_until_ready(jax.device_put(jax.tree.map(np.asarray, state)))
+    print(f"init on {init_device.platform}: trace+lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, run {t3 - t2:.1f}s, "
+          f"copy to {jax.devices()[0].platform} {time.perf_counter() - t3:.1f}s", flush=True)
     leaves, treedef = jax.tree.flatten(state)
     return sched_lib._intern((graphdef, treedef)), tuple(leaves), abstract
 
@@ -335,6 +343,8 @@ def main():
     ap.add_argument("--profile", action="store_true", help="trace decode calls of --config and summarise (last)")
     ap.add_argument("--profile_batch", type=int, default=64)
     ap.add_argument("--profile_calls", type=int, default=2)
+    ap.add_argument("--init_on", choices=("cpu", "device"), default="cpu",
+                    help="where the random init runs (cpu: compiles in seconds, then copied to the device)")
     ap.add_argument("--init_prng", default=None,
                     help="PRNG for the random init only, e.g. unsafe_rbg (same distributions; compiles faster than "
                          "threefry on GPU); default: JAX's")
@@ -371,7 +381,7 @@ def main():
         t0 = time.perf_counter()
         if args.init_prng:
             jax.config.update("jax_default_prng_impl", args.init_prng)
-        spec, params, abstract = build_params(cfg)
+        spec, params, abstract = build_params(cfg, args.init_on)
         jax.block_until_ready(params)
         wb = weight_bytes(abstract, cfg)
         print(f"init {time.perf_counter() - t0:.1f}s; weight bytes: {json.dumps(wb)}", flush=True)
