@@ -21,7 +21,7 @@ import pytest
 from flax import nnx
 
 import configs
-from k3jax.layers.kda import KDA, causal_depthwise_conv
+from k3jax.layers.kda import KDA
 from k3jax.layers.mla import MLA
 from k3jax.ops.kda import kda_recurrent
 from sharding import context_parallel

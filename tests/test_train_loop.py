@@ -3,7 +3,6 @@ clear errors (NaN loss, mismatched resume), metrics in the workdir."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 
