@@ -30,10 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -43,6 +41,7 @@ import numpy as np  # noqa: E402
 
 from pallas_kernels.dense import SplitTiling, decode_matmul  # noqa: E402
 from pallas_kernels.gmm import Tiling, gmm  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 DEFAULT_SHAPES = "1536x4608,1536x1536,1536x3072,1536x768,768x1536,1536x163840"
 
@@ -52,16 +51,6 @@ def parse_tiling(text: str) -> Tiling:
     if len(parts) != 5:
         raise ValueError(f"tiling {text!r}: expected tm-tk-tn-warps-stages")
     return Tiling(*parts)
-
-
-def _median_ms(fn, iters: int) -> float:
-    jax.block_until_ready(fn())  # compile + warm-up
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def implementations(m: int, tilings: list[str]) -> dict:
@@ -98,7 +87,7 @@ def bench_shape(m: int, k: int, n: int, impls: dict, iters: int, check: bool, st
             if err > 2e-2:
                 raise SystemExit(f"{label_prefix}{name} {m}x{k}x{n}: max relative error {err:.3g} > 2e-2")
         many = jax.jit(lambda x, *w, fn=fn: tuple(fn(x, wi) for wi in w))
-        ms = _median_ms(lambda: many(x, *ws), iters) / copies
+        ms = median_ms(lambda: many(x, *ws), iters) / copies
         row = {"impl": label_prefix + name, "m": m, "k": k, "n": n, "copies": copies, "us": ms * 1e3,
                "weight_TB_per_s": weight_bytes / (ms * 1e-3) / 1e12}
         print(json.dumps(row), flush=True)

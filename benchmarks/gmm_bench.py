@@ -32,9 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -46,6 +44,7 @@ from pallas_kernels.gmm import Tiling, gmm, gmm_glu, gmm_mxfp4  # noqa: E402
 from pallas_kernels.gmm import mxfp4 as mxfp4_jnp  # noqa: E402
 from pallas_kernels.gmm.epilogue import glu_f32  # noqa: E402
 from pallas_kernels.gmm.quantized import gmm_mxfp4_reference_xla  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def group_sizes_for(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
@@ -60,16 +59,6 @@ def group_sizes_for(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
     sizes = np.floor(weights / weights.sum() * m).astype(np.int64)
     sizes[np.argmax(weights)] += m - sizes.sum()
     return sizes.astype(np.int32)
-
-
-def _median_ms(fn, iters):
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def _reference_f64(x, w, gs, dy):
@@ -131,22 +120,22 @@ def bench_shape(m, k, n, g, routing, iters, ragged, backend, tiling=None):
     row = {"m": m, "k": k, "n": n, "groups": g, "routing": routing,
            "max_group": int(gs.max()), "empty_groups": int((gs == 0).sum()), "tiling": tiling}
     f_ours = jax.jit(ours)
-    row["ours_fwd_ms"] = _median_ms(lambda: f_ours(x, w), iters)
+    row["ours_fwd_ms"] = median_ms(lambda: f_ours(x, w), iters)
     fb_ours = fwd_bwd(ours)
-    row["ours_fwdbwd_ms"] = _median_ms(lambda: fb_ours(x, w, dy), iters)
+    row["ours_fwdbwd_ms"] = median_ms(lambda: fb_ours(x, w, dy), iters)
     if tiling is None:
         f_dense = jax.jit(dense)
-        row["dense_fwd_ms"] = _median_ms(lambda: f_dense(x, w_dense), iters)
+        row["dense_fwd_ms"] = median_ms(lambda: f_dense(x, w_dense), iters)
         fb_dense = fwd_bwd(dense)
-        row["dense_fwdbwd_ms"] = _median_ms(lambda: fb_dense(x, w_dense, dy), iters)
+        row["dense_fwdbwd_ms"] = median_ms(lambda: fb_dense(x, w_dense, dy), iters)
     if ragged and tiling is None:
         f_rag = jax.jit(rag)
-        row["ragged_fwd_ms"] = _median_ms(lambda: f_rag(x, w), max(2, iters // 8))
+        row["ragged_fwd_ms"] = median_ms(lambda: f_rag(x, w), max(2, iters // 8))
         a, b = np.asarray(f_ours(x, w), np.float32), np.asarray(f_rag(x, w), np.float32)
         row["ours_vs_ragged_max_rel_err"] = float(np.abs(a - b).max() / np.abs(b).max())
         if routing == "balanced":
             fb_rag = fwd_bwd(rag)
-            row["ragged_fwdbwd_ms"] = _median_ms(lambda: fb_rag(x, w, dy), 2)
+            row["ragged_fwdbwd_ms"] = median_ms(lambda: fb_rag(x, w, dy), 2)
     for key in [kk for kk in row if kk.endswith("_ms")]:
         mult = 3 if "fwdbwd" in key else 1
         row[key.replace("_ms", "_tflops")] = mult * flop / (row[key] * 1e-3) / 1e12
@@ -176,7 +165,7 @@ def bench_chained(m, k, n, g, routing, chain, iters, backend, tilings):
     for label, call in impls.items():
         try:
             f = chained(call)
-            ms = _median_ms(lambda: f(x, w), iters) / chain
+            ms = median_ms(lambda: f(x, w), iters) / chain
             row[f"{label}_us"] = round(ms * 1e3, 2)
             row[f"{label}_GBps"] = round(weight_bytes / (ms * 1e-3) / 1e9, 1)
         except Exception as e:  # one tiling failing (e.g. shared memory) must not lose the others
@@ -281,11 +270,11 @@ def bench_glu(m, k, n, g, routing, iters, ragged, backend, tiling=None):
     outs = {}
     for name, f, n_iter in impls:
         jf = jax.jit(f)
-        row[f"{name}_fwd_ms"] = _median_ms(lambda: jf(x, wg, wu), n_iter)
+        row[f"{name}_fwd_ms"] = median_ms(lambda: jf(x, wg, wu), n_iter)
         outs[name] = np.asarray(jf(x, wg, wu), np.float32)
         if name != "unfused_ragged" or routing == "balanced":
             fb = fwd_bwd(f)
-            row[f"{name}_fwdbwd_ms"] = _median_ms(lambda: fb(x, wg, wu, dy), n_iter)
+            row[f"{name}_fwdbwd_ms"] = median_ms(lambda: fb(x, wg, wu, dy), n_iter)
     for name in outs:
         if name != "fused":
             row[f"fused_vs_{name}_max_rel_err"] = float(np.abs(outs["fused"] - outs[name]).max()
@@ -366,7 +355,7 @@ def bench_mxfp4(m, k, n, g, routing, iters, ragged, backend, tiling=None):
            "tiling": tiling}
     outs = {}
     for name, (f, args, n_iter) in impls.items():
-        row[f"{name}_ms"] = _median_ms(lambda: f(*args), n_iter)
+        row[f"{name}_ms"] = median_ms(lambda: f(*args), n_iter)
         outs[name] = np.asarray(f(*args), np.float32)
     for name in outs:
         if name != "mxfp4":

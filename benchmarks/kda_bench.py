@@ -130,7 +130,8 @@ def profile_jax(label, fn, args):
             jax.block_until_ready(fn(*args))
     path = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))[-1]
     summary = summarize_xplane(path, PROFILE_CALLS, top=40)
-    _print_kernels(label, [(r["name"], r["per_step_us"], r["count_per_step"]) for r in summary.get("top_kernels") or summary.get("top_events", [])])
+    rows = summary.get("top_kernels") or summary.get("top_events", [])
+    _print_kernels(label, [(r["name"], r["per_step_us"], r["count_per_step"]) for r in rows])
 
 
 def profile_torch(label, fn):

@@ -22,9 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,6 +33,7 @@ from jax import lax  # noqa: E402
 
 from k3jax.layers.mla import _masked_softmax, gather_latent_rows  # noqa: E402
 from pallas_kernels.mla import DecodeConfig, paged_latent_attention  # noqa: E402
+from timing import median_ms  # noqa: E402
 
 
 def parse_variant(text: str) -> DecodeConfig:
@@ -80,16 +79,6 @@ def chained(attend, reps):
     return jax.jit(run)
 
 
-def median_ms(fn, args, iters):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,16,64")
@@ -126,7 +115,8 @@ def main(argv=None):
                 return xla_attention(*a, scale=scale, latent_dim=args.latent)
 
             ref = jax.jit(xla)(*case)
-            xla_ms = median_ms(chained(xla, args.reps), case, args.iters) / args.reps
+            xla_chain = chained(xla, args.reps)
+            xla_ms = median_ms(lambda: xla_chain(*case), args.iters) / args.reps
             for variant in variants:
                 config = parse_variant(variant)
 
@@ -135,7 +125,8 @@ def main(argv=None):
                                                   config=config)
 
                 err = float(jnp.max(jnp.abs(jax.jit(kernel)(*case) - ref)))
-                k_ms = median_ms(chained(kernel, args.reps), case, args.iters) / args.reps
+                kernel_chain = chained(kernel, args.reps)
+                k_ms = median_ms(lambda: kernel_chain(*case), args.iters) / args.reps
                 row = {"B": b, "tokens": tokens, "variant": variant, "xla_ms": round(xla_ms, 4),
                        "kernel_ms": round(k_ms, 4), "xla_GBps": float(f"{gb / xla_ms * 1e3:.4g}"),
                        "kernel_GBps": float(f"{gb / k_ms * 1e3:.4g}"), "speedup": round(xla_ms / k_ms, 2),
