@@ -49,9 +49,10 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def unpack_refs(refs, lower_bound, segmented):
-    """The optional refs of a gram + solve kernel (after q, k, g, beta) in call order: ``(gate_refs, doc_ref,
-    carry [64, 1] f32, last [64, 1] f32, output refs)``; gate / document entries are None when absent."""
+def unpack_refs(refs, lower_bound, segmented, with_solve):
+    """The refs of a gram + solve kernel after q, k, g, beta, in call order: ``(gate_refs, doc_ref,
+    carry [64, 1] f32, last [64, 1] f32, (qg, kg, aqk, decay, A, G, kk) output refs)``; gate / document entries
+    and ``kk`` (without ``with_solve``) are None when absent."""
     refs = list(refs)
     gate_refs = doc_ref = carry_all = last_all = None
     if lower_bound is not None:  # in-kernel gate: g_ref is the raw gate input
@@ -61,7 +62,8 @@ def unpack_refs(refs, lower_bound, segmented):
         refs = refs[3:]
         carry_all = carry_ref[...].astype(_F32)[:, None]
         last_all = last_ref[...].astype(_F32)[:, None]
-    return gate_refs, doc_ref, carry_all, last_all, refs
+    outs = (*refs[:6], refs[6] if with_solve else None)
+    return gate_refs, doc_ref, carry_all, last_all, outs
 
 
 def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve, block_k, segmented,
@@ -69,9 +71,8 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
     """One chunk of one (batch, head), phases 1 and 2 of the module docstring: outputs ``qg, kg, aqk, decay, A,
     G`` (+ ``kk`` with ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated
     in-kernel with the first two of ``refs``."""
-    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented)
-    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = outs[:6]
-    kk_ref = outs[6] if with_solve else None
+    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented, with_solve)
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref, kk_ref = outs
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype

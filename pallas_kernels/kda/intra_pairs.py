@@ -54,9 +54,8 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
     "fused2"; phase 2 masks them and solves for ``A``. Outputs ``qg, kg, aqk, decay, A, G`` (+ ``kk`` with
     ``with_solve``). ``lower_bound`` not None: ``g_ref`` is the raw gate input, activated in-kernel
     (``chunk_fwd.cumulative_gate_tile``) with the next two refs."""
-    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented)
-    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref = outs[:6]
-    kk_ref = outs[6] if with_solve else None
+    gate_refs, doc_ref, carry_all, last_all, outs = unpack_refs(refs, lower_bound, segmented, with_solve)
+    qg_ref, kg_ref, aqk_ref, decay_ref, a_ref, gc_ref, kk_ref = outs
     s = SUB_CHUNK
     kd = k_ref.shape[-1]
     inter_dtype = qg_ref.dtype
