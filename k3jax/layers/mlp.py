@@ -39,10 +39,10 @@ def grouped_glu(rows_mk: jax.Array, w_gate, w_up, group_sizes_g: jax.Array, cfg:
     pre-activations kept in f32); otherwise two grouped matmuls (pre-activations rounded to the rows' dtype, as
     the released model) and `glu`. `impl`: as `k3jax.ops.gmm.gmm`."""
     if gmm_ops.fused_glu_applies(rows_mk.shape[0], w_gate, impl):
-        betas = (cfg.activation_situ_beta, cfg.activation_situ_linear_beta) if cfg.hidden_act == "situ" else (None,
-                                                                                                           None)
-        return gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act, beta1=betas[0],
-                               beta2=betas[1], impl=impl)
+        situ = cfg.hidden_act == "situ"
+        return gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act,
+                               beta1=cfg.activation_situ_beta if situ else None,
+                               beta2=cfg.activation_situ_linear_beta if situ else None, impl=impl)
     return glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl),
                gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl), cfg)
 

@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.chunk_fwd import triton_params  # the Triton compiler parameters (as the MLA kernel)
+
 __all__ = ["BACKENDS", "SplitTiling", "decode_matmul", "default_tiling"]
 
 BACKENDS = ("gpu", "interpret")
@@ -104,15 +106,11 @@ def _split_k_call(x_mk, w_kn, *, tiling: SplitTiling, interpret: bool):
 
         out_ref[s, :, pl.ds(n0, tn)] = jax.lax.fori_loop(0, k_split // tk, step, jnp.zeros((m, tn), _F32))
 
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as pl_triton
-        params = pl_triton.CompilerParams(num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((splits, m, n), _F32),
         grid=(n // tn, splits),
         interpret=interpret,
-        compiler_params=params,
+        compiler_params=triton_params(interpret, tiling.num_warps, tiling.num_stages),
         name="k3_decode_matmul",
     )(x_mk, w_kn)
