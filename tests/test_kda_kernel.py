@@ -375,6 +375,9 @@ def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dt
     q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
     seg = _segment_ids(b, t, [[5, 64, 70, 75, 140, 141]])
     tol = 2e-5 if dtype == jnp.float32 else 1.5e-2
+    # Split vs single gradients: both round their dot operands to the input dtype at different points, so bf16
+    # gradients (themselves bf16) may differ by ~2 ulps of the largest entry; f32 must agree to rounding.
+    grad_tol = 5e-6 if dtype == jnp.float32 else 1e-2
 
     def core(config):
         def f(*a):
@@ -395,7 +398,7 @@ def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dt
     got = _grad_all(split, args, w_o, w_s)
     want = _grad_all(single, args, w_o, w_s)
     for name, x, ref in zip(_GRAD_NAMES, got, want):
-        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < tol / 4, name
+        assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < grad_tol, name
 
 
 def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
