@@ -88,6 +88,10 @@ class ModelConfig:
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; the interpreter off GPU: tests).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"
+    # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
+    # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
+    # consumes it, pallas_kernels/attn_res, on one GPU; the interpreter off GPU: tests).
+    attn_res_impl: Literal["xla", "pallas"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -173,7 +177,8 @@ class ModelConfig:
             raise ConfigError(f"full_attn_layers has duplicates: {self.full_attn_layers}")
         if self.first_k_dense_replace > self.num_hidden_layers:
             raise ConfigError(
-                f"first_k_dense_replace={self.first_k_dense_replace} exceeds num_hidden_layers={self.num_hidden_layers}")
+                f"first_k_dense_replace={self.first_k_dense_replace} exceeds "
+                f"num_hidden_layers={self.num_hidden_layers}")
         if self.num_experts_per_token > self.num_experts:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} exceeds num_experts={self.num_experts}")

@@ -14,7 +14,7 @@ from flax import nnx
 
 from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
-from k3jax.layers.attn_res import AttnResRead, push_snapshot, snapshots_before
+from k3jax.layers.attn_res import AttnResRead, push_snapshot, read_normed, snapshots_before
 from k3jax.layers.kda import KDA, KDAState, init_kda_state
 from k3jax.layers.mla import (DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init_latent_pages,
                               pages_per_sequence)
@@ -137,13 +137,13 @@ class DecoderLayer(nnx.Module):
             return constrain(h, ACT_BTD), bank
         block = self.cfg.attn_res_block_size
         filled = snapshots_before(layer_index, block)
-        x = self.self_attention_res(h, bank, filled)
+        x = read_normed(self.self_attention_res, h, bank, filled, self.input_layernorm, self.cfg)
         is_snapshot = layer_index % block == 0
         bank = push_snapshot(bank, filled, h, is_snapshot)  # snapshot BEFORE this layer's attention
         partial = jnp.where(is_snapshot, jnp.zeros_like(h), h)
-        partial = partial + attn(self.input_layernorm(x)).astype(h.dtype)
-        x = self.mlp_res(partial, bank, filled + is_snapshot)
-        partial = partial + self.mlp(self.post_attention_layernorm(x)).astype(h.dtype)
+        partial = partial + attn(x).astype(h.dtype)
+        x = read_normed(self.mlp_res, partial, bank, filled + is_snapshot, self.post_attention_layernorm, self.cfg)
+        partial = partial + self.mlp(x).astype(h.dtype)
         return constrain(partial, ACT_BTD), constrain(bank, ACT_NBTD)
 
 
@@ -262,7 +262,7 @@ class K3Model(nnx.Module):
                 carry = group(carry, start, segment_ids_bt)
         h, bank = carry
         if cfg.uses_attn_res:
-            h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
+            return read_normed(self.output_attn_res, h, bank, cfg.num_attn_res_snapshots, self.norm, cfg)
         return self.norm(h)
 
     def init_cache(self, batch_size: int, max_len: int, **paging) -> DecodeCache:
@@ -288,9 +288,10 @@ class K3Model(nnx.Module):
                 carry, states = group.forward_cached(carry, start, states, start_b, valid_len_b, cache.page_table)
             new_layers.append(states)
         h, bank = carry
+        cache = DecodeCache(tuple(new_layers), cache.page_table, start_b + valid_len_b)
         if cfg.uses_attn_res:
-            h = self.output_attn_res(h, bank, cfg.num_attn_res_snapshots)
-        return self.norm(h), DecodeCache(tuple(new_layers), cache.page_table, start_b + valid_len_b)
+            return read_normed(self.output_attn_res, h, bank, cfg.num_attn_res_snapshots, self.norm, cfg), cache
+        return self.norm(h), cache
 
     def forward_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
                        valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:

@@ -1,0 +1,149 @@
+"""The fused AttnRes read + RMSNorm kernel (`pallas_kernels.attn_res.mix_norm`) through the Pallas interpreter
+equals a float64 NumPy oracle (f32 and bf16 activations, no / some / all bank rows filled, row counts that are not
+a multiple of the row block); bad inputs are refused by name; the kernel lowers for CUDA on this host; a tiny model
+decoding with attn_res_impl="pallas" takes the kernel for every read of its unrolled stack and gives the logits of
+attn_res_impl="xla", while scanned layers (traced bank fill) and a 300-row prefill stay on XLA."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.attn_res import mix_norm
+from pallas_kernels.cuda_lowering import triton_kernels
+
+
+def _oracle(live, bank, num_filled, key_gain, query, out_gain, eps, out_eps, act_dtype):
+    """float64 AttnRes read (softmax over depth of rmsnorm(source) . (key_gain * query)) then the released RMSNorm
+    (gain after the cast back to the activation dtype); roundings to the activation dtype where the model has them."""
+    f = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    sources = np.concatenate([f(bank)[:num_filled], f(live)[None]], axis=0)  # [S, M, D]
+    q = f(key_gain) * f(query)
+    normed = sources / np.sqrt(np.mean(sources ** 2, axis=-1, keepdims=True) + eps)
+    scores = normed @ q  # [S, M]
+    probs = np.exp(scores - scores.max(0))
+    probs /= probs.sum(0)
+    mix = np.einsum("sm,smd->md", probs, sources)
+    mix = f(jnp.asarray(mix, act_dtype))
+    y = f(jnp.asarray(mix / np.sqrt(np.mean(mix ** 2, axis=-1, keepdims=True) + out_eps), act_dtype))
+    return f(out_gain) * y
+
+
+def _inputs(m, d, n, dtype, gain_dtype, seed):
+    rng = np.random.default_rng(seed)
+    live = jnp.asarray(rng.standard_normal((m, d)), dtype)
+    bank = jnp.asarray(rng.standard_normal((n, m, d)) * rng.uniform(0.5, 3.0, (n, 1, 1)), dtype)
+    key_gain = jnp.asarray(1 + 0.2 * rng.standard_normal(d), gain_dtype)
+    query = jnp.asarray(rng.standard_normal(d) / np.sqrt(d) * 8, gain_dtype)  # scores of a few units: a real softmax
+    out_gain = jnp.asarray(1 + 0.2 * rng.standard_normal(d), gain_dtype)
+    return live, bank, key_gain, query, out_gain
+
+
+@pytest.mark.parametrize("m,d,n,num_filled,dtype,gain_dtype,tol", [
+    (6, 96, 5, 0, jnp.float32, jnp.float32, 2e-6),
+    (6, 96, 5, 3, jnp.float32, jnp.float32, 2e-6),
+    (5, 64, 4, 4, jnp.float32, jnp.float32, 2e-6),
+    (16, 1536, 5, 5, jnp.bfloat16, jnp.bfloat16, 1.6e-2),
+    (3, 128, 2, 1, jnp.bfloat16, jnp.float32, 1.6e-2),
+], ids=["f32-none-filled", "f32-some", "f32-all-odd-rows", "bf16-k3_gpu-width", "bf16-f32-gains"])
+def test_mix_norm_equals_float64_oracle(m, d, n, num_filled, dtype, gain_dtype, tol):
+    live, bank, key_gain, query, out_gain = _inputs(m, d, n, dtype, gain_dtype, seed=m * 100 + num_filled)
+    got = mix_norm(live, bank, num_filled, key_gain, query, out_gain, eps=1e-6, out_eps=1e-5, backend="interpret")
+    assert got.shape == (m, d) and got.dtype == jnp.promote_types(gain_dtype, dtype)
+    want = _oracle(live, bank, num_filled, key_gain, query, out_gain, 1e-6, 1e-5, dtype)
+    # bf16: the kernel and the oracle may round the mix / the normalised row to different neighbours (1 ulp)
+    err = np.abs(np.asarray(got, np.float64) - want).max() / np.abs(want).max()
+    assert err < tol, err
+
+
+def test_bad_inputs_are_refused_by_name():
+    live, bank, key_gain, query, out_gain = _inputs(4, 64, 3, jnp.float32, jnp.float32, seed=0)
+    call = lambda *a, **k: mix_norm(*a, eps=1e-6, backend=k.pop("backend", "interpret"))  # noqa: E731
+    with pytest.raises(ValueError, match="expected live"):
+        call(live, bank[:, :3], 1, key_gain, query, out_gain)
+    with pytest.raises(ValueError, match="query must be"):
+        call(live, bank, 1, key_gain, query[:32], out_gain)
+    with pytest.raises(ValueError, match="num_filled"):
+        call(live, bank, 4, key_gain, query, out_gain)
+    with pytest.raises(ValueError, match="share a dtype"):
+        call(live, bank.astype(jnp.bfloat16), 1, key_gain, query, out_gain)
+    with pytest.raises(ValueError, match="power-of-two divisor"):
+        call(live[:, :60], bank[..., :60], 1, key_gain[:60], query[:60], out_gain[:60])
+    with pytest.raises(ValueError, match="unknown backend"):
+        call(live, bank, 1, key_gain, query, out_gain, backend="tpu")
+
+
+def test_kernel_lowers_for_cuda():
+    s = jax.ShapeDtypeStruct
+    bf = jnp.bfloat16
+    for m, d, n, filled in ((64, 1536, 5, 5), (1, 7168, 8, 3)):
+        args = (s((m, d), bf), s((n, m, d), bf), s((d,), bf), s((d,), bf), s((d,), bf))
+        count, names = triton_kernels(lambda *a: mix_norm(*a[:2], filled, *a[2:], eps=1e-6), *args,
+                                      name_pattern=r"k3_[a-z_]+")
+        assert count == 1 and names == ["k3_attn_res_mix_norm"]
+
+
+@pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
+def test_model_decode_with_the_fused_reads_equals_xla(monkeypatch, scan_layers):
+    import configs
+    from flax import nnx
+
+    from k3jax.layers import attn_res
+    from k3jax.model import K3Model, init_cache
+
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(scan_layers=scan_layers)
+
+    def graph(impl):
+        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(attn_res_impl=impl), rngs=nnx.Rngs(0))))
+
+    _, abstract = graph("xla")
+    rng = np.random.default_rng(3)
+    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    calls = []
+    real = attn_res._fused_read_norm
+    monkeypatch.setattr(attn_res, "_fused_read_norm", lambda *a: calls.append(a[5]) or real(*a))
+
+    def run(impl, t):
+        gd = graph(impl)[0]
+        ids = jnp.asarray(rng.integers(0, 256, (2, t)), jnp.int32)
+        step = jax.jit(lambda p, ids, cache: nnx.merge(gd, p).forward_cached(ids, cache, jnp.asarray([t, t])))
+        return ids, step, init_cache(base, 2, 320)
+
+    ids, xla_step, cache = run("xla", 1)
+    want, want_cache = xla_step(params, ids, cache)
+    _, kernel_step, _ = run("pallas", 1)
+    got, got_cache = kernel_step(params, ids, cache)
+    layers = base.num_hidden_layers
+    snapshots = base.num_attn_res_snapshots
+    if scan_layers:  # only the layers outside a scanned group and the final read know their fill statically
+        unscanned = sum(len(g.pattern) for g in base.layer_groups() if g.num_repeats == 1)
+        assert unscanned < layers and len(calls) == 2 * unscanned + 1 and calls[-1] == snapshots
+    else:  # two reads per layer + the final one, with the bank filled as the layer index says
+        assert len(calls) == 2 * layers + 1
+        assert calls[:4] == [0, 1, 1, 1] and calls[-1] == snapshots
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-5, err
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-4, atol=1e-5)
+    calls.clear()
+    ids, prefill, cache = run("pallas", 150)  # 2 x 150 = 300 rows > DECODE_MAX_ROWS
+    prefill(params, ids, cache)
+    assert not calls
+
+
+def test_fused_read_gradient_is_the_xla_composites():
+    """The custom VJP differentiates the XLA composite: gradients through the dispatch equal the XLA path's."""
+    from k3jax.layers import attn_res
+
+    live, bank, key_gain, query, out_gain = _inputs(4, 64, 3, jnp.float32, jnp.float32, seed=7)
+    w = jnp.asarray(np.random.default_rng(8).standard_normal((4, 64)), jnp.float32)
+
+    def loss(fn):
+        return lambda *a: jnp.sum(fn(*a) * w)
+
+    fused = loss(lambda *a: attn_res._fused_read_norm(*a, 2, 1e-6, 1e-6, "interpret"))
+    xla = loss(lambda *a: attn_res._composite(*a, 2, 1e-6, 1e-6))
+    args = (live, bank, key_gain, query, out_gain)
+    np.testing.assert_allclose(fused(*args), xla(*args), rtol=1e-5)
+    for g, r in zip(jax.grad(fused, argnums=range(5))(*args), jax.grad(xla, argnums=range(5))(*args)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
