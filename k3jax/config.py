@@ -92,6 +92,10 @@ class ModelConfig:
     # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
     # consumes it, pallas_kernels/attn_res, on one GPU; the interpreter off GPU: tests).
     attn_res_impl: Literal["xla", "pallas"] = "xla"
+    # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
+    # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
+    # and lays out the expert-sorted rows, pallas_kernels/moe; the interpreter off GPU: tests).
+    moe_route_impl: Literal["xla", "pallas"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

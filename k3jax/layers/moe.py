@@ -59,6 +59,33 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     return jnp.zeros((n, z_nl.shape[-1]), out_rows.dtype).at[token_of_row].add(out_rows)
 
 
+def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
+    """`route` + the expert-sorted row plan from one kernel (`pallas_kernels.moe.route_plan`): returns
+    (weights_nk f32, experts_nk int32, rows_nk int32, group_sizes_e int32). Same selection and weights as `route`
+    (ungrouped top-k); the weights are a differentiable gather of sigmoid(logits) at the chosen experts."""
+    from pallas_kernels.moe import route_plan  # lazy: pallas_kernels imports k3jax modules
+
+    x_wide = upcast(x_nd)
+    logits = x_wide @ router_de.astype(x_wide.dtype)
+    plan = route_plan(logits, bias_e, cfg.num_experts_per_token, backend=backend)
+    weights = jax.nn.sigmoid(jnp.take_along_axis(logits, plan.experts_nk, axis=-1))
+    if cfg.moe_renormalize:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, plan.experts_nk, plan.rows_nk, plan.group_sizes_e
+
+
+def experts_planned(z_nl, weights_nk, rows_nk, group_sizes_e, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
+    """`experts_dropless` on a precomputed row plan: the rows of assignment (n, j) sit at rows_nk[n, j] of the
+    expert-sorted layout; the combine gathers each token's k output rows and sums them weighted (f32), instead of
+    a scatter-add."""
+    n, k = rows_nk.shape
+    token_of_row = jnp.zeros((n * k,), jnp.int32).at[rows_nk.reshape(-1)].set(
+        jnp.arange(n * k, dtype=jnp.int32) // k, unique_indices=True)
+    hidden = grouped_glu(z_nl[token_of_row], w1_elm, w3_elm, group_sizes_e, cfg)
+    out_rows = gmm(hidden, w2_eml, group_sizes_e, preferred_element_type=wide(hidden.dtype))
+    return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+
+
 def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
     """Every expert on every token, combined with the sparse routing weights (tests and tiny runs only).
     MXFP4 weights are dequantized here (materialised in the compute dtype)."""
@@ -127,12 +154,20 @@ class LatentMoE(nnx.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d).astype(dt)
-        weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
-        if cfg.record_routing_stats:
-            self._record_routing(scores_ne, experts_nk)
         latent = cfg.routed_expert_hidden_size is not None
-        z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
-        u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
+        plan_backend = self._plan_backend(b, t)
+        if plan_backend is not None:
+            weights_nk, _, rows_nk, sizes_e = route_planned(x_nd, self.router[...], self.router_bias[...], cfg,
+                                                            plan_backend)
+            z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
+            w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
+            u_nl = experts_planned(z_nl, weights_nk, rows_nk, sizes_e, w1, w3, w2, cfg).astype(dt)
+        else:
+            weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
+            if cfg.record_routing_stats:
+                self._record_routing(scores_ne, experts_nk)
+            z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
+            u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
             if cfg.latent_moe_use_norm:
                 u_nl = rms_norm(u_nl, self.routed_expert_norm[...], cfg.rms_norm_eps).astype(dt)
@@ -141,6 +176,22 @@ class LatentMoE(nnx.Module):
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
         return y_btd
+
+    def _plan_backend(self, b: int, t: int) -> str | None:
+        """The `route_plan` kernel backend when `cfg.moe_route_impl == "pallas"` applies here (decode-sized,
+        ungrouped, dropless, single program, no routing statistics), else None (the XLA `route`)."""
+        cfg = self.cfg
+        if cfg.moe_route_impl != "pallas" or cfg.moe_impl != "dropless" or cfg.num_expert_group > 1:
+            return None
+        from pallas_kernels.moe import MAX_EXPERTS, MAX_TOKENS  # lazy: pallas_kernels imports k3jax modules
+        from sharding.kda_kernel import kernel_mesh
+        from sharding.mesh import traced_accelerator
+
+        if cfg.record_routing_stats or b * t > MAX_TOKENS or cfg.num_experts > MAX_EXPERTS:
+            return None
+        if expert_parallel.active_mode(cfg, b, t) is not None or kernel_mesh() is not None:
+            return None
+        return "gpu" if traced_accelerator() == "gpu" else "interpret"
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced

@@ -1,0 +1,5 @@
+"""MoE decode kernels: `route_plan` (top-k expert selection + the expert-sorted row plan in one launch)."""
+
+from pallas_kernels.moe.route_plan import BACKENDS, MAX_EXPERTS, MAX_TOKENS, RoutePlan, route_plan
+
+__all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "RoutePlan", "route_plan"]

@@ -1,0 +1,105 @@
+"""The MoE routing-plan kernel (`pallas_kernels.moe.route_plan`) through the Pallas interpreter equals a NumPy
+oracle (top-k of sigmoid + bias with ties to the lower expert, stable expert-sorted rows, bincount) for token and
+expert counts that are not powers of two, k = 1 and k = E; bad inputs are refused by name; it lowers for CUDA; a tiny
+model decoding with moe_route_impl="pallas" routes every MoE layer through it and gives the logits of "xla", while a
+300-token prefill keeps the XLA routing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cuda_lowering import triton_kernels
+from pallas_kernels.moe import route_plan
+
+
+def _oracle(logits, bias, k):
+    """float64 NumPy: top-k by a stable descending sort (ties: lower expert first), then a stable sort of the
+    flat assignments by expert gives each assignment's row."""
+    x = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64))) + np.asarray(bias, np.float64)
+    experts = np.argsort(-x, axis=1, kind="stable")[:, :k]
+    flat = experts.reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    rows = np.empty_like(order)
+    rows[order] = np.arange(flat.size)
+    return experts, rows.reshape(experts.shape), np.bincount(flat, minlength=x.shape[1])
+
+
+@pytest.mark.parametrize("n,e,k", [(10, 20, 4), (1, 64, 8), (64, 64, 8), (37, 5, 5), (3, 17, 1)])
+def test_route_plan_equals_numpy_oracle(n, e, k):
+    rng = np.random.default_rng(n * 1000 + e)
+    logits = jnp.asarray(rng.standard_normal((n, e)) * 2, jnp.float32)
+    bias = jnp.asarray(0.3 * rng.standard_normal(e), jnp.float32)
+    plan = route_plan(logits, bias, k, backend="interpret")
+    experts, rows, sizes = _oracle(logits, bias, k)
+    np.testing.assert_array_equal(np.asarray(plan.experts_nk), experts)
+    np.testing.assert_array_equal(np.asarray(plan.rows_nk), rows)
+    np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), sizes)
+
+
+def test_ties_go_to_the_lower_expert_as_in_lax_top_k():
+    logits = jnp.zeros((4, 8), jnp.float32).at[:, 5].set(1.0)
+    bias = jnp.zeros((8,), jnp.float32)
+    plan = route_plan(logits, bias, 3, backend="interpret")
+    want = np.asarray(jax.lax.top_k(jax.nn.sigmoid(logits) + bias, 3)[1])
+    np.testing.assert_array_equal(np.asarray(plan.experts_nk), want)
+    np.testing.assert_array_equal(want[0], [5, 0, 1])
+
+
+def test_bad_inputs_are_refused_by_name():
+    logits, bias = jnp.zeros((4, 8), jnp.float32), jnp.zeros((8,), jnp.float32)
+    with pytest.raises(ValueError, match="expected logits"):
+        route_plan(logits, bias[:4], 2, backend="interpret")
+    with pytest.raises(ValueError, match="k=9"):
+        route_plan(logits, bias, 9, backend="interpret")
+    with pytest.raises(ValueError, match="decode sizes only"):
+        route_plan(jnp.zeros((300, 8), jnp.float32), bias, 2, backend="interpret")
+    with pytest.raises(ValueError, match="unknown backend"):
+        route_plan(logits, bias, 2, backend="tpu")
+
+
+def test_kernel_lowers_for_cuda():
+    s = jax.ShapeDtypeStruct
+    for n, e, k in ((64, 64, 8), (256, 256, 8), (1, 64, 8)):
+        count, names = triton_kernels(lambda a, b: route_plan(a, b, k), s((n, e), jnp.float32),
+                                      s((e,), jnp.float32), name_pattern=r"k3_[a-z_]+")
+        assert count == 1 and names == ["k3_moe_route_plan"]
+
+
+def test_model_decode_with_the_routing_plan_equals_xla(monkeypatch):
+    import configs
+    from flax import nnx
+
+    import pallas_kernels.moe as moe_kernels
+    from k3jax.model import K3Model, init_cache
+
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(scan_layers=False)
+
+    def graph(impl):
+        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(moe_route_impl=impl), rngs=nnx.Rngs(0))))
+
+    _, abstract = graph("xla")
+    rng = np.random.default_rng(4)
+    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    calls = []
+    real = moe_kernels.route_plan
+    monkeypatch.setattr(moe_kernels, "route_plan", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+
+    def run(impl, t):
+        gd = graph(impl)[0]
+        ids = jnp.asarray(rng.integers(0, 256, (3, t)), jnp.int32)
+        step = jax.jit(lambda p, ids, cache: nnx.merge(gd, p).forward_cached(ids, cache, jnp.asarray([t, t, t])))
+        return ids, step, init_cache(base, 3, 320)
+
+    ids, xla_step, cache = run("xla", 1)
+    want, _ = xla_step(params, ids, cache)
+    _, kernel_step, _ = run("pallas", 1)
+    got, _ = kernel_step(params, ids, cache)
+    moe_layers = sum(1 for layer in range(base.num_hidden_layers) if layer >= base.first_k_dense_replace)
+    assert len(calls) == moe_layers and all(shape == (3, base.num_experts) for shape in calls)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    assert err < 1e-5, err
+    calls.clear()
+    ids, prefill, cache = run("pallas", 100)  # 3 x 100 = 300 tokens > MAX_TOKENS
+    prefill(params, ids, cache)
+    assert not calls
