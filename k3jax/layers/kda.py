@@ -154,6 +154,10 @@ class KDA(nnx.Module):
         def project(name):
             return dense(x, getattr(self, f"{name}_proj")[...].astype(dt), cfg).reshape(b, t, h * k)
 
+        fused_backend = self._fused_decode_backend(state, t, with_state, cp_mesh)
+        if fused_backend is not None:
+            return self._decode_fused(x, state, valid_len_b, project, fused_backend)
+
         if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
             history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
             proj = jnp.stack([project(name) for name in "qkv"], axis=2).reshape(b, t, 3 * h * k)
@@ -195,10 +199,47 @@ class KDA(nnx.Module):
         o_bthv, new_s = core(
             q, k_, v, g, beta, scale=k ** -0.5, initial_state=None if state is None else state.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
+        return self._output(x, o_bthv), KDAState(conv_bwcp, new_s)
+
+    def _output(self, x_btd: jax.Array, o_bthv: jax.Array) -> jax.Array:
+        """Per-head RMSNorm of the core's output, the sigmoid output gate and o_proj."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
-        o = (o * jax.nn.sigmoid(upcast(self.output_gate(x)))).astype(dt)
-        y = dense(o, self.o_proj[...].astype(dt), cfg, contract=2)
-        return y, KDAState(conv_bwcp, new_s)
+        o = (o * jax.nn.sigmoid(upcast(self.output_gate(x_btd)))).astype(dt)
+        return dense(o, self.o_proj[...].astype(dt), cfg, contract=2)
+
+    def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
+        """The decode kernel backend when `kda_decode_fusion == "prologue"` applies (one token with a state on the
+        Pallas decode kernel, K3's lower-bounded gate, V == K), else None."""
+        cfg = self.cfg
+        if cfg.kda_decode_fusion != "prologue" or t != 1 or state is None or not with_state or cp_mesh is not None:
+            return None
+        if cfg.kda_gate != "lower_bound" or resolve_kda_impl(cfg) != "pallas" or kda_kernel.kernel_mesh() is not None:
+            return None
+        return kda_ops.decode_kernel_backend()
+
+    def _decode_fused(self, x_btd, state: KDAState, valid_len_b, project, backend: str):
+        """One token through `pallas_kernels.kda.decode_fused` (conv + activations + delta step in one kernel)."""
+        from pallas_kernels.kda.decode_fused import kda_decode_fused  # lazy: pallas_kernels.kda imports k3jax
+
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        b = x_btd.shape[0]
+        h, k = cfg.kda_num_heads, cfg.kda_head_dim
+        proj_b3p = jnp.stack([project(name)[:, 0] for name in "qkv"], axis=1)
+        conv_w3p = jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1)
+        z_bhk = dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)[:, 0]
+        b_raw_bh = dense(x_btd, self.b_proj[...].astype(dt), cfg)[:, 0]
+        valid_b = jnp.ones((b,), jnp.int32) if valid_len_b is None else (valid_len_b > 0).astype(jnp.int32)
+        history = state.conv_bwcp.astype(dt)
+        o_bhv, new_s = kda_decode_fused(
+            proj_b3p, history, conv_w3p, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
+            state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
+            backend=backend)
+        wm1 = history.shape[1]
+        flat_history = history.reshape(b, wm1, 3 * h * k)
+        new_history = history_at(flat_history, proj_b3p.reshape(b, 1, 3 * h * k), valid_b)
+        y = self._output(x_btd, o_bhv[:, None].astype(dt))
+        return y, KDAState(new_history.reshape(b, wm1, 3, h * k), new_s)
 
 
 def resolve_kda_impl(cfg) -> str:

@@ -1,0 +1,117 @@
+"""One-token KDA decode with its prologue fused in (Pallas, Triton GPU backend; the interpreter on CPU).
+
+`decode.kda_decode_step` takes q, k, v, g and β already activated; at decode XLA spends about eight small kernels
+per layer producing them (the short conv over the stacked q/k/v history, SiLU, the casts, two L2 norms, the gate
+and β activations, the padding masks). This kernel starts from the layer's raw inputs instead:
+
+- ``proj [B, 3, H*K]``: the pre-conv q/k/v projections of the new token, ``hist [B, W-1, 3, H*K]`` the W-1
+  previous ones (the layer's conv state), ``conv_w [W, 3, H*K]`` the depthwise kernels (f32);
+- ``z [B, H, K]``: the gate's low-rank projection output, ``A_log [H]``, ``dt_bias [H, K]``;
+- ``b_raw [B, H]``: β's logits; ``valid [B]``: 0 for a slot whose token is padding (β = g = 0: state unchanged).
+
+and per (batch, head, value block) program computes, with the released numerics (K3_SPEC.md §3.2; the model's XLA
+path in `k3jax.layers.kda`):
+    c      = Σ_w conv_w[w] · [hist; proj][w]  (f32, taps in order)     q, k, v = round(silu(c))
+    q, k   = round(l2_normalize(q)), round(l2_normalize(k))            (round: to the activation dtype)
+    g      = lower_bound · sigmoid(exp(A_log) · (z + dt_bias))         β = sigmoid(b_raw)   (0 where not valid)
+then the delta-rule step of `decode.kda_decode_step` on its [K, block_v] state tile (read once, written once, in
+place). The new conv history is a select in XLA (`k3jax.layers.kda.history_at`); the projections stay XLA
+matmuls. Requires V == K (the stacked conv layout) and power-of-two K.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda.chunk_fwd import triton_params
+
+__all__ = ["kda_decode_fused"]
+
+_F32 = jnp.float32
+_BACKENDS = ("gpu", "interpret")
+
+
+def _sigmoid(x):
+    return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def kda_decode_fused(proj_b3p, hist_bw3p, conv_w3p, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
+                     scale: float, lower_bound: float, l2_eps: float = 1e-6, backend: str = "gpu",
+                     block_v: int = 32, warps: int = 4):
+    """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it)."""
+    if backend not in _BACKENDS:
+        raise ValueError(f"kda_decode_fused: unknown backend {backend!r}; expected one of {_BACKENDS}")
+    b, h, kd = z_bhk.shape
+    wm1 = hist_bw3p.shape[1]
+    p = h * kd
+    expected = {"proj": (proj_b3p, (b, 3, p)), "hist": (hist_bw3p, (b, wm1, 3, p)),
+                "conv_w": (conv_w3p, (wm1 + 1, 3, p)), "A_log": (a_log_h, (h,)), "dt_bias": (dt_bias_hk, (h, kd)),
+                "b_raw": (b_raw_bh, (b, h)), "valid": (valid_b, (b,)), "state": (state_bhkv, (b, h, kd, kd))}
+    for name, (x, shape) in expected.items():
+        if tuple(x.shape) != shape:
+            raise ValueError(f"kda_decode_fused: {name} must have shape {list(shape)} (B={b}, H={h}, K=V={kd}, "
+                             f"W-1={wm1}), got {list(x.shape)}")
+    if kd < 16 or kd & (kd - 1):
+        raise ValueError(f"kda_decode_fused: K={kd} must be a power of two >= 16")
+    if jnp.dtype(proj_b3p.dtype) != jnp.dtype(hist_bw3p.dtype):
+        raise ValueError(f"kda_decode_fused: proj and hist must share the activation dtype, got {proj_b3p.dtype} "
+                         f"and {hist_bw3p.dtype}")
+    if jnp.dtype(state_bhkv.dtype) != jnp.dtype(_F32):
+        raise ValueError(f"kda_decode_fused: state must be float32, got {state_bhkv.dtype}")
+    block_v = min(block_v, kd)
+    return _fused_call(proj_b3p, hist_bw3p, conv_w3p.astype(_F32), z_bhk, a_log_h.astype(_F32),
+                       dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
+                       scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
+                       interpret=backend == "interpret", block_v=block_v, warps=warps)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "interpret", "block_v", "warps"))
+def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, scale, lower_bound, l2_eps,
+                interpret, block_v, warps):
+    b, h, kd = z.shape
+    wm1 = hist.shape[1]
+    act = proj.dtype
+
+    def kernel(proj_ref, hist_ref, conv_ref, z_ref, a_log_ref, dt_bias_ref, b_raw_ref, valid_ref, s_ref,
+               o_ref, s_out_ref):
+        bh, j = pl.program_id(0), pl.program_id(1)
+        bi, hi = bh // h, bh % h
+        head = pl.ds(pl.multiple_of(hi * kd, kd), kd)
+        vblock = pl.ds(pl.multiple_of(hi * kd + j * block_v, block_v), block_v)
+
+        def conv_silu(c, cols):  # the short conv of channel c (0 q, 1 k, 2 v) on columns cols, SiLU, rounded
+            acc = jnp.zeros((cols.size,), _F32)
+            for w in range(wm1):
+                acc = acc + hist_ref[bi, w, c, cols].astype(_F32) * conv_ref[w, c, cols]
+            acc = acc + proj_ref[bi, c, cols].astype(_F32) * conv_ref[wm1, c, cols]
+            return (acc * _sigmoid(acc)).astype(act).astype(_F32)
+
+        def l2(x):
+            return (x / jnp.sqrt(jnp.sum(x * x) + l2_eps)).astype(act).astype(_F32)
+
+        q, k = l2(conv_silu(0, head)), l2(conv_silu(1, head))
+        v = conv_silu(2, vblock)
+        ok = valid_ref[bi] != 0
+        gate = lower_bound * _sigmoid(jnp.exp(a_log_ref[hi]) * (z_ref[bi, hi, :].astype(_F32) + dt_bias_ref[hi, :]))
+        g = jnp.where(ok, gate, 0.0)
+        beta = jnp.where(ok, _sigmoid(b_raw_ref[bi, hi].astype(_F32)), 0.0)
+        vcols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
+        s_kv = jnp.exp(g)[:, None] * s_ref[bi, hi, :, vcols]
+        pred_v = jnp.sum(k[:, None] * s_kv, axis=0)
+        s_kv = s_kv + k[:, None] * (beta * (v - pred_v))[None, :]
+        o_ref[bi, hi, vcols] = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
+        s_out_ref[bi, hi, :, vcols] = s_kv
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((b, h, kd), _F32), jax.ShapeDtypeStruct((b, h, kd, kd), _F32)),
+        grid=(b * h, kd // block_v),
+        input_output_aliases={8: 1},
+        interpret=interpret,
+        compiler_params=triton_params(interpret, warps),
+        name="kda_decode_fused",
+    )(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state)
