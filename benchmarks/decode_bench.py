@@ -29,6 +29,12 @@ then the sweep.
 kernels per step, kernel categories, top kernels by total time, device copies and time by JAX name stack (jax 0.11
 puts it on every kernel), host CUDA-API calls (graph launches). The raw .xplane.pb is copied to --out_dir.
 
+--variants: a same-process A/B of runtime choices on the same weights, e.g.
+    --variants="base:;attn:attn_res_impl=pallas;all:attn_res_impl=pallas,moe_route_impl=pallas"
+(name:key=value,... separated by ';'; the first is the baseline). Each variant's decode step is compiled once, then
+the variants are timed in interleaved rounds (`--variant_rounds`, median per variant) at `--variant_batch` slots,
+and a table gives each step time, its floor fraction and its ratio to the baseline. Runs before the profile.
+
 --device_smoke: tiny shapes everywhere (CPU check of every path): `--config=tiny --hf_peer --profile --device_smoke`.
     python benchmarks/decode_bench.py --config=k3_gpu --batches= --hf_peer --profile --out_dir=$OUT
 """
@@ -154,6 +160,66 @@ def bench_decode(cfg, spec, params, batch, context, steps, iters):
     call_s = statistics.median(times)
     return {"step_ms": call_s / steps * 1e3, "tokens_per_s": batch * steps / call_s, "compile_s": compile_s,
             "max_len": max_len}
+
+
+def parse_variants(text: str) -> list[tuple[str, list[str]]]:
+    """'base:;attn:attn_res_impl=pallas,x=y' -> [("base", []), ("attn", ["attn_res_impl=pallas", "x=y"])]."""
+    out = []
+    for item in (t.strip() for t in text.split(";")):
+        if not item:
+            continue
+        name, _, sets = item.partition(":")
+        if not name.strip():
+            raise SystemExit(f"--variants: every variant needs a name ('name:key=value,...'), got {item!r}")
+        out.append((name.strip(), [x.strip() for x in sets.split(",") if x.strip()]))
+    if len({n for n, _ in out}) != len(out):
+        raise SystemExit(f"--variants: duplicate names in {text!r}")
+    return out
+
+
+def bench_variants(config_name, base_sets, variants, params, treedef, batch, context, steps, rounds, floor_ms,
+                   record):
+    """Same weights, several runtime configs: compile each decode step, then time them in interleaved rounds."""
+    runs = []
+    for name, sets in variants:
+        cfg_v = configs.get_config(config_name, base_sets + sets)
+        graphdef_v, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg_v, rngs=nnx.Rngs(0))))
+        spec_v = sched_lib._intern((graphdef_v, treedef))
+        max_len = context + steps * (rounds + 2)
+        cache = jax.tree.map(lambda x: jnp.array(x, copy=True), init_cache(cfg_v, batch, max_len))._replace(
+            lengths=jnp.full((batch,), context, jnp.int32))
+        state = slot_state(batch, 1 << 30)
+        t0 = time.perf_counter()
+        try:
+            cache, state, tok, _, _ = _decode(params, cache, state, spec_v, steps)
+            tok.block_until_ready()
+        except Exception as e:  # a variant that fails to compile or run must not lose the others
+            traceback.print_exc()
+            record({"kind": "variant", "name": name, "sets": sets, "error": repr(e)[:500]})
+            continue
+        runs.append({"name": name, "sets": sets, "spec": spec_v, "cache": cache, "state": state,
+                     "compile_s": time.perf_counter() - t0, "times": []})
+        print(f"variant {name}: compiled + first call {runs[-1]['compile_s']:.1f}s", flush=True)
+    for _ in range(rounds):
+        for r in runs:
+            t0 = time.perf_counter()
+            r["cache"], r["state"], tok, _, _ = _decode(params, r["cache"], r["state"], r["spec"], steps)
+            tok.block_until_ready()
+            r["times"].append((time.perf_counter() - t0) / steps * 1e3)
+    rows = []
+    for r in runs:
+        step_ms = statistics.median(r["times"])
+        rows.append({"kind": "variant", "name": r["name"], "sets": r["sets"], "batch": batch, "context": context,
+                     "step_ms": step_ms, "step_ms_all": r["times"], "floor_ms": floor_ms,
+                     "floor_frac": floor_ms / step_ms, "vs_first": step_ms / statistics.median(runs[0]["times"]),
+                     "compile_s": r["compile_s"]})
+        record(rows[-1])
+    print(f"\n| variant (B={batch}, context {context}) | overrides | step ms | floor/step | vs {rows[0]['name']} |")
+    print("|---|---|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {', '.join(r['sets']) or '-'} | {r['step_ms']:.3f} | {100 * r['floor_frac']:.1f}% | "
+              f"{r['vs_first']:.3f} |")
+    return rows
 
 
 def bench_prefill(cfg, spec, params, n, context, iters):
@@ -348,6 +414,9 @@ def main():
     ap.add_argument("--init_prng", default=None,
                     help="PRNG for the random init only, e.g. unsafe_rbg (same distributions; compiles faster than "
                          "threefry on GPU); default: JAX's")
+    ap.add_argument("--variants", default="", help="same-process A/B: 'name:key=value,...;name2:...' (first = base)")
+    ap.add_argument("--variant_batch", type=int, default=64)
+    ap.add_argument("--variant_rounds", type=int, default=7)
     ap.add_argument("--device_smoke", action="store_true", help="tiny shapes for every path (CPU check)")
     args = ap.parse_args()
     if args.device_smoke:
@@ -359,6 +428,9 @@ def main():
     if not any(s.split("=")[0].strip() == "scan_layers" for s in args.set):
         args.set.append("scan_layers=False")  # serve.py's default (--unroll_layers)
     cfg = configs.get_config(args.config, args.set)
+    variants = parse_variants(args.variants)
+    for _, sets in variants:  # fail on a bad key before the model is built
+        configs.get_config(args.config, args.set + sets)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype})",
           flush=True)
@@ -377,7 +449,7 @@ def main():
             out.flush()
 
     spec = params = None
-    if batches or args.profile:
+    if batches or args.profile or variants:
         t0 = time.perf_counter()
         if args.init_prng:
             jax.config.update("jax_default_prng_impl", args.init_prng)
@@ -386,8 +458,9 @@ def main():
         wb = weight_bytes(abstract, cfg)
         print(f"init {time.perf_counter() - t0:.1f}s; weight bytes: {json.dumps(wb)}", flush=True)
 
-    # order: the profile (fixed cost, what the team needs first), the HF peer, then the sweep
-    jobs = [("profile", args.profile_batch)] if args.profile else []
+    # order: the variant A/B, the profile (fixed cost, what the team needs first), the HF peer, then the sweep
+    jobs = [("variants", args.variant_batch)] if variants else []
+    jobs += [("profile", args.profile_batch)] if args.profile else []
     jobs += [("hf_peer", 0)] if args.hf_peer else []
     order = sorted(batches, key=lambda b: (b != 64, b))  # the target batch first
     jobs += [("decode", b) for b in order] + [("prefill", n) for n in sorted(
@@ -413,7 +486,11 @@ def main():
                 record({"kind": "peer", "error": repr(e)[:500]})
             continue
         try:
-            if kind == "profile":
+            if kind == "variants":
+                floor_ms = floor_bytes(cfg, wb, b, args.context)["total"] / HBM_BYTES_PER_S * 1e3
+                bench_variants(args.config, args.set, variants, params, spec.value[1], b, args.context,
+                               args.decode_steps, args.variant_rounds, floor_ms, record)
+            elif kind == "profile":
                 summary = profile_decode(cfg, spec, params, b, args.context, args.decode_steps, args.profile_calls,
                                          args.out_dir)
                 record({"kind": "profile", **summary})
