@@ -172,16 +172,20 @@ class MLA(nnx.Module):
     def _absorbed_queries(self, q_bthk):
         """[q_nope · W_k | q_rope] per head: [B, T, H, kv_lora + rope] in the compute dtype."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        w_k = self.kv_b_proj[...].astype(dt)[..., :cfg.qk_nope_head_dim]
-        q_lat = jnp.einsum("bthn,rhn->bthr", q_bthk[..., :cfg.qk_nope_head_dim], w_k,
+        nope = cfg.qk_nope_head_dim
+        # q_nope · W_k over the whole kv_b row with q zero-padded over the value columns: the same sums (the
+        # padding adds exact zeros) without slicing the weight, which XLA would copy every decode step.
+        q_pad = jnp.pad(q_bthk[..., :nope].astype(dt), [(0, 0)] * (q_bthk.ndim - 1) + [(0, cfg.v_head_dim)])
+        q_lat = jnp.einsum("bthe,rhe->bthr", q_pad, self.kv_b_proj[...].astype(dt),
                            preferred_element_type=wide(q_bthk.dtype)).astype(dt)
-        return jnp.concatenate([q_lat, q_bthk[..., cfg.qk_nope_head_dim:].astype(dt)], axis=-1)
+        return jnp.concatenate([q_lat, q_bthk[..., nope:].astype(dt)], axis=-1)
 
     def _latent_values(self, o_bthr):
         """W_v maps each head's attended latent [B, T, H, kv_lora] to its value width (in o's dtype)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        w_v = self.kv_b_proj[...].astype(dt)[..., cfg.qk_nope_head_dim:]
-        return jnp.einsum("bthr,rhv->bthv", o_bthr, w_v.astype(o_bthr.dtype))
+        # the whole kv_b row, then the value columns of the (small) result: no per-step copy of a weight slice
+        kv = jnp.einsum("bthr,rhe->bthe", o_bthr, self.kv_b_proj[...].astype(dt).astype(o_bthr.dtype))
+        return kv[..., cfg.qk_nope_head_dim:]
 
 
 def mla_decode_backend(cfg: ModelConfig, num_pages: int, page_size: int) -> str | None:
