@@ -2,7 +2,7 @@
 
     python benchmarks/gmm_bench.py [--shapes=32768x3584x6144x56,...] [--routing=balanced,skewed] [--iters=20]
                                    [--check] [--ragged_max_rows=32768] [--sweep] [--glu | --mxfp4]
-    python benchmarks/gmm_bench.py --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4,...   # decode sizes
+    python benchmarks/gmm_bench.py --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4-groups,...  # decode
 
 Shapes are rows×k×n×groups (K3 latent experts: up k=3584 n=2·3072, down k=3072 n=3584; rows per rank 8k–64k,
 groups = 896 / expert-parallel degree). bf16 inputs, f32 accumulation, bf16 outputs for all three. Forward and
@@ -141,6 +141,13 @@ def bench_shape(m, k, n, g, routing, iters, ragged, backend, tiling=None):
         row[key.replace("_ms", "_tflops")] = mult * flop / (row[key] * 1e-3) / 1e12
     print(json.dumps(row), flush=True)
     return row
+
+
+def parse_tiling(text: str) -> Tiling:
+    """'16-64-128-4-4' or with the row walk last, '16-64-128-4-4-groups' (the decode group walk)."""
+    parts = text.split("-")
+    walk = parts.pop() if parts[-1] in ("tiles", "groups") else "tiles"
+    return Tiling(*(int(v) for v in parts))._replace(walk=walk)
 
 
 def bench_chained(m, k, n, g, routing, chain, iters, backend, tilings):
@@ -428,8 +435,7 @@ def main():
     rows = []
     shapes = [tuple(int(v) for v in s.split("x")) for s in (args.shapes or default_shapes).split(",")]
     if args.chain:
-        tilings = [None] + ([Tiling(*(int(v) for v in t.split("-"))) for t in args.tilings.split(",")]
-                            if args.tilings else [])
+        tilings = [None] + ([parse_tiling(t) for t in args.tilings.split(",")] if args.tilings else [])
         for m, k, n, g in shapes:
             for routing in args.routing.split(","):
                 bench_chained(m, k, n, g, routing, args.chain, args.iters, backend, tilings)
@@ -443,8 +449,7 @@ def main():
                                   "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
     if args.sweep:  # a few tilings of our kernel on the first shape (JSON lines only)
         m, k, n, g = shapes[0]
-        tilings = _SWEEP[name] if not args.tilings else [
-            Tiling(*(int(v) for v in t.split("-"))) for t in args.tilings.split(",")]
+        tilings = _SWEEP[name] if not args.tilings else [parse_tiling(t) for t in args.tilings.split(",")]
         for t in tilings:
             try:
                 bench(m, k, n, g, "balanced", max(5, args.iters // 2), False, backend, tiling=t)

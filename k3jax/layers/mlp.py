@@ -33,18 +33,18 @@ def glu(gate: jax.Array, up: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def grouped_glu(rows_mk: jax.Array, w_gate, w_up, group_sizes_g: jax.Array, cfg: ModelConfig,
-                impl: str = "auto") -> jax.Array:
+                impl: str = "auto", tiling=None) -> jax.Array:
     """The experts' gated up-projection act(rows @ w_gate[e], rows @ w_up[e]) per expert row group, in the rows'
     dtype. Decode-sized calls on a kernel backend run the fused kernel (`k3jax.ops.gmm.gmm_glu`: one launch,
     pre-activations kept in f32); otherwise two grouped matmuls (pre-activations rounded to the rows' dtype, as
-    the released model) and `glu`. `impl`: as `k3jax.ops.gmm.gmm`."""
+    the released model) and `glu`. `impl`, `tiling`: as `k3jax.ops.gmm.gmm`."""
     if gmm_ops.fused_glu_applies(rows_mk.shape[0], w_gate, impl):
         situ = cfg.hidden_act == "situ"
         return gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act,
                                beta1=cfg.activation_situ_beta if situ else None,
-                               beta2=cfg.activation_situ_linear_beta if situ else None, impl=impl)
-    return glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl),
-               gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl), cfg)
+                               beta2=cfg.activation_situ_linear_beta if situ else None, impl=impl, tiling=tiling)
+    return glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl, tiling=tiling),
+               gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl, tiling=tiling), cfg)
 
 
 class GatedMLP(nnx.Module):

@@ -77,12 +77,17 @@ def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg:
 def experts_planned(z_nl, weights_nk, rows_nk, group_sizes_e, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
     """`experts_dropless` on a precomputed row plan: the rows of assignment (n, j) sit at rows_nk[n, j] of the
     expert-sorted layout; the combine gathers each token's k output rows and sums them weighted (f32), instead of
-    a scatter-add."""
+    a scatter-add. Decode-sized calls walk the expert groups in the kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`:
+    no per-tile metadata)."""
+    from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
+
     n, k = rows_nk.shape
     token_of_row = jnp.zeros((n * k,), jnp.int32).at[rows_nk.reshape(-1)].set(
         jnp.arange(n * k, dtype=jnp.int32) // k, unique_indices=True)
-    hidden = grouped_glu(z_nl[token_of_row], w1_elm, w3_elm, group_sizes_e, cfg)
-    out_rows = gmm(hidden, w2_eml, group_sizes_e, preferred_element_type=wide(hidden.dtype))
+    # decode-sized: the kernels walk expert groups (no per-tile metadata kernels); ignored on the XLA path
+    tiling = DECODE_GROUP_WALK if n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts else None
+    hidden = grouped_glu(z_nl[token_of_row], w1_elm, w3_elm, group_sizes_e, cfg, tiling=tiling)
+    out_rows = gmm(hidden, w2_eml, group_sizes_e, preferred_element_type=wide(hidden.dtype), tiling=tiling)
     return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 

@@ -135,10 +135,11 @@ def _backend(impl: str) -> str:
 
 
 def gmm(lhs_mk: jax.Array, rhs, group_sizes_g: jax.Array, *, impl: str = "auto",
-        preferred_element_type=None) -> jax.Array:
+        preferred_element_type=None, tiling=None) -> jax.Array:
     """`jax.lax.ragged_dot` semantics: row block i (of size group_sizes[i]) is multiplied by rhs[i].
 
-    `rhs`: an array [g, k, n] or `MXFP4Experts` (logically [g, k, n]; packed weights decode to the lhs dtype)."""
+    `rhs`: an array [g, k, n] or `MXFP4Experts` (logically [g, k, n]; packed weights decode to the lhs dtype).
+    `tiling`: a `pallas_kernels.gmm.Tiling` for the kernel backends (None: their defaults; ignored by XLA)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown gmm impl {impl!r}; available: {', '.join(repr(i) for i in IMPLS)}")
     group_sizes_g = group_sizes_g.astype(jnp.int32)
@@ -147,11 +148,12 @@ def gmm(lhs_mk: jax.Array, rhs, group_sizes_g: jax.Array, *, impl: str = "auto",
         if not jnp.issubdtype(lhs_mk.dtype, jnp.floating):
             raise ValueError(f"gmm with MXFP4 weights needs a floating lhs, got {lhs_mk.dtype}")
         return pallas_gmm.gmm_mxfp4(inference_only(lhs_mk), rhs.packed, rhs.scales, group_sizes_g,
-                                    preferred_element_type=preferred_element_type, backend=backend)
+                                    preferred_element_type=preferred_element_type, backend=backend,
+                                    tiling=None if backend == "xla" else tiling)
     if backend == "xla":
         return jax.lax.ragged_dot(lhs_mk, rhs, group_sizes_g, preferred_element_type=preferred_element_type)
     return pallas_gmm.gmm(lhs_mk, rhs, group_sizes_g, preferred_element_type=preferred_element_type,
-                          backend=backend)
+                          backend=backend, tiling=tiling)
 
 
 def fused_glu_applies(m: int, w_gate, impl: str = "auto") -> bool:
@@ -168,7 +170,7 @@ def fused_glu_applies(m: int, w_gate, impl: str = "auto") -> bool:
 
 def gmm_glu(lhs_mk: jax.Array, w_gate_gkn: jax.Array, w_up_gkn: jax.Array, group_sizes_g: jax.Array, *,
             activation: str, beta1: float | None = None, beta2: float | None = None,
-            impl: str = "auto") -> jax.Array:
+            impl: str = "auto", tiling=None) -> jax.Array:
     """act(lhs @ w_gate[i], lhs @ w_up[i]) on the rows of group i, in lhs's dtype, through the fused kernel
     (`pallas_kernels.gmm.gmm_glu`: both products accumulate in f32 and the activation is the epilogue). Callers
     check `fused_glu_applies` first (`k3jax.layers.mlp.grouped_glu`)."""
@@ -178,4 +180,4 @@ def gmm_glu(lhs_mk: jax.Array, w_gate_gkn: jax.Array, w_up_gkn: jax.Array, group
         raise ValueError("gmm_glu is the fused kernel; impl='ragged_dot' has no fused form (use gmm twice)")
     return pallas_gmm.gmm_glu(lhs_mk, w_gate_gkn, w_up_gkn, group_sizes_g.astype(jnp.int32),
                               activation=activation, beta1=beta1, beta2=beta2,
-                              preferred_element_type=lhs_mk.dtype, backend=_backend(impl))
+                              preferred_element_type=lhs_mk.dtype, backend=_backend(impl), tiling=tiling)

@@ -4,8 +4,17 @@ TPU; one dispatch point (backend=None picks by platform, see api.py):
 - `gmm_glu`: the fused expert up-projection act(x @ w_gate, x @ w_up), differentiable: glu.py;
 - `gmm_mxfp4`: inference with MXFP4 weights decoded inside the kernel: quantized.py."""
 
-from pallas_kernels.gmm.api import BACKENDS, DECODE_ROWS_PER_GROUP, Tiling, default_backend, gmm, tgmm
+from pallas_kernels.gmm.api import (
+    BACKENDS,
+    DECODE_GROUP_WALK,
+    DECODE_ROWS_PER_GROUP,
+    Tiling,
+    default_backend,
+    gmm,
+    tgmm,
+)
 from pallas_kernels.gmm.glu import gmm_glu
 from pallas_kernels.gmm.quantized import gmm_mxfp4
 
-__all__ = ["BACKENDS", "DECODE_ROWS_PER_GROUP", "Tiling", "default_backend", "gmm", "gmm_glu", "gmm_mxfp4", "tgmm"]
+__all__ = ["BACKENDS", "DECODE_GROUP_WALK", "DECODE_ROWS_PER_GROUP", "Tiling", "default_backend", "gmm", "gmm_glu",
+           "gmm_mxfp4", "tgmm"]

@@ -39,8 +39,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 __all__ = ["CHUNK", "ChunkSpecs", "GATE_IN_KERNEL", "KernelConfig", "SUB_CHUNK", "SequentialSpecs", "activate_gate",
-           "block_lower_inverse", "check_dims", "chunk_kda_fwd", "chunk_layout", "chunk_states", "cumulative_gate_tile", "document_layout",
-           "document_operands", "fused_recurrence", "gate_operands", "intra_chunk", "triton_params", "varlen_layout"]
+           "block_lower_inverse", "check_dims", "chunk_kda_fwd", "chunk_layout", "chunk_states",
+           "cumulative_gate_tile", "document_layout", "document_operands", "fused_recurrence", "gate_operands",
+           "intra_chunk", "triton_params", "varlen_layout"]
 
 CHUNK = 64
 SUB_CHUNK = 16

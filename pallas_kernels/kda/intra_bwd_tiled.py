@@ -54,8 +54,8 @@ from pallas_kernels.kda.chunk_fwd import (
     triton_params,
 )
 
-__all__ = ["intra_bwd_tiled", "key_block_spec", "key_block_update", "pair_block", "pair_grads", "solve_grads", "store_block",
-           "value_block_grads"]
+__all__ = ["intra_bwd_tiled", "key_block_spec", "key_block_update", "pair_block", "pair_grads", "solve_grads",
+           "store_block", "value_block_grads"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32

@@ -1,7 +1,8 @@
 """Intra-chunk stage with the gram products formed per pair of 16-row sub-chunks (``KernelConfig.intra="pairs"``).
 
 Same contract and results as ``intra_fused.intra_chunk_fused`` for ``intra="fused2"`` (``qg, kg, w, u, aqk, decay``
-and, with ``return_solve``, the backward's ``(kk, A, G)``): one gram + solve kernel writing ``A`` and ``G``, then the split stage's apply kernel for ``u`` and ``w``. The difference is how the pairwise decays
+and, with ``return_solve``, the backward's ``(kk, A, G)``): one gram + solve kernel writing ``A`` and ``G``, then
+the split stage's apply kernel for ``u`` and ``w``. The difference is how the pairwise decays
 are formed. "fused2" exponentiates the key operand ``k 2^(G_n - G)`` over all 64 rows for every row block (256 rows
 of ``exp2`` per key block). Here the pair blocks ``(i, j)``, ``i >= j``, of one key sub-chunk ``j`` are stacked as a
 [64, 16] column block (rows above ``j`` zero), each referenced to the LAST row ``e_j`` of sub-chunk ``j``:
