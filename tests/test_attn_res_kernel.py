@@ -45,7 +45,9 @@ def _inputs(m, d, n, dtype, gain_dtype, seed):
     (5, 64, 4, 4, jnp.float32, jnp.float32, 2e-6),
     (16, 1536, 5, 5, jnp.bfloat16, jnp.bfloat16, 1.6e-2),
     (3, 128, 2, 1, jnp.bfloat16, jnp.float32, 1.6e-2),
-], ids=["f32-none-filled", "f32-some", "f32-all-odd-rows", "bf16-k3_gpu-width", "bf16-f32-gains"])
+    (256, 32, 3, 2, jnp.float32, jnp.float32, 2e-6),
+], ids=["f32-none-filled", "f32-some", "f32-all-odd-rows", "bf16-k3_gpu-width", "bf16-f32-gains",
+        "f32-two-rows-per-program"])
 def test_mix_norm_equals_float64_oracle(m, d, n, num_filled, dtype, gain_dtype, tol):
     live, bank, key_gain, query, out_gain = _inputs(m, d, n, dtype, gain_dtype, seed=m * 100 + num_filled)
     got = mix_norm(live, bank, num_filled, key_gain, query, out_gain, eps=1e-6, out_eps=1e-5, backend="interpret")

@@ -43,9 +43,10 @@ def chunk_width(d: int) -> int:
 
 
 def _block_rows(m: int) -> int:
-    """Rows per program: the largest power of two <= 8 dividing M (decode M = batch: many small programs)."""
+    """Rows per program: the largest power of two <= 8 dividing M that still leaves >= 128 programs (a read moves
+    well under a megabyte: what matters is spreading it over the SMs), else 1 (decode B = 64: 64 programs)."""
     for r in (8, 4, 2):
-        if m % r == 0:
+        if m % r == 0 and m // r >= 128:
             return r
     return 1
 
