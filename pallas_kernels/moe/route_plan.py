@@ -8,9 +8,9 @@ E experts in one program:
   lower expert index, as `jax.lax.top_k`), found by k rounds of max / first-argmax;
 - ``group_sizes [E]``: assignments per expert;
 - ``rows [N, k]``: the row of each assignment in the expert-sorted order of a *stable* sort of the flat assignment
-  list by expert, i.e. ``offset[e] + #(tokens n' < n that chose e)`` (a token picks an expert at most once). The
-  per-expert prefix counts come from a strictly-lower-triangular [N, N] × one-hot [N, E] product and the offsets
-  from counts × strictly-upper [E, E], both exact in f32 (IEEE dots of 0/1 and small integers).
+  list by expert, i.e. ``offset[e] + #(tokens n' < n that chose e)`` (a token picks an expert at most once): an
+  exclusive cumulative sum over tokens of the int32 [N, E] choice matrix plus the exclusive cumulative sum of the
+  group sizes (integer scans: exact, no [N, N] matrix in shared memory).
 The combine weights are left to the caller (a differentiable gather of the scores at ``experts``).
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). N and E are
@@ -69,7 +69,6 @@ def route_plan(logits_ne: jax.Array, bias_e: jax.Array, k: int, *, backend: str 
 @functools.partial(jax.jit, static_argnames=("n", "e", "k", "interpret"))
 def _plan_call(logits_ne, bias_e, *, n: int, e: int, k: int, interpret: bool):
     np_, ep = logits_ne.shape
-    hi = jax.lax.Precision.HIGHEST
 
     def kernel(logits_ref, bias_ref, experts_ref, rows_ref, sizes_ref):
         col = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 1)
@@ -79,31 +78,21 @@ def _plan_call(logits_ne, bias_e, *, n: int, e: int, k: int, interpret: bool):
         biased = jnp.where(col < e, biased, -jnp.inf)
         real = tok < n
         chosen = []
-        onehot_sum = jnp.zeros((np_, ep), _F32)
+        choice = jnp.zeros((np_, ep), jnp.int32)  # 1 where token n chose expert e (real tokens only)
         for _ in range(k):
             top = jnp.max(biased, axis=1)
             idx = jnp.min(jnp.where(biased == top[:, None], col, ep), axis=1)  # first index of the max
             hit = col == idx[:, None]
             chosen.append(idx)
-            onehot_sum = onehot_sum + jnp.where(hit & real, 1.0, 0.0)
+            choice = choice + jnp.where(hit & real, 1, 0)
             biased = jnp.where(hit, -jnp.inf, biased)
-        sizes = jnp.sum(onehot_sum, axis=0)  # [ep]
-        r = jax.lax.broadcasted_iota(jnp.int32, (np_, np_), 0)
-        c = jax.lax.broadcasted_iota(jnp.int32, (np_, np_), 1)
-        strictly_lower = jnp.where(r > c, 1.0, 0.0).astype(_F32)
-        before = jax.lax.dot(strictly_lower, onehot_sum, precision=hi, preferred_element_type=_F32)  # [np, ep]
-        er = jax.lax.broadcasted_iota(jnp.int32, (ep, ep), 0)
-        ec = jax.lax.broadcasted_iota(jnp.int32, (ep, ep), 1)
-        strictly_upper = jnp.where(er < ec, 1.0, 0.0).astype(_F32)
-        sizes_16 = jnp.broadcast_to(sizes[None, :], (16, ep))
-        offsets = jnp.max(jax.lax.dot(sizes_16, strictly_upper, precision=hi, preferred_element_type=_F32),
-                          axis=0)  # [ep]: exclusive cumsum of the sizes
-        start = offsets[None, :] + before
+        sizes = jnp.sum(choice, axis=0)  # [ep]
+        offsets = jnp.cumsum(sizes) - sizes  # exclusive: first row of each expert
+        start = offsets[None, :] + jnp.cumsum(choice, axis=0) - choice  # [np, ep]: row if token n chose e
         for j, idx in enumerate(chosen):
-            row = jnp.sum(jnp.where(col == idx[:, None], start, 0.0), axis=1)
             experts_ref[:, j] = idx
-            rows_ref[:, j] = row.astype(jnp.int32)
-        sizes_ref[...] = sizes.astype(jnp.int32)
+            rows_ref[:, j] = jnp.sum(jnp.where(col == idx[:, None], start, 0), axis=1)
+        sizes_ref[...] = sizes
 
     return pl.pallas_call(
         kernel,
@@ -111,6 +100,6 @@ def _plan_call(logits_ne, bias_e, *, n: int, e: int, k: int, interpret: bool):
                    jax.ShapeDtypeStruct((ep,), jnp.int32)),
         grid=(1,),
         interpret=interpret,
-        compiler_params=triton_params(interpret, 4, 1),
+        compiler_params=triton_params(interpret, 4 if np_ * ep <= 8192 else 8, 1),
         name="k3_moe_route_plan",
     )(logits_ne, bias_e)
