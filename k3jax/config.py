@@ -90,15 +90,15 @@ class ModelConfig:
     # beta activations inside it (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels).
     kda_decode_fusion: Literal["step", "prologue"] = "step"
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
-    # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; the interpreter off GPU: tests).
+    # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"
     # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
     # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
-    # consumes it, pallas_kernels/attn_res, on one GPU; the interpreter off GPU: tests).
+    # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests).
     attn_res_impl: Literal["xla", "pallas"] = "xla"
     # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
     # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
-    # and lays out the expert-sorted rows, pallas_kernels/moe; the interpreter off GPU: tests).
+    # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
     moe_route_impl: Literal["xla", "pallas"] = "xla"
     # --- MLA
     num_attention_heads: int = 96

@@ -149,3 +149,9 @@ def traced_accelerator() -> str | None:
     """The kernel family for the platform being traced (`traced_platform`): "gpu" (CUDA / ROCm), "tpu", or None
     (CPU and anything else: the XLA paths). The one place the kernel dispatchers read the platform from."""
     return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(traced_platform())
+
+
+def gpu_kernel_backend() -> str | None:
+    """The backend of a GPU-only Pallas kernel (the opt-in decode fusions) for the current trace: "gpu" on a GPU,
+    "interpret" on a CPU (tests: exact but slow), None on a TPU (no Mosaic variant: the caller's XLA path)."""
+    return {"gpu": "gpu", None: "interpret"}.get(traced_accelerator())

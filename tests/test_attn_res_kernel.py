@@ -149,3 +149,24 @@ def test_fused_read_gradient_is_the_xla_composites():
     np.testing.assert_allclose(fused(*args), xla(*args), rtol=1e-5)
     for g, r in zip(jax.grad(fused, argnums=range(5))(*args), jax.grad(xla, argnums=range(5))(*args)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-5, atol=1e-6)
+
+
+def test_gpu_only_decode_kernels_take_xla_on_tpu_and_the_interpreter_on_cpu(monkeypatch):
+    """The opt-in decode fusions have no Mosaic variant: traced for a TPU their dispatchers choose the XLA path
+    (None), on a CPU the interpreter, on a GPU the Triton kernel."""
+    import configs
+    from flax import nnx
+
+    import sharding.mesh as mesh_lib
+    from k3jax.layers import attn_res
+    from k3jax.layers.moe import LatentMoE
+    from k3jax.ops import linear
+
+    cfg = configs.get_config("tiny", ["attn_res_impl=pallas", "moe_route_impl=pallas", "decode_matmul_impl=pallas"])
+    live, bank = jnp.zeros((4, 1, cfg.hidden_size)), jnp.zeros((3, 4, 1, cfg.hidden_size))
+    moe = nnx.eval_shape(lambda: LatentMoE(cfg, rngs=nnx.Rngs(0)))
+    for platform, want in (("tpu", None), (None, "interpret"), ("gpu", "gpu")):
+        monkeypatch.setattr(mesh_lib, "traced_accelerator", lambda p=platform: p)
+        assert attn_res._kernel_backend(cfg, live, bank, 2) == want
+        assert moe._plan_backend(4, 1) == want
+        assert linear._kernel_backend(cfg, 4, 64, 64) == want

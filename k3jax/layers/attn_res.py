@@ -93,11 +93,11 @@ def _kernel_backend(cfg, live_btd, bank_nbtd, num_filled) -> str | None:
         return None
     from pallas_kernels.attn_res import chunk_width  # lazy: pallas_kernels imports k3jax modules
     from sharding.kda_kernel import kernel_mesh
-    from sharding.mesh import traced_accelerator
+    from sharding.mesh import gpu_kernel_backend
 
     if not chunk_width(live_btd.shape[-1]) or kernel_mesh() is not None:
         return None  # GSPMD cannot partition a Pallas call
-    return "gpu" if traced_accelerator() == "gpu" else "interpret"
+    return gpu_kernel_backend()
 
 
 def _composite(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps):

@@ -190,13 +190,13 @@ class LatentMoE(nnx.Module):
             return None
         from pallas_kernels.moe import MAX_EXPERTS, MAX_TOKENS  # lazy: pallas_kernels imports k3jax modules
         from sharding.kda_kernel import kernel_mesh
-        from sharding.mesh import traced_accelerator
+        from sharding.mesh import gpu_kernel_backend
 
         if cfg.record_routing_stats or b * t > MAX_TOKENS or cfg.num_experts > MAX_EXPERTS:
             return None
         if expert_parallel.active_mode(cfg, b, t) is not None or kernel_mesh() is not None:
             return None
-        return "gpu" if traced_accelerator() == "gpu" else "interpret"
+        return gpu_kernel_backend()
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced

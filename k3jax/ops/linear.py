@@ -36,11 +36,11 @@ def _kernel_backend(cfg, rows: int, k: int, n: int) -> str | None:
     if not (_tile(k) and _tile(n)):
         return None
     from sharding.kda_kernel import kernel_mesh  # lazy: sharding imports the ops
-    from sharding.mesh import traced_accelerator
+    from sharding.mesh import gpu_kernel_backend
 
     if kernel_mesh() is not None:
         return None  # GSPMD cannot partition a Pallas call
-    return "gpu" if traced_accelerator() == "gpu" else "interpret"
+    return gpu_kernel_backend()
 
 
 def project(x: jax.Array, w: jax.Array, cfg, *, contract: int = 1, preferred_element_type=None) -> jax.Array:
