@@ -1,0 +1,56 @@
+"""All opt-in decode fusions at once (AttnRes read + norm, MoE routing plan with the expert group walk, KDA decode
+with its prologue, split-K projections; kernels through the Pallas interpreter) decode a tiny unrolled model to the
+logits and caches of the plain XLA decode, over several steps with a padded slot."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.ops import gmm as gmm_ops
+from k3jax.ops import kda as kda_ops
+
+FUSIONS = ["attn_res_impl=pallas", "moe_route_impl=pallas", "kda_decode_fusion=prologue", "decode_matmul_impl=pallas"]
+
+
+def test_all_decode_fusions_together_equal_the_xla_decode(monkeypatch):
+    import configs
+    from flax import nnx
+
+    from k3jax.model import K3Model, init_cache
+
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False", "kda_impl=pallas"])
+    fused = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False",
+                                        "kda_impl=pallas"] + FUSIONS)
+    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")  # the decode kernels, interpreted
+
+    def graph(cfg):
+        return nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+
+    _, abstract = graph(base)
+    rng = np.random.default_rng(21)
+    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    ids = jnp.asarray(rng.integers(0, 256, (3, 3)), jnp.int32)
+    valid = jnp.asarray([1, 0, 1], jnp.int32)  # slot 1 is idle: its caches must not move
+
+    def decode(cfg):
+        gd = graph(cfg)[0]
+        step = jax.jit(lambda p, t, c: nnx.merge(gd, p).forward_cached(t, c, valid))
+        cache, logits = init_cache(cfg, 3, 16), []
+        for t in range(ids.shape[1]):
+            out, cache = step(params, ids[:, t:t + 1], cache)
+            logits.append(out)
+        return jnp.concatenate(logits, axis=1), cache
+
+    want, want_cache = decode(base)  # experts on ragged_dot
+    with monkeypatch.context() as patch:  # the expert kernels too (the interpreter standing in for the GPU)
+        patch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+        got, got_cache = decode(fused)
+    rows = np.asarray(valid) == 1
+    err = float(jnp.max(jnp.abs(got[rows] - want[rows])) / jnp.max(jnp.abs(want[rows])))
+    assert err < 2e-5, err
+    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+        a, b = np.asarray(a), np.asarray(b)
+        if np.issubdtype(a.dtype, np.floating):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+        else:
+            np.testing.assert_array_equal(a, b)
