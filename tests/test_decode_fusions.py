@@ -42,9 +42,28 @@ def test_all_decode_fusions_together_equal_the_xla_decode(monkeypatch):
         return jnp.concatenate(logits, axis=1), cache
 
     want, want_cache = decode(base)  # experts on ragged_dot
+    import pallas_kernels.kda.decode_fused as kda_fused
+    import pallas_kernels.moe as moe_kernels
+    from k3jax.layers import attn_res
+    from k3jax.ops import linear
+
+    calls = {}
+
+    def spy(module, name):
+        real = getattr(module, name)
+        patch.setattr(module, name, lambda *a, **kw: calls.__setitem__(name, calls.get(name, 0) + 1) or
+                      real(*a, **kw))
+
     with monkeypatch.context() as patch:  # the expert kernels too (the interpreter standing in for the GPU)
         patch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+        for module, name in ((attn_res, "_fused_read_norm"), (moe_kernels, "route_plan"),
+                             (kda_fused, "kda_decode_fused"), (linear, "_kernel_matmul")):
+            spy(module, name)
         got, got_cache = decode(fused)
+    layers, kda_layers = fused.num_hidden_layers, fused.num_hidden_layers - len(fused.full_attn_layers)
+    moe_layers = layers - fused.first_k_dense_replace
+    assert calls["_fused_read_norm"] == 2 * layers + 1 and calls["route_plan"] == moe_layers
+    assert calls["kda_decode_fused"] == kda_layers and calls["_kernel_matmul"] > layers, calls
     rows = np.asarray(valid) == 1
     err = float(jnp.max(jnp.abs(got[rows] - want[rows])) / jnp.max(jnp.abs(want[rows])))
     assert err < 2e-5, err

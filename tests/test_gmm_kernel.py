@@ -344,12 +344,18 @@ def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fu
 
 
 @pytest.mark.parametrize("tm", [16, 32], ids=["tm16-several-chunks", "tm32"])
-def test_group_walk_matches_float64_loop(tm):
+def test_group_walk_matches_float64_loop(tm, monkeypatch):
     """The decode group walk (Tiling.walk == "groups": one program per (group, column tile) stepping through the
     group's rows, no per-tile metadata) gives gmm, gmm_glu and gmm_mxfp4 the float64 loop's results on every group
-    case (empty groups, one group holding every row so it takes several row chunks, a zero tail, all empty), and
-    gradients through a group-walk forward (the backward keeps the tile walk) equal the loop's."""
+    case (empty groups, one group holding every row so it takes several row chunks, a zero tail, all empty); the
+    gradients (d_lhs walks groups too, d_rhs is tgmm) equal the loop's. A spy checks the group walk ran."""
     from pallas_kernels.gmm import Tiling
+    from pallas_kernels.gmm import gpu as gpu_kernels
+
+    walks = []
+    real_walk = gpu_kernels._group_walk_call
+    monkeypatch.setattr(gpu_kernels, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or
+                        real_walk(*a, **kw))
 
     walk = Tiling(tm, 16, 16, 4, 2, "groups")
     x, w, dy = _inputs(jnp.float32, seed=11)
@@ -373,6 +379,7 @@ def test_group_walk_matches_float64_loop(tm):
         glu_want = glu_reference_f64(x, w, w_up, sizes, np.asarray(dy), "situ", beta1, beta2)[0]
         _assert_close(glu, glu_want, jnp.float32, f"group walk tm={tm} {name}: glu")
         assert not np.asarray(out[sizes.sum():]).any() and not np.asarray(glu[sizes.sum():]).any()
+    assert sorted(walks) == ["k3_gmm", "k3_gmm", "k3_gmm_glu"]  # forward, d_lhs, fused GLU
     xq, packed, scales = _mxfp4_inputs()
     for name, sizes in MX_SIZES.items():
         sizes = np.array(sizes, np.int32)
@@ -381,6 +388,7 @@ def test_group_walk_matches_float64_loop(tm):
         want = mxfp4_reference_f64(xq, packed, scales, sizes)
         err = (np.abs(np.asarray(got, np.float64) - want).max(0) / (np.abs(want).max(0) + 1e-30)).max()
         assert err < 1e-5, f"mxfp4 group walk {name}: {err:.3g}"
+    assert walks.count("k3_gmm_mxfp4") == 1
 
 
 def test_group_walk_lowers_for_cuda_and_skips_the_tile_metadata():

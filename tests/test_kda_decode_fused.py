@@ -84,6 +84,12 @@ def test_bad_shapes_are_refused_by_name():
         kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
     with pytest.raises(ValueError, match="unknown backend"):
         kda_decode_fused(*args, scale=1.0, lower_bound=-5.0, backend="tpu")
+    with pytest.raises(ValueError, match="block_v must be"):
+        kda_decode_fused(*args, scale=1.0, lower_bound=-5.0, backend="interpret", block_v=24)
+    bad = list(args)
+    bad[1], bad[2] = bad[1][:, :0], bad[2][:1]
+    with pytest.raises(ValueError, match="W-1 >= 1"):
+        kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
 
 
 def test_kernel_lowers_for_cuda():

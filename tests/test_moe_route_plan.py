@@ -13,10 +13,11 @@ from pallas_kernels.cuda_lowering import triton_kernels
 from pallas_kernels.moe import route_plan
 
 
-def _oracle(logits, bias, k):
-    """float64 NumPy: top-k by a stable descending sort (ties: lower expert first), then a stable sort of the
-    flat assignments by expert gives each assignment's row."""
-    x = 1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64))) + np.asarray(bias, np.float64)
+def _oracle(scores, k):
+    """NumPy: top-k by a stable descending sort (ties: lower expert first; NaN ranks as -inf), then a stable sort
+    of the flat assignments by expert gives each assignment's row."""
+    x = np.asarray(scores, np.float64)
+    x = np.where(np.isnan(x), -np.inf, x)
     experts = np.argsort(-x, axis=1, kind="stable")[:, :k]
     flat = experts.reshape(-1)
     order = np.argsort(flat, kind="stable")
@@ -28,41 +29,57 @@ def _oracle(logits, bias, k):
 @pytest.mark.parametrize("n,e,k", [(10, 20, 4), (1, 64, 8), (64, 64, 8), (37, 5, 5), (3, 17, 1)])
 def test_route_plan_equals_numpy_oracle(n, e, k):
     rng = np.random.default_rng(n * 1000 + e)
-    logits = jnp.asarray(rng.standard_normal((n, e)) * 2, jnp.float32)
-    bias = jnp.asarray(0.3 * rng.standard_normal(e), jnp.float32)
-    plan = route_plan(logits, bias, k, backend="interpret")
-    experts, rows, sizes = _oracle(logits, bias, k)
+    logits = rng.standard_normal((n, e)) * 2
+    scores = jnp.asarray(1 / (1 + np.exp(-logits)) + 0.3 * rng.standard_normal(e), jnp.float32)
+    plan = route_plan(scores, k, backend="interpret")
+    experts, rows, sizes = _oracle(scores, k)
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), experts)
     np.testing.assert_array_equal(np.asarray(plan.rows_nk), rows)
     np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), sizes)
 
 
 def test_ties_go_to_the_lower_expert_as_in_lax_top_k():
-    logits = jnp.zeros((4, 8), jnp.float32).at[:, 5].set(1.0)
-    bias = jnp.zeros((8,), jnp.float32)
-    plan = route_plan(logits, bias, 3, backend="interpret")
-    want = np.asarray(jax.lax.top_k(jax.nn.sigmoid(logits) + bias, 3)[1])
+    scores = jnp.zeros((4, 8), jnp.float32).at[:, 5].set(1.0)
+    plan = route_plan(scores, 3, backend="interpret")
+    want = np.asarray(jax.lax.top_k(scores, 3)[1])
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), want)
     np.testing.assert_array_equal(want[0], [5, 0, 1])
 
 
+def test_nan_and_minus_inf_scores_stay_inside_their_token():
+    """A NaN ranks as -inf and a token whose remaining scores are all -inf still gets distinct experts, so the
+    rows stay a permutation of 0 .. N*k-1 and the other tokens' plan is the NaN-free one."""
+    rng = np.random.default_rng(5)
+    scores = rng.standard_normal((5, 8)).astype(np.float32)
+    scores[1, 3] = np.nan
+    scores[3, :] = -np.inf
+    scores[3, 6] = 0.5
+    plan = route_plan(jnp.asarray(scores), 3, backend="interpret")
+    experts, rows, sizes = _oracle(scores, 3)
+    np.testing.assert_array_equal(np.asarray(plan.experts_nk), experts)
+    np.testing.assert_array_equal(np.asarray(plan.rows_nk), rows)
+    np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), sizes)
+    assert sorted(np.asarray(plan.rows_nk).ravel().tolist()) == list(range(15))
+    assert len(set(np.asarray(plan.experts_nk)[3].tolist())) == 3 and np.asarray(plan.experts_nk)[3, 0] == 6
+
+
 def test_bad_inputs_are_refused_by_name():
-    logits, bias = jnp.zeros((4, 8), jnp.float32), jnp.zeros((8,), jnp.float32)
-    with pytest.raises(ValueError, match="expected logits"):
-        route_plan(logits, bias[:4], 2, backend="interpret")
+    scores = jnp.zeros((4, 8), jnp.float32)
+    with pytest.raises(ValueError, match="expected selection scores"):
+        route_plan(scores[0], 2, backend="interpret")
     with pytest.raises(ValueError, match="k=9"):
-        route_plan(logits, bias, 9, backend="interpret")
+        route_plan(scores, 9, backend="interpret")
     with pytest.raises(ValueError, match="decode sizes only"):
-        route_plan(jnp.zeros((300, 8), jnp.float32), bias, 2, backend="interpret")
+        route_plan(jnp.zeros((300, 8), jnp.float32), 2, backend="interpret")
     with pytest.raises(ValueError, match="unknown backend"):
-        route_plan(logits, bias, 2, backend="tpu")
+        route_plan(scores, 2, backend="tpu")
 
 
 def test_kernel_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
     for n, e, k in ((64, 64, 8), (256, 256, 8), (1, 64, 8)):
-        count, names = triton_kernels(lambda a, b: route_plan(a, b, k), s((n, e), jnp.float32),
-                                      s((e,), jnp.float32), name_pattern=r"k3_[a-z_]+")
+        count, names = triton_kernels(lambda a: route_plan(a, k), s((n, e), jnp.float32),
+                                      name_pattern=r"k3_[a-z_]+")
         assert count == 1 and names == ["k3_moe_route_plan"]
 
 
@@ -131,3 +148,29 @@ def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch)
     got = moe.experts_planned(z, p_weights, rows, sizes, w1, w3, w2, cfg)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
+
+
+def test_planned_routing_weights_have_the_xla_routes_gradients():
+    """The plan's integer outputs carry no gradient; the combine weights (a gather of the sigmoid scores) give
+    `route`'s gradients with respect to the tokens and the router."""
+    import configs
+
+    from k3jax.layers import moe
+
+    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((5, cfg.hidden_size)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((cfg.hidden_size, cfg.num_experts)) * 0.1, jnp.float32)
+    bias = jnp.asarray(0.1 * rng.standard_normal(cfg.num_experts), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((5, cfg.num_experts_per_token)), jnp.float32)
+
+    def loss_xla(x, r):
+        return jnp.sum(moe.route(x, r, bias, cfg)[0] * w)
+
+    def loss_planned(x, r):
+        return jnp.sum(moe.route_planned(x, r, bias, cfg, "interpret")[0] * w)
+
+    np.testing.assert_allclose(loss_planned(x, router), loss_xla(x, router), rtol=1e-6)
+    for got, want in zip(jax.grad(loss_planned, argnums=(0, 1))(x, router),
+                         jax.grad(loss_xla, argnums=(0, 1))(x, router)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-7)

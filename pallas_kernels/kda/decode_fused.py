@@ -57,6 +57,15 @@ def kda_decode_fused(proj_b3p, hist_bw3p, conv_w3p, z_bhk, a_log_h, dt_bias_hk, 
                              f"W-1={wm1}), got {list(x.shape)}")
     if kd < 16 or kd & (kd - 1):
         raise ValueError(f"kda_decode_fused: K={kd} must be a power of two >= 16")
+    if wm1 < 1:
+        raise ValueError(f"kda_decode_fused: the conv history needs W-1 >= 1 rows, got hist {list(hist_bw3p.shape)}")
+    if not isinstance(block_v, int) or block_v < 16 or block_v & (block_v - 1):
+        raise ValueError(f"kda_decode_fused: block_v must be a power of two >= 16, got {block_v!r}")
+    if not isinstance(warps, int) or warps < 1 or warps & (warps - 1):
+        raise ValueError(f"kda_decode_fused: warps must be a power of two >= 1, got {warps!r}")
+    if b * h * kd * kd >= 2 ** 31:
+        raise ValueError(f"kda_decode_fused: the state has {b * h * kd * kd} elements; int32 offsets need < 2^31 "
+                         f"(split the batch)")
     if jnp.dtype(proj_b3p.dtype) != jnp.dtype(hist_bw3p.dtype):
         raise ValueError(f"kda_decode_fused: proj and hist must share the activation dtype, got {proj_b3p.dtype} "
                          f"and {hist_bw3p.dtype}")

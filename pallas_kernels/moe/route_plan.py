@@ -1,20 +1,24 @@
 """Routing plan for decode-sized MoE calls in one launch: top-k selection and the expert-sorted row layout.
 
 The dropless MoE sorts the N·k (token, expert) assignments by expert so the grouped matmuls see each expert's rows
-contiguously. In XLA a decode step spends about ten small kernels per MoE layer on that (sigmoid + bias, a top-k
-sort, an argsort of the assignments, a bincount scatter, gathers and slices). This kernel computes, for N tokens and
-E experts in one program:
-- ``experts [N, k]``: the top-k of ``sigmoid(logits) + bias`` per token (the bias only selects; ties go to the
-  lower expert index, as `jax.lax.top_k`), found by k rounds of max / first-argmax;
+contiguously. In XLA a decode step spends about ten small kernels per MoE layer on that (a top-k sort, an argsort
+of the assignments, a bincount scatter, gathers and slices). Given the selection scores (``sigmoid(logits) + bias``,
+computed by the caller exactly as the XLA `route` does, so both paths rank identical values), this kernel computes
+for N tokens and E experts in one program:
+- ``experts [N, k]``: the top-k per token, found by k rounds of max / first-argmax over the experts not yet taken
+  (ties go to the lower expert index, as `jax.lax.top_k`; NaN ranks as -inf; a token always gets k distinct
+  experts, even when only -inf scores are left);
 - ``group_sizes [E]``: assignments per expert;
 - ``rows [N, k]``: the row of each assignment in the expert-sorted order of a *stable* sort of the flat assignment
   list by expert, i.e. ``offset[e] + #(tokens n' < n that chose e)`` (a token picks an expert at most once): an
   exclusive cumulative sum over tokens of the int32 [N, E] choice matrix plus the exclusive cumulative sum of the
-  group sizes (integer scans: exact, no [N, N] matrix in shared memory).
+  group sizes (integer scans: exact, no [N, N] matrix in shared memory). The rows are a permutation of
+  0 .. N·k - 1.
 The combine weights are left to the caller (a differentiable gather of the scores at ``experts``).
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). N and E are
-padded to powers of two >= 16 inside (padded tokens choose nothing, padded experts are never chosen).
+padded to powers of two >= 16 inside (padded tokens choose nothing, padded experts are never chosen). Not
+differentiable (integer outputs): callers pass ``stop_gradient`` scores.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pallas_kernels.kda.chunk_fwd import triton_params
 __all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "RoutePlan", "route_plan"]
 
 BACKENDS = ("gpu", "interpret")
-MAX_TOKENS = 256  # one program holds [N, N] and [N, E] tiles: decode sizes only
+MAX_TOKENS = 256  # one program holds a few [N, E] tiles: decode sizes only
 MAX_EXPERTS = 256
 _F32 = jnp.float32
 
@@ -46,46 +50,47 @@ def _pow2_at_least_16(n: int) -> int:
     return max(16, 1 << max(int(n) - 1, 0).bit_length())
 
 
-def route_plan(logits_ne: jax.Array, bias_e: jax.Array, k: int, *, backend: str = "gpu") -> RoutePlan:
-    """Top-k of ``sigmoid(logits) + bias`` per token and the expert-sorted row plan (see the module doc)."""
+def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePlan:
+    """Top-k of the selection scores per token and the expert-sorted row plan (see the module doc)."""
     if backend not in BACKENDS:
         raise ValueError(f"route_plan: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if logits_ne.ndim != 2 or bias_e.shape != logits_ne.shape[1:]:
-        raise ValueError(f"route_plan: expected logits [N, E] and bias [E], got {logits_ne.shape} and "
-                         f"{bias_e.shape}")
-    n, e = logits_ne.shape
+    if scores_ne.ndim != 2:
+        raise ValueError(f"route_plan: expected selection scores [N, E], got shape {scores_ne.shape}")
+    n, e = scores_ne.shape
     if not 1 <= k <= e:
         raise ValueError(f"route_plan: k={k} must be in [1, E={e}]")
     if n > MAX_TOKENS or e > MAX_EXPERTS:
         raise ValueError(f"route_plan: decode sizes only (N <= {MAX_TOKENS}, E <= {MAX_EXPERTS}), got N={n}, "
                          f"E={e}")
     np_, ep = _pow2_at_least_16(n), _pow2_at_least_16(e)
-    logits = jnp.pad(logits_ne.astype(_F32), ((0, np_ - n), (0, ep - e)))
-    bias = jnp.pad(bias_e.astype(_F32), (0, ep - e))
-    experts, rows, sizes = _plan_call(logits, bias, n=n, e=e, k=int(k), interpret=backend == "interpret")
+    scores = jnp.pad(jax.lax.stop_gradient(scores_ne).astype(_F32), ((0, np_ - n), (0, ep - e)))
+    experts, rows, sizes = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret")
     return RoutePlan(experts[:n], rows[:n], sizes[:e])
 
 
 @functools.partial(jax.jit, static_argnames=("n", "e", "k", "interpret"))
-def _plan_call(logits_ne, bias_e, *, n: int, e: int, k: int, interpret: bool):
-    np_, ep = logits_ne.shape
+def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool):
+    np_, ep = scores_ne.shape
 
-    def kernel(logits_ref, bias_ref, experts_ref, rows_ref, sizes_ref):
+    def kernel(scores_ref, experts_ref, rows_ref, sizes_ref):
         col = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 1)
         tok = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 0)
-        x = logits_ref[...]
-        biased = 1.0 / (1.0 + jnp.exp(-x)) + bias_ref[...][None, :]
-        biased = jnp.where(col < e, biased, -jnp.inf)
+        x = scores_ref[...]
+        x = jnp.where(x != x, -jnp.inf, x)  # NaN ranks last (and never breaks the argmax below)
+        free = col < e  # experts this token may still take (padding columns never)
         real = tok < n
         chosen = []
         choice = jnp.zeros((np_, ep), jnp.int32)  # 1 where token n chose expert e (real tokens only)
         for _ in range(k):
-            top = jnp.max(biased, axis=1)
-            idx = jnp.min(jnp.where(biased == top[:, None], col, ep), axis=1)  # first index of the max
+            masked = jnp.where(free, x, -jnp.inf)
+            top = jnp.max(masked, axis=1)
+            # first free expert holding the max (with only -inf left: the first free expert), so a token's k
+            # experts are always distinct and the rows below a permutation
+            idx = jnp.min(jnp.where(free & (masked == top[:, None]), col, ep), axis=1)
             hit = col == idx[:, None]
             chosen.append(idx)
             choice = choice + jnp.where(hit & real, 1, 0)
-            biased = jnp.where(hit, -jnp.inf, biased)
+            free = free & ~hit
         sizes = jnp.sum(choice, axis=0)  # [ep]
         offsets = jnp.cumsum(sizes) - sizes  # exclusive: first row of each expert
         start = offsets[None, :] + jnp.cumsum(choice, axis=0) - choice  # [np, ep]: row if token n chose e
@@ -102,4 +107,4 @@ def _plan_call(logits_ne, bias_e, *, n: int, e: int, k: int, interpret: bool):
         interpret=interpret,
         compiler_params=triton_params(interpret, 4 if np_ * ep <= 8192 else 8, 1),
         name="k3_moe_route_plan",
-    )(logits_ne, bias_e)
+    )(scores_ne)
