@@ -48,3 +48,50 @@ def jit_call(module, *args):
     from flax import nnx
 
     return nnx.jit(lambda m, *a: m(*a))(module, *args)
+
+
+class DecodeHarness:
+    """One set of random weights for a config and its runtime variants (`cfg.replace(**overrides)` that keep the
+    parameter tree, e.g. a kernel choice): jitted cached-forward steps to compare a decode path with the XLA one."""
+
+    def __init__(self, cfg, seed: int, scale: float = 0.1):
+        import jax
+        import jax.numpy as jnp
+
+        self.cfg = cfg
+        self.rng = np.random.default_rng(seed)
+        _, abstract = self._split(cfg)
+        self.params = jax.tree.map(lambda x: jnp.asarray(scale * self.rng.standard_normal(x.shape), x.dtype),
+                                   abstract)
+
+    @staticmethod
+    def _split(cfg):
+        from flax import nnx
+
+        from k3jax.model import K3Model
+
+        return nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
+
+    def step(self, **overrides):
+        """jit((params, ids [B, T], cache, valid_len [B]) -> (logits, new cache)) of the variant."""
+        import jax
+        from flax import nnx
+
+        graphdef, _ = self._split(self.cfg.replace(**overrides))
+        return jax.jit(lambda p, ids, cache, valid: nnx.merge(graphdef, p).forward_cached(ids, cache, valid))
+
+    def ids(self, batch: int, length: int):
+        import jax.numpy as jnp
+
+        return jnp.asarray(self.rng.integers(0, self.cfg.vocab_size, (batch, length)), jnp.int32)
+
+    def cache(self, batch: int, max_len: int):
+        from k3jax.model import init_cache
+
+        return init_cache(self.cfg, batch, max_len)
+
+
+def max_rel_err(got, want) -> float:
+    """max |got - want| / max |want| in float64."""
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))

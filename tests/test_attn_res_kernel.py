@@ -88,33 +88,18 @@ def test_kernel_lowers_for_cuda():
 @pytest.mark.parametrize("scan_layers", [False, True], ids=["unrolled", "scanned"])
 def test_model_decode_with_the_fused_reads_equals_xla(monkeypatch, scan_layers):
     import configs
-    from flax import nnx
 
     from k3jax.layers import attn_res
-    from k3jax.model import K3Model, init_cache
+    from tests.conftest import DecodeHarness, max_rel_err
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(scan_layers=scan_layers)
-
-    def graph(impl):
-        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(attn_res_impl=impl), rngs=nnx.Rngs(0))))
-
-    _, abstract = graph("xla")
-    rng = np.random.default_rng(3)
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    model = DecodeHarness(base, seed=3)
     calls = []
     real = attn_res._fused_read_norm
     monkeypatch.setattr(attn_res, "_fused_read_norm", lambda *a: calls.append(a[5]) or real(*a))
-
-    def run(impl, t):
-        gd = graph(impl)[0]
-        ids = jnp.asarray(rng.integers(0, 256, (2, t)), jnp.int32)
-        step = jax.jit(lambda p, ids, cache: nnx.merge(gd, p).forward_cached(ids, cache, jnp.asarray([t, t])))
-        return ids, step, init_cache(base, 2, 320)
-
-    ids, xla_step, cache = run("xla", 1)
-    want, want_cache = xla_step(params, ids, cache)
-    _, kernel_step, _ = run("pallas", 1)
-    got, got_cache = kernel_step(params, ids, cache)
+    ids, cache, valid = model.ids(2, 1), model.cache(2, 320), jnp.asarray([1, 1])
+    want, want_cache = model.step(attn_res_impl="xla")(model.params, ids, cache, valid)
+    got, got_cache = model.step(attn_res_impl="pallas")(model.params, ids, cache, valid)
     layers = base.num_hidden_layers
     snapshots = base.num_attn_res_snapshots
     if scan_layers:  # only the layers outside a scanned group and the final read know their fill statically
@@ -123,13 +108,12 @@ def test_model_decode_with_the_fused_reads_equals_xla(monkeypatch, scan_layers):
     else:  # two reads per layer + the final one, with the bank filled as the layer index says
         assert len(calls) == 2 * layers + 1
         assert calls[:4] == [0, 1, 1, 1] and calls[-1] == snapshots
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    assert err < 1e-5, err
+    assert max_rel_err(got, want) < 1e-5
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64), rtol=1e-4, atol=1e-5)
     calls.clear()
-    ids, prefill, cache = run("pallas", 150)  # 2 x 150 = 300 rows > DECODE_MAX_ROWS
-    prefill(params, ids, cache)
+    prefill = model.step(attn_res_impl="pallas")  # 2 x 150 = 300 rows > DECODE_MAX_ROWS
+    prefill(model.params, model.ids(2, 150), cache, jnp.asarray([150, 150]))
     assert not calls
 
 

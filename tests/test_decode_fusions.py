@@ -9,44 +9,31 @@ import numpy as np
 from k3jax.ops import gmm as gmm_ops
 from k3jax.ops import kda as kda_ops
 
-FUSIONS = ["attn_res_impl=pallas", "moe_route_impl=pallas", "kda_decode_fusion=prologue", "decode_matmul_impl=pallas"]
-
-
 def test_all_decode_fusions_together_equal_the_xla_decode(monkeypatch):
     import configs
-    from flax import nnx
 
-    from k3jax.model import K3Model, init_cache
-
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False", "kda_impl=pallas"])
-    fused = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False",
-                                        "kda_impl=pallas"] + FUSIONS)
-    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")  # the decode kernels, interpreted
-
-    def graph(cfg):
-        return nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-
-    _, abstract = graph(base)
-    rng = np.random.default_rng(21)
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
-    ids = jnp.asarray(rng.integers(0, 256, (3, 3)), jnp.int32)
-    valid = jnp.asarray([1, 0, 1], jnp.int32)  # slot 1 is idle: its caches must not move
-
-    def decode(cfg):
-        gd = graph(cfg)[0]
-        step = jax.jit(lambda p, t, c: nnx.merge(gd, p).forward_cached(t, c, valid))
-        cache, logits = init_cache(cfg, 3, 16), []
-        for t in range(ids.shape[1]):
-            out, cache = step(params, ids[:, t:t + 1], cache)
-            logits.append(out)
-        return jnp.concatenate(logits, axis=1), cache
-
-    want, want_cache = decode(base)  # experts on ragged_dot
     import pallas_kernels.kda.decode_fused as kda_fused
     import pallas_kernels.moe as moe_kernels
     from k3jax.layers import attn_res
     from k3jax.ops import linear
+    from tests.conftest import DecodeHarness, max_rel_err
 
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False", "kda_impl=pallas"])
+    fused = dict(attn_res_impl="pallas", moe_route_impl="pallas", kda_decode_fusion="prologue",
+                 decode_matmul_impl="pallas")
+    monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")  # the decode kernels, interpreted
+    model = DecodeHarness(base, seed=21)
+    ids = model.ids(3, 3)
+    valid = jnp.asarray([1, 0, 1], jnp.int32)  # slot 1 is idle: its caches must not move
+
+    def decode(**overrides):
+        step, cache, logits = model.step(**overrides), model.cache(3, 16), []
+        for t in range(ids.shape[1]):
+            out, cache = step(model.params, ids[:, t:t + 1], cache, valid)
+            logits.append(out)
+        return jnp.concatenate(logits, axis=1), cache
+
+    want, want_cache = decode()  # experts on ragged_dot
     calls = {}
 
     def spy(module, name):
@@ -59,14 +46,13 @@ def test_all_decode_fusions_together_equal_the_xla_decode(monkeypatch):
         for module, name in ((attn_res, "_fused_read_norm"), (moe_kernels, "route_plan"),
                              (kda_fused, "kda_decode_fused"), (linear, "_kernel_matmul")):
             spy(module, name)
-        got, got_cache = decode(fused)
-    layers, kda_layers = fused.num_hidden_layers, fused.num_hidden_layers - len(fused.full_attn_layers)
-    moe_layers = layers - fused.first_k_dense_replace
+        got, got_cache = decode(**fused)
+    layers, kda_layers = base.num_hidden_layers, base.num_hidden_layers - len(base.full_attn_layers)
+    moe_layers = layers - base.first_k_dense_replace
     assert calls["_fused_read_norm"] == 2 * layers + 1 and calls["route_plan"] == moe_layers
     assert calls["kda_decode_fused"] == kda_layers and calls["_kernel_matmul"] > layers, calls
     rows = np.asarray(valid) == 1
-    err = float(jnp.max(jnp.abs(got[rows] - want[rows])) / jnp.max(jnp.abs(want[rows])))
-    assert err < 2e-5, err
+    assert max_rel_err(got[rows], want[rows]) < 2e-5
     for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
         a, b = np.asarray(a), np.asarray(b)
         if np.issubdtype(a.dtype, np.floating):

@@ -60,38 +60,22 @@ def test_model_decode_with_the_kernel_projections_equals_the_xla_products(monkey
     decode_matmul_impl="pallas" runs its projections through the split-K kernel (interpreter; a spy counts the calls)
     and gives the logits of decode_matmul_impl="xla"; a 300-row prefill stays on XLA (over DECODE_MAX_ROWS)."""
     import configs
-    from flax import nnx
 
-    from k3jax.model import K3Model, init_cache
     from k3jax.ops import linear
+    from tests.conftest import DecodeHarness, max_rel_err
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(
         num_hidden_layers=4, full_attn_layers=(3,))
-
-    def graph(impl):
-        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(decode_matmul_impl=impl), rngs=nnx.Rngs(0))))
-
-    _, abstract = graph("xla")
-    rng = np.random.default_rng(2)
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    model = DecodeHarness(base, seed=2)
     calls = []
     real = linear._kernel_matmul
     monkeypatch.setattr(linear, "_kernel_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
-
-    def run(impl, t):
-        gd = graph(impl)[0]
-        ids = jnp.asarray(rng.integers(0, 256, (2, t)), jnp.int32)
-        step = jax.jit(lambda p, ids, cache: nnx.merge(gd, p).forward_cached(ids, cache, jnp.asarray([t, t])))
-        return ids, step, init_cache(base, 2, 320)
-
-    ids, xla_step, cache = run("xla", 1)
-    want, _ = xla_step(params, ids, cache)
-    _, kernel_step, _ = run("pallas", 1)
-    got, _ = kernel_step(params, ids, cache)
+    ids, cache, valid = model.ids(2, 1), model.cache(2, 320), jnp.asarray([1, 1])
+    want, _ = model.step(decode_matmul_impl="xla")(model.params, ids, cache, valid)
+    got, _ = model.step(decode_matmul_impl="pallas")(model.params, ids, cache, valid)
     assert len(calls) >= 10 and all(shape[0] == 2 for shape in calls)  # every projection of the 2-row step
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    assert err < 1e-5, err
+    assert max_rel_err(got, want) < 1e-5
     calls.clear()
-    ids, prefill, cache = run("pallas", 150)  # 2 x 150 = 300 rows > DECODE_MAX_ROWS
-    prefill(params, ids, cache)
+    prefill = model.step(decode_matmul_impl="pallas")  # 2 x 150 = 300 rows > DECODE_MAX_ROWS
+    prefill(model.params, model.ids(2, 150), cache, jnp.asarray([150, 150]))
     assert not calls

@@ -141,36 +141,24 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
 
 def test_model_decode_with_the_fused_prologue_equals_the_step_kernel(monkeypatch):
     import configs
-    from flax import nnx
 
-    from k3jax.model import K3Model, init_cache
+    import pallas_kernels.kda.decode_fused as fused_mod
+    from tests.conftest import DecodeHarness
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(
         scan_layers=False, kda_impl="pallas")
     monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-    import pallas_kernels.kda.decode_fused as fused_mod
-
     calls = []
     real = fused_mod.kda_decode_fused
     monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-
-    def graph(fusion):
-        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(kda_decode_fusion=fusion),
-                                                        rngs=nnx.Rngs(0))))
-
-    _, abstract = graph("step")
-    rng = np.random.default_rng(6)
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
-    cache = init_cache(base, 2, 64)
-    cache = jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype)
-                         if jnp.issubdtype(x.dtype, jnp.floating) else x, cache)
-    ids = jnp.asarray(rng.integers(0, 256, (2, 1)), jnp.int32)
+    model = DecodeHarness(base, seed=6)
+    cache = jax.tree.map(lambda x: jnp.asarray(model.rng.standard_normal(x.shape), x.dtype)
+                         if jnp.issubdtype(x.dtype, jnp.floating) else x, model.cache(2, 64))
+    ids, valid = model.ids(2, 1), jnp.asarray([1, 1])
     out = {}
     for fusion in ("step", "prologue"):
-        gd = graph(fusion)[0]
-        step = jax.jit(lambda p, ids, c: nnx.merge(gd, p).forward_cached(ids, c, jnp.asarray([1, 1])))
         calls.clear()
-        out[fusion] = step(params, ids, cache)
+        out[fusion] = model.step(kda_decode_fusion=fusion)(model.params, ids, cache, valid)
         kda_layers = base.num_hidden_layers - len(base.full_attn_layers)
         assert len(calls) == (kda_layers if fusion == "prologue" else 0)
     (want, want_cache), (got, got_cache) = out["step"], out["prologue"]

@@ -85,40 +85,24 @@ def test_kernel_lowers_for_cuda():
 
 def test_model_decode_with_the_routing_plan_equals_xla(monkeypatch):
     import configs
-    from flax import nnx
 
     import pallas_kernels.moe as moe_kernels
-    from k3jax.model import K3Model, init_cache
+    from tests.conftest import DecodeHarness, max_rel_err
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(scan_layers=False)
-
-    def graph(impl):
-        return nnx.split(nnx.eval_shape(lambda: K3Model(base.replace(moe_route_impl=impl), rngs=nnx.Rngs(0))))
-
-    _, abstract = graph("xla")
-    rng = np.random.default_rng(4)
-    params = jax.tree.map(lambda x: jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype), abstract)
+    model = DecodeHarness(base, seed=4)
     calls = []
     real = moe_kernels.route_plan
     monkeypatch.setattr(moe_kernels, "route_plan", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-
-    def run(impl, t):
-        gd = graph(impl)[0]
-        ids = jnp.asarray(rng.integers(0, 256, (3, t)), jnp.int32)
-        step = jax.jit(lambda p, ids, cache: nnx.merge(gd, p).forward_cached(ids, cache, jnp.asarray([t, t, t])))
-        return ids, step, init_cache(base, 3, 320)
-
-    ids, xla_step, cache = run("xla", 1)
-    want, _ = xla_step(params, ids, cache)
-    _, kernel_step, _ = run("pallas", 1)
-    got, _ = kernel_step(params, ids, cache)
-    moe_layers = sum(1 for layer in range(base.num_hidden_layers) if layer >= base.first_k_dense_replace)
+    ids, cache, valid = model.ids(3, 1), model.cache(3, 320), jnp.asarray([1, 1, 1])
+    want, _ = model.step(moe_route_impl="xla")(model.params, ids, cache, valid)
+    got, _ = model.step(moe_route_impl="pallas")(model.params, ids, cache, valid)
+    moe_layers = base.num_hidden_layers - base.first_k_dense_replace
     assert len(calls) == moe_layers and all(shape == (3, base.num_experts) for shape in calls)
-    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-    assert err < 1e-5, err
+    assert max_rel_err(got, want) < 1e-5
     calls.clear()
-    ids, prefill, cache = run("pallas", 100)  # 3 x 100 = 300 tokens > MAX_TOKENS
-    prefill(params, ids, cache)
+    prefill = model.step(moe_route_impl="pallas")  # 3 x 100 = 300 tokens > MAX_TOKENS
+    prefill(model.params, model.ids(3, 100), cache, jnp.asarray([100, 100, 100]))
     assert not calls
 
 
