@@ -95,3 +95,39 @@ def max_rel_err(got, want) -> float:
     """max |got - want| / max |want| in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+class KDALayerDecode:
+    """A tiny f32 KDA layer's one-token cached decode: 4 slots (slot 1 idle: valid 0), a random recurrent state
+    and conv history, and `decode(**overrides)` giving the unjitted forward_cached of a config variant."""
+
+    def __init__(self, seed: int):
+        import configs
+        import jax.numpy as jnp
+        from flax import nnx
+
+        from k3jax.layers.kda import KDA
+
+        self.cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
+        rng = np.random.default_rng(seed)
+        self.x = jnp.asarray(rng.standard_normal((4, 1, self.cfg.hidden_size)), jnp.float32)
+        self.valid = jnp.asarray([1, 0, 1, 1], jnp.int32)
+        layer = KDA(self.cfg.replace(kda_impl="chunked"), rngs=nnx.Rngs(3))
+        state = layer.init_state(4)
+        self.state = state._replace(
+            state_bhkv=jnp.asarray(rng.standard_normal(state.state_bhkv.shape), jnp.float32),
+            conv_bwcp=jnp.asarray(rng.standard_normal(state.conv_bwcp.shape), jnp.float32))
+        _, self.params = nnx.split(layer)
+
+    def decode(self, **overrides):
+        from flax import nnx
+
+        from k3jax.layers.kda import KDA
+
+        cfg = self.cfg.replace(**overrides)
+        graph, _ = nnx.split(nnx.eval_shape(lambda: KDA(cfg, rngs=nnx.Rngs(3))))
+        return lambda p, x, st, valid: nnx.merge(graph, p).forward_cached(x, st, valid)
+
+    @property
+    def args(self):
+        return self.params, self.x, self.state, self.valid

@@ -103,30 +103,15 @@ def test_kernel_lowers_for_cuda():
 
 
 def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch):
-    import configs
-    from flax import nnx
-
-    from k3jax.layers.kda import KDA
-
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    rng = np.random.default_rng(13)
-    x = jnp.asarray(rng.standard_normal((4, 1, base.hidden_size)), jnp.float32)
-    valid = jnp.asarray([1, 0, 1, 1], jnp.int32)
-    layer = KDA(base.replace(kda_impl="chunked"), rngs=nnx.Rngs(3))
-    state = layer.init_state(4)
-    state = state._replace(state_bhkv=jnp.asarray(rng.standard_normal(state.state_bhkv.shape), jnp.float32),
-                           conv_bwcp=jnp.asarray(rng.standard_normal(state.conv_bwcp.shape), jnp.float32))
-    _, params = nnx.split(layer)
-    calls = []
     import pallas_kernels.kda.decode_fused as fused_mod
+    from tests.conftest import KDALayerDecode
 
+    setup = KDALayerDecode(seed=13)
+    params, x, state, valid = setup.args
+    decode = setup.decode
+    calls = []
     real = fused_mod.kda_decode_fused
     monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-
-    def decode(**over):
-        graph, _ = nnx.split(nnx.eval_shape(lambda: KDA(base.replace(**over), rngs=nnx.Rngs(3))))
-        return lambda p, x, st, valid: nnx.merge(graph, p).forward_cached(x, st, valid)
-
     y_ref, st_ref = jax.jit(decode(kda_impl="chunked"))(params, x, state, valid)
     monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
     y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue"))(params, x, state, valid)

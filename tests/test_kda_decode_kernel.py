@@ -186,25 +186,14 @@ def test_layer_decode_under_a_mesh_runs_the_kernel_per_shard(monkeypatch):
     on one CPU device (the XLA step) and, with the decode kernel chosen, under a (data 2, expert 2, model 2) mesh,
     where it goes through the shard_map wrapper (sharding.kda_kernel); a slot with valid_len 0 keeps its recurrent
     state bit-identical."""
-    import configs
-    from flax import nnx
-
-    from k3jax.layers.kda import KDA
     from sharding.mesh import make_mesh
+    from tests.conftest import KDALayerDecode
 
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    rng = np.random.default_rng(12)
-    x = jnp.asarray(rng.standard_normal((4, 1, base.hidden_size)), jnp.float32)
-    valid = jnp.asarray([1, 0, 1, 1], jnp.int32)
-    layer = KDA(base.replace(kda_impl="chunked"), rngs=nnx.Rngs(3))
-    state = layer.init_state(4)
-    state = state._replace(state_bhkv=jnp.asarray(rng.standard_normal(state.state_bhkv.shape), jnp.float32),
-                           conv_bwcp=jnp.asarray(rng.standard_normal(state.conv_bwcp.shape), jnp.float32))
-    _, params = nnx.split(layer)
+    setup = KDALayerDecode(seed=12)
+    params, x, state, valid = setup.args
 
     def decode(impl):
-        graph, _ = nnx.split(nnx.eval_shape(lambda: KDA(base.replace(kda_impl=impl), rngs=nnx.Rngs(3))))
-        return lambda p, x, st, valid: nnx.merge(graph, p).forward_cached(x, st, valid)
+        return setup.decode(kda_impl=impl)
 
     y_ref, st_ref = jax.jit(decode("chunked"))(params, x, state, valid)
     y_cpu, st_cpu = jax.jit(decode("pallas"))(params, x, state, valid)  # one device, CPU: the XLA step
