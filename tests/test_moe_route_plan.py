@@ -36,6 +36,9 @@ def test_route_plan_equals_numpy_oracle(n, e, k):
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), experts)
     np.testing.assert_array_equal(np.asarray(plan.rows_nk), rows)
     np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), sizes)
+    inverse = np.empty(n * k, np.int64)
+    inverse[rows.reshape(-1)] = np.arange(n * k) // k
+    np.testing.assert_array_equal(np.asarray(plan.token_of_row_a), inverse)
 
 
 def test_ties_go_to_the_lower_expert_as_in_lax_top_k():
@@ -125,11 +128,11 @@ def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch)
     w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
     weights, experts, _ = moe.route(x, router, bias, cfg)
     want = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
-    p_weights, p_experts, rows, sizes = moe.route_planned(x, router, bias, cfg, "interpret")
+    p_weights, p_experts, rows, sizes, token_of_row = moe.route_planned(x, router, bias, cfg, "interpret")
     np.testing.assert_array_equal(np.asarray(p_experts), np.asarray(experts))
     np.testing.assert_allclose(np.asarray(p_weights), np.asarray(weights), rtol=1e-6)
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
-    got = moe.experts_planned(z, p_weights, rows, sizes, w1, w3, w2, cfg)
+    got = moe.experts_planned(z, p_weights, rows, sizes, token_of_row, w1, w3, w2, cfg)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
 

@@ -61,7 +61,8 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
 
 def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
     """`route` + the expert-sorted row plan from one kernel (`pallas_kernels.moe.route_plan`): returns
-    (weights_nk f32, experts_nk int32, rows_nk int32, group_sizes_e int32). Same selection and weights as `route`
+    (weights_nk f32, experts_nk int32, rows_nk int32, group_sizes_e int32, token_of_row_a int32). Same selection
+    and weights as `route`
     (ungrouped top-k: the kernel ranks the same sigmoid(logits) + bias values); the weights are a differentiable
     gather of the scores at the chosen experts (gradients as `route`'s)."""
     from pallas_kernels.moe import route_plan  # lazy: pallas_kernels imports k3jax modules
@@ -73,25 +74,24 @@ def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg:
     weights = jnp.take_along_axis(scores, plan.experts_nk, axis=-1)
     if cfg.moe_renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, plan.experts_nk, plan.rows_nk, plan.group_sizes_e
+    return weights * cfg.routed_scaling_factor, plan.experts_nk, plan.rows_nk, plan.group_sizes_e, \
+        plan.token_of_row_a
 
 
-def experts_planned(z_nl, weights_nk, rows_nk, group_sizes_e, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
-                    group_walk: bool = True):
+def experts_planned(z_nl, weights_nk, rows_nk, group_sizes_e, token_of_row_a, w1_elm, w3_elm, w2_eml,
+                    cfg: ModelConfig, *, group_walk: bool = True):
     """`experts_dropless` on a precomputed row plan: the rows of assignment (n, j) sit at rows_nk[n, j] of the
-    expert-sorted layout; the combine gathers each token's k output rows and sums them weighted (f32), instead of
-    a scatter-add. Decode-sized calls walk the expert groups in the kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`:
-    no per-tile metadata)."""
+    expert-sorted layout and row r holds token token_of_row_a[r]; the combine gathers each token's k output rows
+    and sums them weighted (f32), instead of a scatter-add. Decode-sized calls walk the expert groups in the
+    kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata)."""
     from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
 
     n, k = rows_nk.shape
-    token_of_row = jnp.zeros((n * k,), jnp.int32).at[rows_nk.reshape(-1)].set(
-        jnp.arange(n * k, dtype=jnp.int32) // k, unique_indices=True)
     # decode-sized on the GPU kernels: walk expert groups (no per-tile metadata kernels); ignored on the XLA path.
     # `group_walk=False` for any other kernel family (the tiling is the GPU one).
     decode_sized = n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts
     tiling = DECODE_GROUP_WALK if group_walk and decode_sized else None
-    hidden = grouped_glu(z_nl[token_of_row], w1_elm, w3_elm, group_sizes_e, cfg, tiling=tiling)
+    hidden = grouped_glu(z_nl[token_of_row_a], w1_elm, w3_elm, group_sizes_e, cfg, tiling=tiling)
     out_rows = gmm(hidden, w2_eml, group_sizes_e, preferred_element_type=wide(hidden.dtype), tiling=tiling)
     return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
@@ -167,11 +167,11 @@ class LatentMoE(nnx.Module):
         latent = cfg.routed_expert_hidden_size is not None
         plan_backend = self._plan_backend(b, t)
         if plan_backend is not None:
-            weights_nk, _, rows_nk, sizes_e = route_planned(x_nd, self.router[...], self.router_bias[...], cfg,
-                                                            plan_backend)
+            weights_nk, _, rows_nk, sizes_e, token_of_row_a = route_planned(
+                x_nd, self.router[...], self.router_bias[...], cfg, plan_backend)
             z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
-            u_nl = experts_planned(z_nl, weights_nk, rows_nk, sizes_e, w1, w3, w2, cfg,
+            u_nl = experts_planned(z_nl, weights_nk, rows_nk, sizes_e, token_of_row_a, w1, w3, w2, cfg,
                                    group_walk=plan_backend in ("gpu", "interpret")).astype(dt)
         else:
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)

@@ -13,7 +13,9 @@ for N tokens and E experts in one program:
   list by expert, i.e. ``offset[e] + #(tokens n' < n that chose e)`` (a token picks an expert at most once): an
   exclusive cumulative sum over tokens of the int32 [N, E] choice matrix plus the exclusive cumulative sum of the
   group sizes (integer scans: exact, no [N, N] matrix in shared memory). The rows are a permutation of
-  0 .. N·k - 1.
+  0 .. N·k - 1;
+- ``token_of_row [N·k]``: its inverse, the token whose copy sits at each expert-sorted row (written by scatter
+  stores inside the kernel, so the caller gathers the expert inputs without a scatter of its own).
 The combine weights are left to the caller (a differentiable gather of the scores at ``experts``).
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). N and E are
@@ -44,6 +46,7 @@ class RoutePlan(NamedTuple):
     experts_nk: jax.Array  # int32 [N, k]: chosen experts, best first
     rows_nk: jax.Array  # int32 [N, k]: row of each assignment in the expert-sorted layout
     group_sizes_e: jax.Array  # int32 [E]: assignments per expert
+    token_of_row_a: jax.Array  # int32 [N * k]: the token at each expert-sorted row (rows_nk's inverse)
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -64,15 +67,15 @@ def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePl
                          f"E={e}")
     np_, ep = _pow2_at_least_16(n), _pow2_at_least_16(e)
     scores = jnp.pad(jax.lax.stop_gradient(scores_ne).astype(_F32), ((0, np_ - n), (0, ep - e)))
-    experts, rows, sizes = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret")
-    return RoutePlan(experts[:n], rows[:n], sizes[:e])
+    experts, rows, sizes, token_of_row = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret")
+    return RoutePlan(experts[:n], rows[:n], sizes[:e], token_of_row[:n * k])
 
 
 @functools.partial(jax.jit, static_argnames=("n", "e", "k", "interpret"))
 def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool):
     np_, ep = scores_ne.shape
 
-    def kernel(scores_ref, experts_ref, rows_ref, sizes_ref):
+    def kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ref):
         col = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 1)
         tok = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 0)
         x = scores_ref[...]
@@ -94,15 +97,19 @@ def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool):
         sizes = jnp.sum(choice, axis=0)  # [ep]
         offsets = jnp.cumsum(sizes) - sizes  # exclusive: first row of each expert
         start = offsets[None, :] + jnp.cumsum(choice, axis=0) - choice  # [np, ep]: row if token n chose e
+        token = jax.lax.broadcasted_iota(jnp.int32, (np_,), 0)
         for j, idx in enumerate(chosen):
+            row = jnp.sum(jnp.where(col == idx[:, None], start, 0), axis=1)
             experts_ref[:, j] = idx
-            rows_ref[:, j] = jnp.sum(jnp.where(col == idx[:, None], start, 0), axis=1)
+            rows_ref[:, j] = row
+            # scatter the inverse; padding tokens write past the N*k real rows (distinct slots, sliced off)
+            token_ref[jnp.where(token < n, row, n * k + (token - n) * k + j)] = token
         sizes_ref[...] = sizes
 
     return pl.pallas_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((np_, k), jnp.int32), jax.ShapeDtypeStruct((np_, k), jnp.int32),
-                   jax.ShapeDtypeStruct((ep,), jnp.int32)),
+                   jax.ShapeDtypeStruct((ep,), jnp.int32), jax.ShapeDtypeStruct((np_ * k,), jnp.int32)),
         grid=(1,),
         interpret=interpret,
         compiler_params=triton_params(interpret, 4 if np_ * ep <= 8192 else 8, 1),
