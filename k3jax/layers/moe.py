@@ -60,40 +60,37 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
 
 
 def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
-    """`route` + the expert-sorted row plan from one kernel (`pallas_kernels.moe.route_plan`): returns
-    (weights_nk f32, experts_nk int32, rows_nk int32, group_sizes_e int32, token_of_row_a int32). Same selection
-    and weights as `route`
-    (ungrouped top-k: the kernel ranks the same sigmoid(logits) + bias values); the weights are a differentiable
-    gather of the scores at the chosen experts (gradients as `route`'s)."""
+    """`route` with the expert-sorted row plan from one kernel (`pallas_kernels.moe.route_plan`): returns
+    (weights_nk f32, `RoutePlan`). Same selection and weights as `route` (ungrouped top-k; the kernel ranks the
+    same sigmoid(logits) + bias values); the weights are a differentiable gather of the scores at the chosen
+    experts, with `route`'s gradients."""
     from pallas_kernels.moe import route_plan  # lazy: pallas_kernels imports k3jax modules
 
     x_wide = upcast(x_nd)
-    scores = jax.nn.sigmoid(x_wide @ router_de.astype(x_wide.dtype))  # as `route`: the kernel ranks the same values
+    scores = jax.nn.sigmoid(x_wide @ router_de.astype(x_wide.dtype))
     biased = jax.lax.stop_gradient(scores + bias_e.astype(x_wide.dtype))  # selection only: no gradient
     plan = route_plan(biased, cfg.num_experts_per_token, backend=backend)
     weights = jnp.take_along_axis(scores, plan.experts_nk, axis=-1)
     if cfg.moe_renormalize:
         weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
-    return weights * cfg.routed_scaling_factor, plan.experts_nk, plan.rows_nk, plan.group_sizes_e, \
-        plan.token_of_row_a
+    return weights * cfg.routed_scaling_factor, plan
 
 
-def experts_planned(z_nl, weights_nk, rows_nk, group_sizes_e, token_of_row_a, w1_elm, w3_elm, w2_eml,
-                    cfg: ModelConfig, *, group_walk: bool = True):
-    """`experts_dropless` on a precomputed row plan: the rows of assignment (n, j) sit at rows_nk[n, j] of the
-    expert-sorted layout and row r holds token token_of_row_a[r]; the combine gathers each token's k output rows
-    and sums them weighted (f32), instead of a scatter-add. Decode-sized calls walk the expert groups in the
-    kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata)."""
+def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, group_walk: bool = True):
+    """`experts_dropless` on a precomputed `RoutePlan`: assignment (n, j) sits at row plan.rows_nk[n, j] of the
+    expert-sorted layout and row r holds token plan.token_of_row_a[r]; the combine gathers each token's k output
+    rows and sums them weighted (f32), instead of a scatter-add. Decode-sized calls walk the expert groups in the
+    GPU kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata; `group_walk=False` for any other
+    kernel family, the tiling being the GPU one; the XLA path ignores it)."""
     from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
 
-    n, k = rows_nk.shape
-    # decode-sized on the GPU kernels: walk expert groups (no per-tile metadata kernels); ignored on the XLA path.
-    # `group_walk=False` for any other kernel family (the tiling is the GPU one).
+    n, k = plan.rows_nk.shape
     decode_sized = n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts
     tiling = DECODE_GROUP_WALK if group_walk and decode_sized else None
-    hidden = grouped_glu(z_nl[token_of_row_a], w1_elm, w3_elm, group_sizes_e, cfg, tiling=tiling)
-    out_rows = gmm(hidden, w2_eml, group_sizes_e, preferred_element_type=wide(hidden.dtype), tiling=tiling)
-    return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+    sizes = plan.group_sizes_e
+    hidden = grouped_glu(z_nl[plan.token_of_row_a], w1_elm, w3_elm, sizes, cfg, tiling=tiling)
+    out_rows = gmm(hidden, w2_eml, sizes, preferred_element_type=wide(hidden.dtype), tiling=tiling)
+    return (out_rows[plan.rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 
 def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
@@ -166,18 +163,18 @@ class LatentMoE(nnx.Module):
         x_nd = x_btd.reshape(b * t, d).astype(dt)
         latent = cfg.routed_expert_hidden_size is not None
         plan_backend = self._plan_backend(b, t)
-        if plan_backend is not None:
-            weights_nk, _, rows_nk, sizes_e, token_of_row_a = route_planned(
-                x_nd, self.router[...], self.router_bias[...], cfg, plan_backend)
-            z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
-            w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
-            u_nl = experts_planned(z_nl, weights_nk, rows_nk, sizes_e, token_of_row_a, w1, w3, w2, cfg,
-                                   group_walk=plan_backend in ("gpu", "interpret")).astype(dt)
+        if plan_backend is not None:  # decode-sized: the routing-plan kernel
+            weights_nk, plan = route_planned(x_nd, self.router[...], self.router_bias[...], cfg, plan_backend)
         else:
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
             if cfg.record_routing_stats:
                 self._record_routing(scores_ne, experts_nk)
-            z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
+        z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
+        if plan_backend is not None:
+            w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
+            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg,
+                                   group_walk=plan_backend in ("gpu", "interpret")).astype(dt)
+        else:
             u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
             if cfg.latent_moe_use_norm:
