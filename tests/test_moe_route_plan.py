@@ -92,7 +92,8 @@ def test_model_decode_with_the_routing_plan_equals_xla(monkeypatch):
     import pallas_kernels.moe as moe_kernels
     from tests.conftest import DecodeHarness, max_rel_err
 
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(scan_layers=False)
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(
+        scan_layers=False, num_hidden_layers=4, full_attn_layers=(3,))  # dense layer 0, KDA, MLA, 3 MoE layers
     model = DecodeHarness(base, seed=4)
     calls = []
     real = moe_kernels.route_plan
