@@ -24,10 +24,9 @@ DECODE_MAX_ROWS = 256
 
 def _tile(size: int) -> int:
     """The largest power of two <= 64 dividing `size` (0 when below 16: the kernel cannot take it)."""
-    for t in (64, 32, 16):
-        if size % t == 0:
-            return t
-    return 0
+    from pallas_kernels.tiling import largest_pow2_divisor  # lazy: pallas_kernels imports k3jax modules
+
+    return largest_pow2_divisor(size, 64, 16)
 
 
 def _kernel_backend(cfg, rows: int, k: int, n: int) -> str | None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.tiling import largest_pow2_divisor
 
 __all__ = ["BACKENDS", "chunk_width", "mix_norm", "mix_norm_reference"]
 
@@ -36,10 +37,7 @@ _F32 = jnp.float32
 
 def chunk_width(d: int) -> int:
     """The column slice: the largest power of two <= 512 dividing D (0 when below 16: the kernel cannot take D)."""
-    for c in (512, 256, 128, 64, 32, 16):
-        if d % c == 0:
-            return c
-    return 0
+    return largest_pow2_divisor(d, 512, 16)
 
 
 def _block_rows(m: int) -> int:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params  # the Triton compiler parameters (as the MLA kernel)
+from pallas_kernels.tiling import next_pow2
 
 __all__ = ["BACKENDS", "SplitTiling", "decode_matmul", "default_tiling"]
 
@@ -37,10 +38,6 @@ class SplitTiling(NamedTuple):
     splits: int = 0  # 0: chosen from the shape (`default_tiling`)
     num_warps: int = 4
     num_stages: int = 4
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(int(n) - 1, 0).bit_length()
 
 
 def default_tiling(k: int, n: int, tiling: SplitTiling = SplitTiling()) -> SplitTiling:
@@ -80,7 +77,7 @@ def decode_matmul(x_mk: jax.Array, w_kn: jax.Array, *, tiling: SplitTiling | Non
     tiling = default_tiling(w_kn.shape[0], w_kn.shape[1], tiling or SplitTiling())
     _check(x_mk, w_kn, tiling, backend)
     m = x_mk.shape[0]
-    mp = max(16, _pow2(m))
+    mp = next_pow2(m, 16)
     x_p = jnp.pad(x_mk, ((0, mp - m), (0, 0))) if mp != m else x_mk
     partial = _split_k_call(x_p, w_kn, tiling=tiling, interpret=backend == "interpret")
     return partial.sum(0)[:m].astype(out_dtype or x_mk.dtype)

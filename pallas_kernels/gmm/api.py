@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from pallas_kernels.gmm import gpu as gpu_kernels
 from pallas_kernels.gmm import metadata as meta
 from pallas_kernels.gmm import tpu as tpu_kernels
+from pallas_kernels.tiling import next_pow2
 
 BACKENDS = ("gpu", "tpu", "interpret", "tpu_interpret", "xla")
 
@@ -82,14 +83,10 @@ def _as_tiling(tiling):
     return tiling
 
 
-def _pow2_at_least(x: int) -> int:
-    return 1 << max(x - 1, 0).bit_length()
-
-
 def _fit(tiling: Tiling, m: int, k: int, n: int, family: str) -> Tiling:
     """Shrinks the default tiles for small problems (never below the hardware minimum: 16 on GPU; 8/128 on TPU)."""
     if family == "gpu":  # Triton blocks are powers of two, dot dims >= 16
-        tm, tk, tn = (min(t, max(16, _pow2_at_least(d))) for t, d in zip(tiling[:3], (m, k, n)))
+        tm, tk, tn = (min(t, next_pow2(d, 16)) for t, d in zip(tiling[:3], (m, k, n)))
     else:
         tm, tk, tn = (min(tiling.tm, -(-m // 16) * 16), min(tiling.tk, -(-k // 128) * 128),
                       min(tiling.tn, -(-n // 128) * 128))

@@ -25,6 +25,7 @@ from pallas_kernels.gmm import api, mxfp4
 from pallas_kernels.gmm import gpu as gpu_kernels
 from pallas_kernels.gmm import metadata as meta
 from pallas_kernels.gmm import tpu as tpu_kernels
+from pallas_kernels.tiling import next_pow2
 
 
 def _pad_axis(x, axis: int, multiple: int, value):
@@ -42,7 +43,7 @@ def _kernel_mxfp4(lhs_mk, packed_gnh, scales_gns, group_sizes_g, backend: str, t
     g, n = packed_gnh.shape[:2]
     if tiling is None:  # rows per tile ~ the mean rows per group (decode: a few rows per expert -> tm = 16)
         default = api._DEFAULTS["gpu"]["mxfp4"]
-        tiling = default._replace(tm=min(default.tm, max(16, api._pow2_at_least(-(-m // g)))))
+        tiling = default._replace(tm=min(default.tm, next_pow2(-(-m // g), 16)))
     tiling = api._fit(tiling, m, k, n, "gpu")
     tm, tk, tn = tiling[:3]
     if tk % mxfp4.GROUP:

@@ -38,6 +38,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from pallas_kernels.tiling import is_pow2
+
 __all__ = ["CHUNK", "ChunkSpecs", "GATE_IN_KERNEL", "KernelConfig", "SUB_CHUNK", "SequentialSpecs", "activate_gate",
            "block_lower_inverse", "check_dims", "chunk_kda_fwd", "chunk_layout", "chunk_states",
            "cumulative_gate_tile", "document_layout", "document_operands", "fused_recurrence", "gate_operands",
@@ -425,10 +427,6 @@ def varlen_layout(cu_seqlens, t):
             "chunk_last": chunk_last, "lens": lens.astype(np.int32)}
 
 
-def _is_pow2(n):
-    return n >= 16 and n & (n - 1) == 0
-
-
 def activate_gate(g_raw, gate):
     """K3's lower-bounded gate in f32, ``lower_bound * sigmoid(a_hk * (g_raw + bias_hk))`` with ``gate = (a_hk,
     bias_hk, lower_bound)`` (``a_hk = exp(A_log)`` broadcast to ``[H, K]``); the in-kernel gate computes the same
@@ -569,7 +567,7 @@ def check_dims(kd: int, vd: int, config) -> int:
     """The value-block width for K = kd, V = vd (all powers of two, as the kernels' tiles need)."""
     block_v = min(config.block_v, vd)
     block_k = min(config.block_k, kd, vd)
-    if not (_is_pow2(kd) and _is_pow2(vd) and _is_pow2(block_v) and _is_pow2(block_k)):
+    if not all(is_pow2(d, 16) for d in (kd, vd, block_v, block_k)):
         raise ValueError(f"chunk_kda (Pallas): K={kd}, V={vd}, block_v={block_v}, block_k={block_k} must be "
                          "powers of two >= 16")
     return block_v

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.tiling import is_pow2
 
 __all__ = ["DECODE_BACKENDS", "kda_decode_step"]
 
@@ -46,10 +47,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, s_ref, o_ref, s_out_ref
     q_col = (q_ref[...].astype(_F32) * scale)[:, None]
     o_ref[...] = jnp.sum(q_col * s_kv, axis=0)
     s_out_ref[...] = s_kv
-
-
-def _is_pow2(n: int) -> bool:
-    return n >= 16 and n & (n - 1) == 0
 
 
 def _check(q, k, v, g, beta, state, backend, block_v, warps):
@@ -77,9 +74,9 @@ def _check(q, k, v, g, beta, state, backend, block_v, warps):
     if jnp.dtype(state.dtype) != jnp.dtype(_F32):
         raise ValueError(f"kda_decode_step: state must be float32 (the new state reuses its buffer), got "
                          f"{state.dtype}")
-    if not (_is_pow2(kd) and _is_pow2(vd)):
+    if not (is_pow2(kd, 16) and is_pow2(vd, 16)):
         raise ValueError(f"kda_decode_step: K={kd} and V={vd} must be powers of two >= 16 (Triton tile sizes)")
-    if not isinstance(block_v, int) or not _is_pow2(block_v):
+    if not isinstance(block_v, int) or not is_pow2(block_v, 16):
         raise ValueError(f"kda_decode_step: block_v must be a power of two >= 16, got {block_v!r}")
     if not isinstance(warps, int) or warps < 1 or warps & (warps - 1):
         raise ValueError(f"kda_decode_step: warps must be a power of two >= 1, got {warps!r}")

@@ -37,6 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.tiling import is_pow2
 
 __all__ = ["BACKENDS", "DecodeConfig", "gpu_compatible", "paged_latent_attention"]
 
@@ -74,10 +75,6 @@ class DecodeConfig:
                 raise ValueError(f"DecodeConfig.{name} must be >= 0 (0 = auto), got {getattr(self, name)}")
 
 
-def _is_pow2(n: int) -> bool:
-    return n >= 1 and n & (n - 1) == 0
-
-
 def gpu_compatible(latent_dim: int, rope_dim: int, page_size: int, num_pages: int = 1,
                    config: DecodeConfig = DecodeConfig()) -> bool:
     """Whether the GPU (Triton) backend takes these shapes: latent_dim, the rope width (if any), the rows per step
@@ -86,7 +83,7 @@ def gpu_compatible(latent_dim: int, rope_dim: int, page_size: int, num_pages: in
     block_s = _block_s(config, page_size)
     dims = [latent_dim, block_s, config.block_h] + ([rope_dim] if rope_dim else [])
     small = num_pages * page_size * (latent_dim + rope_dim) < 2 ** 31
-    return small and page_size % block_s == 0 and all(_is_pow2(d) and d >= 16 for d in dims)
+    return small and page_size % block_s == 0 and all(is_pow2(d, 16) for d in dims)
 
 
 def _check(q_bhc, pages_npc, page_table_bp, length_b, latent_dim, backend, config):
@@ -128,7 +125,7 @@ def _check(q_bhc, pages_npc, page_table_bp, length_b, latent_dim, backend, confi
         dims = {"latent_dim": latent_dim, "block_s": block_s, "block_h": config.block_h}
         if rope:
             dims["rope width (C - latent_dim)"] = rope
-        bad = {k: v for k, v in dims.items() if not (_is_pow2(v) and v >= 16)}
+        bad = {k: v for k, v in dims.items() if not is_pow2(v, 16)}
         if bad:
             raise ValueError(f"paged_latent_attention(backend='gpu'): these must be powers of two >= 16 (Triton "
                              f"blocks and matmul dims): {bad}")

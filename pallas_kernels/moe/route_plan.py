@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.tiling import next_pow2
 
 __all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "RoutePlan", "route_plan"]
 
@@ -49,10 +50,6 @@ class RoutePlan(NamedTuple):
     token_of_row_a: jax.Array  # int32 [N * k]: the token at each expert-sorted row (rows_nk's inverse)
 
 
-def _pow2_at_least_16(n: int) -> int:
-    return max(16, 1 << max(int(n) - 1, 0).bit_length())
-
-
 def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePlan:
     """Top-k of the selection scores per token and the expert-sorted row plan (see the module doc)."""
     if backend not in BACKENDS:
@@ -65,7 +62,7 @@ def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePl
     if n > MAX_TOKENS or e > MAX_EXPERTS:
         raise ValueError(f"route_plan: decode sizes only (N <= {MAX_TOKENS}, E <= {MAX_EXPERTS}), got N={n}, "
                          f"E={e}")
-    np_, ep = _pow2_at_least_16(n), _pow2_at_least_16(e)
+    np_, ep = next_pow2(n, 16), next_pow2(e, 16)
     scores = jnp.pad(jax.lax.stop_gradient(scores_ne).astype(_F32), ((0, np_ - n), (0, ep - e)))
     experts, rows, sizes, token_of_row = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret")
     return RoutePlan(experts[:n], rows[:n], sizes[:e], token_of_row[:n * k])
