@@ -152,6 +152,11 @@ def traced_accelerator() -> str | None:
 
 
 def gpu_kernel_backend() -> str | None:
-    """The backend of a GPU-only Pallas kernel (the opt-in decode fusions) for the current trace: "gpu" on a GPU,
-    "interpret" on a CPU (tests: exact but slow), None on a TPU (no Mosaic variant: the caller's XLA path)."""
+    """The backend of a GPU-only, single-program Pallas kernel (the opt-in decode fusions) for the current trace:
+    "gpu" on a GPU, "interpret" on a CPU (tests: exact but slow), None on a TPU (no Mosaic variant) and under a
+    multi-device mesh outside `shard_map` (GSPMD cannot partition a Pallas call): the caller's XLA path."""
+    from sharding.kda_kernel import kernel_mesh  # lazy: kda_kernel imports this package's modules
+
+    if kernel_mesh() is not None:
+        return None
     return {"gpu": "gpu", None: "interpret"}.get(traced_accelerator())

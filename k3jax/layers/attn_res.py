@@ -19,8 +19,7 @@ from k3jax.numerics import upcast
 
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm, rms_norm, rms_normalize
-
-DECODE_MAX_ROWS = 256  # rows (batch x new tokens) up to which `read_normed` may take the fused kernel
+from k3jax.ops.linear import DECODE_MAX_ROWS
 
 
 def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
@@ -92,12 +91,9 @@ def _kernel_backend(cfg, live_btd, bank_nbtd, num_filled) -> str | None:
     if math.prod(live_btd.shape[:-1]) > DECODE_MAX_ROWS or bank_nbtd.dtype != live_btd.dtype:
         return None
     from pallas_kernels.attn_res import chunk_width  # lazy: pallas_kernels imports k3jax modules
-    from sharding.kda_kernel import kernel_mesh
     from sharding.mesh import gpu_kernel_backend
 
-    if not chunk_width(live_btd.shape[-1]) or kernel_mesh() is not None:
-        return None  # GSPMD cannot partition a Pallas call
-    return gpu_kernel_backend()
+    return gpu_kernel_backend() if chunk_width(live_btd.shape[-1]) else None
 
 
 def _composite(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps):

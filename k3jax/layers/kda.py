@@ -102,11 +102,19 @@ class KDA(nnx.Module):
     def init_state(self, batch_size: int) -> KDAState:
         return init_kda_state(self.cfg, batch_size)
 
+    def gate_logits(self, x_btd: jax.Array) -> jax.Array:
+        """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        return dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)
+
+    def conv_kernels(self) -> jax.Array:
+        """The q, k, v short-conv kernels stacked as [W, 3, H*K] (the layout of the stacked conv state)."""
+        return jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1)
+
     def decay(self, x_btd: jax.Array) -> jax.Array:
         """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
-        z = dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)
-        z = upcast(z) + upcast(self.dt_bias[...])
+        cfg = self.cfg
+        z = upcast(self.gate_logits(x_btd)) + upcast(self.dt_bias[...])
         a_h = jnp.exp(upcast(self.A_log[...]))[:, None]
         if cfg.kda_gate == "lower_bound":
             return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a_h * z)
@@ -161,7 +169,7 @@ class KDA(nnx.Module):
         if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
             history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
             proj = jnp.stack([project(name) for name in "qkv"], axis=2).reshape(b, t, 3 * h * k)
-            kernel = jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1).reshape(-1, 3 * h * k)
+            kernel = self.conv_kernels().reshape(-1, 3 * h * k)
             y, new_history = causal_depthwise_conv(proj, kernel, history, segment_ids_bt)
             if valid_len_b is not None:
                 new_history = history_at(history, proj, valid_len_b)
@@ -226,8 +234,8 @@ class KDA(nnx.Module):
         b = x_btd.shape[0]
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         proj_b3p = jnp.stack([project(name)[:, 0] for name in "qkv"], axis=1)
-        conv_w3p = jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1)
-        z_bhk = dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)[:, 0]
+        conv_w3p = self.conv_kernels()
+        z_bhk = self.gate_logits(x_btd)[:, 0]
         b_raw_bh = dense(x_btd, self.b_proj[...].astype(dt), cfg)[:, 0]
         valid_b = jnp.ones((b,), jnp.int32) if valid_len_b is None else (valid_len_b > 0).astype(jnp.int32)
         history = state.conv_bwcp.astype(dt)

@@ -192,12 +192,11 @@ class LatentMoE(nnx.Module):
         if cfg.moe_route_impl != "pallas" or cfg.moe_impl != "dropless" or cfg.num_expert_group > 1:
             return None
         from pallas_kernels.moe import MAX_EXPERTS, MAX_TOKENS  # lazy: pallas_kernels imports k3jax modules
-        from sharding.kda_kernel import kernel_mesh
         from sharding.mesh import gpu_kernel_backend
 
         if cfg.record_routing_stats or b * t > MAX_TOKENS or cfg.num_experts > MAX_EXPERTS:
             return None
-        if expert_parallel.active_mode(cfg, b, t) is not None or kernel_mesh() is not None:
+        if expert_parallel.active_mode(cfg, b, t) is not None:
             return None
         return gpu_kernel_backend()
 

@@ -34,11 +34,8 @@ def _kernel_backend(cfg, rows: int, k: int, n: int) -> str | None:
         return None
     if not (_tile(k) and _tile(n)):
         return None
-    from sharding.kda_kernel import kernel_mesh  # lazy: sharding imports the ops
-    from sharding.mesh import gpu_kernel_backend
+    from sharding.mesh import gpu_kernel_backend  # lazy: sharding imports the ops
 
-    if kernel_mesh() is not None:
-        return None  # GSPMD cannot partition a Pallas call
     return gpu_kernel_backend()
 
 

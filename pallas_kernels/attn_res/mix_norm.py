@@ -29,7 +29,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.chunk_fwd import triton_params
 from pallas_kernels.tiling import largest_pow2_divisor
 
-__all__ = ["BACKENDS", "chunk_width", "mix_norm", "mix_norm_reference"]
+__all__ = ["BACKENDS", "chunk_width", "mix_norm"]
 
 BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
@@ -47,19 +47,6 @@ def _block_rows(m: int) -> int:
         if m % r == 0 and m // r >= 128:
             return r
     return 1
-
-
-def mix_norm_reference(live_md, bank_nmd, num_filled: int, key_gain_d, query_d, out_gain_d, eps: float,
-                       out_eps: float | None = None):
-    """The composite the kernel fuses, in plain jnp (the test oracle's independent float64 twin is in the tests)."""
-    sources = jnp.concatenate([bank_nmd[:num_filled], live_md[None]], axis=0).astype(_F32)
-    q = key_gain_d.astype(_F32) * query_d.astype(_F32)
-    normed = sources * jax.lax.rsqrt(jnp.mean(sources * sources, axis=-1, keepdims=True) + eps)
-    probs = jax.nn.softmax(jnp.einsum("smd,d->sm", normed, q), axis=0)
-    mix = jnp.einsum("sm,smd->md", probs, sources).astype(live_md.dtype).astype(_F32)
-    out_eps = eps if out_eps is None else out_eps
-    y = (mix * jax.lax.rsqrt(jnp.mean(mix * mix, axis=-1, keepdims=True) + out_eps)).astype(live_md.dtype)
-    return out_gain_d * y
 
 
 def mix_norm(live_md: jax.Array, bank_nmd: jax.Array, num_filled: int, key_gain_d: jax.Array, query_d: jax.Array,
