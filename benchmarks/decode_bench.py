@@ -162,6 +162,23 @@ def bench_decode(cfg, spec, params, batch, context, steps, iters):
             "max_len": max_len}
 
 
+def _two_step_logits(params, cache, spec, vocab: int) -> list[np.ndarray]:
+    """f32 logits [B, V] of two teacher-forced decode steps from `cache` (not donated: the timed runs reuse it),
+    with distinct tokens per row: the exactness check of a variant against the first one."""
+    @jax.jit
+    def two_steps(params, cache):
+        model = sched_lib._merge(spec, params)
+        b = cache.lengths.shape[0]
+        ones = jnp.ones((b,), jnp.int32)
+        out = []
+        for i in range(2):
+            ids = ((jnp.arange(b, dtype=jnp.int32) * 7919 + 104729 * (i + 1)) % vocab)[:, None]
+            logits, cache = model.forward_cached(ids, cache, ones)
+            out.append(logits[:, 0].astype(jnp.float32))
+        return out
+    return [np.asarray(x) for x in two_steps(params, cache)]
+
+
 def parse_variants(text: str) -> list[tuple[str, list[str]]]:
     """'base:;attn:attn_res_impl=pallas,x=y' -> [("base", []), ("attn", ["attn_res_impl=pallas", "x=y"])]."""
     out = []
@@ -178,10 +195,16 @@ def parse_variants(text: str) -> list[tuple[str, list[str]]]:
 
 
 def bench_variants(config_name, base_sets, variants, params, treedef, batch, context, steps, rounds, floor_ms,
-                   record):
-    """Same weights, several runtime configs: compile each decode step, then time them in interleaved rounds."""
+                   record, deadline=float("inf")):
+    """Same weights, several runtime configs: compile each decode step, then time them in interleaved rounds.
+    Variants whose compile would start after `deadline` (perf_counter seconds) are skipped, so that the ones
+    compiled are still timed inside the caller's time limit."""
     runs = []
     for name, sets in variants:
+        if time.perf_counter() > deadline:
+            print(f"variant {name}: skipped (--budget_s reached before its compile)", flush=True)
+            record({"kind": "variant", "name": name, "sets": sets, "skipped": "budget"})
+            continue
         cfg_v = configs.get_config(config_name, base_sets + sets)
         graphdef_v, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg_v, rngs=nnx.Rngs(0))))
         spec_v = sched_lib._intern((graphdef_v, treedef))
@@ -191,6 +214,7 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
         state = slot_state(batch, 1 << 30)
         t0 = time.perf_counter()
         try:
+            logits = _two_step_logits(params, cache, spec_v, cfg_v.vocab_size)
             cache, state, tok, _, _ = _decode(params, cache, state, spec_v, steps)
             tok.block_until_ready()
         except Exception as e:  # a variant that fails to compile or run must not lose the others
@@ -198,7 +222,8 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
             record({"kind": "variant", "name": name, "sets": sets, "error": repr(e)[:500]})
             continue
         runs.append({"name": name, "sets": sets, "spec": spec_v, "cache": cache, "state": state,
-                     "compile_s": time.perf_counter() - t0, "times": []})
+                     "compile_s": time.perf_counter() - t0, "times": [], "tokens": np.asarray(tok),
+                     "logits": logits})
         print(f"variant {name}: compiled + first call {runs[-1]['compile_s']:.1f}s", flush=True)
     for _ in range(rounds):
         for r in runs:
@@ -209,16 +234,31 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
     rows = []
     for r in runs:
         step_ms = statistics.median(r["times"])
+        # exactness smoke check: every variant starts from the same cache, so its first greedy tokens should equal
+        # the first variant's (bf16 rounding may flip a near-tie; a broken kernel disagrees almost everywhere)
+        agree = float(np.mean(r["tokens"] == runs[0]["tokens"]))
+        base_logits = runs[0]["logits"]
+        # per row (sequence) and step: max |Δlogit| / max |logit|; a routing flip (near-tied expert scores) moves a
+        # few rows a lot, a broken kernel moves all of them
+        row_err = np.concatenate([np.max(np.abs(a - b), 1) / np.max(np.abs(b), 1)
+                                  for a, b in zip(r["logits"], base_logits)])
+        logits_err = float(np.max(row_err))
         rows.append({"kind": "variant", "name": r["name"], "sets": r["sets"], "batch": batch, "context": context,
                      "step_ms": step_ms, "step_ms_all": r["times"], "floor_ms": floor_ms,
                      "floor_frac": floor_ms / step_ms, "vs_first": step_ms / statistics.median(runs[0]["times"]),
-                     "compile_s": r["compile_s"]})
+                     "compile_s": r["compile_s"], "tokens_agree": agree,
+                     "logits_max_rel_err": logits_err,
+                     "logits_median_row_rel_err": float(np.median(row_err)),
+                     "logits_rows_over_1e-2": int(np.sum(row_err > 1e-2)), "logits_rows": int(row_err.size)})
         record(rows[-1])
-    print(f"\n| variant (B={batch}, context {context}) | overrides | step ms | floor/step | vs {rows[0]['name']} |")
-    print("|---|---|---:|---:|---:|")
+    print(f"\n| variant (B={batch}, context {context}) | overrides | step ms | floor/step | vs {rows[0]['name']} "
+          f"| first {steps} greedy tokens = {rows[0]['name']}'s | 2-step logits rel err: max / median row "
+          f"| rows > 1e-2 |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['name']} | {', '.join(r['sets']) or '-'} | {r['step_ms']:.3f} | {100 * r['floor_frac']:.1f}% | "
-              f"{r['vs_first']:.3f} |")
+              f"{r['vs_first']:.3f} | {100 * r['tokens_agree']:.1f}% | {r['logits_max_rel_err']:.1e} / "
+              f"{r['logits_median_row_rel_err']:.1e} | {r['logits_rows_over_1e-2']} of {r['logits_rows']} |")
     return rows
 
 
@@ -489,7 +529,8 @@ def main():
             if kind == "variants":
                 floor_ms = floor_bytes(cfg, wb, b, args.context)["total"] / HBM_BYTES_PER_S * 1e3
                 bench_variants(args.config, args.set, variants, params, spec.value[1], b, args.context,
-                               args.decode_steps, args.variant_rounds, floor_ms, record)
+                               args.decode_steps, args.variant_rounds, floor_ms, record,
+                               deadline=start + args.budget_s)
             elif kind == "profile":
                 summary = profile_decode(cfg, spec, params, b, args.context, args.decode_steps, args.profile_calls,
                                          args.out_dir)

@@ -85,10 +85,11 @@ class ModelConfig:
     # (gather every sequence's pages, then einsums); "pallas" forces the kernel (the Pallas interpreter off GPU:
     # exact but slow, for tests). Under a multi-device mesh the XLA path always runs.
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
-    # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "step" (default) hands
-    # the kernel q/k/v/g/beta activated by XLA; "prologue" also runs the short conv, SiLU, L2 norms and the gate /
-    # beta activations inside it (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels).
-    kda_decode_fusion: Literal["step", "prologue"] = "step"
+    # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "prologue" (default)
+    # also runs the short conv, SiLU, L2 norms and the gate / beta activations inside it
+    # (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster,
+    # benchmarks/RESULTS.md); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
+    kda_decode_fusion: Literal["step", "prologue"] = "prologue"
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"

@@ -678,3 +678,26 @@ def test_chunk_decay_gradient_with_mild_gates_equals_token_recurrence(config):
     w_o, w_s = _cotangents(v, h0, seed=49)
     for name, x, ref in zip(_GRAD_NAMES, _grad_all(kernel, args, w_o, w_s), _grad_all(recurrent, args, w_o, w_s)):
         assert _rel_err(x, ref) < 2e-5, name
+
+
+def test_sequential_kernels_pipeline_one_stage_with_f32_operands_and_the_configured_stages_with_bf16():
+    """Three pipelined stages of f32 [64, 128] tiles need 288 KiB of shared memory (an H200 has 227 KiB: the f32
+    forward failed to launch on the GPU), so f32 operands run the chunk loops with one stage; bf16 keeps
+    `KernelConfig.stages`. Checked in the CUDA lowering of the forward and backward (no GPU needed)."""
+    import re
+
+    assert KernelConfig().stages > 1
+    stages = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        qkv = [jax.ShapeDtypeStruct((1, 128, 2, 128), dtype)] * 3
+        gates = [jax.ShapeDtypeStruct((1, 128, 2, 128), jnp.float32), jax.ShapeDtypeStruct((1, 128, 2), jnp.float32)]
+
+        def loss(q, k, v, g, beta):
+            o, _ = chunk_kda(q, k, v, g, beta, output_final_state=True, backend="gpu")
+            return jnp.sum(o.astype(jnp.float32))
+
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(*qkv, *gates).lower(
+            lowering_platforms=("cuda",)).as_text()
+        stages[jnp.dtype(dtype).name] = sorted({int(s) for s in re.findall(r"num_stages\s*=\s*(\d+)", text)})
+    assert stages["float32"] == [1], stages
+    assert KernelConfig().stages in stages["bfloat16"], stages

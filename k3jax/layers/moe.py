@@ -46,17 +46,21 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
 
 
 def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
-    """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, weighted scatter-add back (f32 sum)."""
+    """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
+    sums them weighted (f32, in j order). A gather, not a scatter-add: a GPU scatter-add adds with atomics in a
+    run-dependent order, which made greedy decoding differ between identical runs (benchmarks/RESULTS.md)."""
     n, k = experts_nk.shape
     flat_expert = experts_nk.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
     token_of_row = order // k
+    # the inverse permutation: assignment (n, j) sits at row rows_nk[n, j] (distinct indices: no conflicts)
+    rows_nk = jnp.zeros((n * k,), jnp.int32).at[order].set(
+        jnp.arange(n * k, dtype=jnp.int32), unique_indices=True).reshape(n, k)
     group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts)
     rows = z_nl[token_of_row]
     hidden = grouped_glu(rows, w1_elm, w3_elm, group_sizes, cfg)
     out_rows = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype))
-    out_rows = out_rows * weights_nk.reshape(-1)[order][:, None]
-    return jnp.zeros((n, z_nl.shape[-1]), out_rows.dtype).at[token_of_row].add(out_rows)
+    return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 
 def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):

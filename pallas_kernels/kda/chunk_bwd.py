@@ -408,7 +408,7 @@ def reverse_states(qg, kg, w, aqk, decay, d_o, d_final_state, specs: SequentialS
                   specs.seq(specs.block_v, True)] + specs.meta_specs + [specs.state],
         out_specs=[specs.per_chunk_states, specs.seq(specs.block_v, True), specs.state],
         interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        compiler_params=triton_params(interpret, config.warps[1], config.stages_for(qg.dtype)),
         name="kda_bwd_reverse",
     )(qg, kg, w, aqk, decay, d_o, *specs.meta_ops, d_final_state.astype(_F32))
 

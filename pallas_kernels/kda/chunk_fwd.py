@@ -108,6 +108,11 @@ class KernelConfig:
             kw[name] = int(value) if name in ("stages", "block_k") else value
         return cls(**kw)
 
+    def stages_for(self, dtype) -> int:
+        """``stages`` for operands of ``dtype``: 16-bit as configured; 32-bit operands pipeline one stage (three
+        stages of f32 [64, 128] tiles need 288 KiB of shared memory, over an H200's 227 KiB)."""
+        return self.stages if jnp.dtype(dtype).itemsize <= 2 else 1
+
     def __post_init__(self):
         if self.solve not in ("substitution", "doubling"):
             raise ValueError(f"KernelConfig.solve must be 'substitution' or 'doubling', got {self.solve!r}")
@@ -693,7 +698,7 @@ def chunk_states(kg, w, u, decay, initial_state, specs: SequentialSpecs, *, prec
         + specs.meta_specs + [specs.state],
         out_specs=[specs.per_chunk_states, specs.seq(specs.block_v, True), specs.state],
         interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        compiler_params=triton_params(interpret, config.warps[1], config.stages_for(kg.dtype)),
         name="kda_chunk_states",
     )(kg, w, u, decay, *specs.meta_ops, initial_state.astype(_F32))
 
@@ -713,7 +718,7 @@ def fused_recurrence(qg, kg, w, u, aqk, decay, initial_state, specs: SequentialS
                   specs.decay] + specs.meta_specs + [specs.state],
         out_specs=[specs.seq(specs.block_v, True), specs.state],
         interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[1], config.stages),
+        compiler_params=triton_params(interpret, config.warps[1], config.stages_for(qg.dtype)),
         name="kda_chunk_recurrence",
     )(qg, kg, w, u, aqk, decay, *specs.meta_ops, initial_state.astype(_F32))
 

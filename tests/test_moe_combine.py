@@ -1,0 +1,54 @@
+"""The dropless MoE combine (`k3jax.layers.moe.experts_dropless`) equals every expert on every token weighted by the
+routing (`experts_dense`), and gathers its output rows instead of scatter-adding them: a GPU scatter-add adds with
+atomics in a run-dependent order, which made greedy decoding of identical k3_gpu runs differ (RESULTS.md)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import configs
+from k3jax.layers import moe
+
+
+def _inputs(n=7, seed=0):
+    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
+    e, lat, m = cfg.num_experts, 32, cfg.moe_intermediate_size
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), jnp.float32)
+    router = jnp.asarray(rng.standard_normal((cfg.hidden_size, e)), jnp.float32)
+    bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
+    z = jnp.asarray(rng.standard_normal((n, lat)), jnp.float32)
+    w1, w3 = (jnp.asarray(rng.standard_normal((e, lat, m)) / np.sqrt(lat), jnp.float32) for _ in range(2))
+    w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
+    weights, experts, _ = moe.route(x, router, bias, cfg)
+    return cfg, z, weights, experts, w1, w3, w2
+
+
+def _float_scatter_adds(jaxpr) -> list:
+    """The floating-point scatter-adds of a jaxpr and its sub-jaxprs (an integer one, bincount's, is exact)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
+            found.append(eqn)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                found += _float_scatter_adds(getattr(inner, "jaxpr", inner))
+    return found
+
+
+def test_dropless_combine_equals_every_expert_on_every_token():
+    cfg, z, weights, experts, w1, w3, w2 = _inputs()
+    got = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
+    want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_dropless_combine_gathers_instead_of_scatter_adding():
+    cfg, z, weights, experts, w1, w3, w2 = _inputs()
+    jaxpr = jax.make_jaxpr(lambda *a: moe.experts_dropless(*a, cfg))(z, weights, experts, w1, w3, w2)
+    assert not _float_scatter_adds(jaxpr.jaxpr)
+    # the test can fail: the previous combine, a weighted scatter-add of the expert-sorted rows, is caught
+    rows = jnp.ones((14, 32), jnp.float32)
+    old = jax.make_jaxpr(lambda r, t: jnp.zeros((7, 32), r.dtype).at[t].add(r))(rows, jnp.arange(14) // 2)
+    assert len(_float_scatter_adds(old.jaxpr)) == 1
