@@ -92,14 +92,17 @@ class ModelConfig:
     kda_decode_fusion: Literal["step", "prologue"] = "prologue"
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
+    # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"
     # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
     # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
-    # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests).
+    # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests). Off by default:
+    # 1.03-1.04x slower in k3_gpu decode (one row per program; RESULTS.md, session 7).
     attn_res_impl: Literal["xla", "pallas"] = "xla"
     # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
     # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
     # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
+    # Off by default: 1.05-1.07x slower in k3_gpu decode (the one-program plan takes 28 us; RESULTS.md, session 7).
     moe_route_impl: Literal["xla", "pallas"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
