@@ -104,6 +104,10 @@ class ModelConfig:
     # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: 1.05-1.07x slower in k3_gpu decode (the one-program plan takes 28 us; RESULTS.md, session 7).
     moe_route_impl: Literal["xla", "pallas"] = "xla"
+    # Decode-sized grouped matmuls on the GPU kernels (<= 32 rows per expert): "tiles" (default: a row-tile walk
+    # with per-tile metadata, ~5 small XLA kernels per MoE layer) or "groups" (one program per expert group and
+    # column tile, no metadata; pallas_kernels/gmm Tiling.walk). TPU and XLA paths ignore it.
+    moe_gmm_walk: Literal["tiles", "groups"] = "tiles"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

@@ -52,3 +52,37 @@ def test_dropless_combine_gathers_instead_of_scatter_adding():
     rows = jnp.ones((14, 32), jnp.float32)
     old = jax.make_jaxpr(lambda r, t: jnp.zeros((7, 32), r.dtype).at[t].add(r))(rows, jnp.arange(14) // 2)
     assert len(_float_scatter_adds(old.jaxpr)) == 1
+
+
+def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monkeypatch):
+    """`moe_gmm_walk="groups"` on the XLA routing: the GPU kernels (the interpreter here) walk expert groups for the
+    fused GLU and the down gmm, and give the tile walk's result and every-expert-on-every-token's."""
+    from k3jax.ops import gmm as gmm_ops
+    from pallas_kernels.gmm import gpu as gmm_gpu
+
+    cfg, z, weights, experts, w1, w3, w2 = _inputs(n=6, seed=3)
+    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+    walks = []
+    real = gmm_gpu._group_walk_call
+    monkeypatch.setattr(gmm_gpu, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or real(*a, **kw))
+    tiles = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
+    assert not walks
+    groups = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, group_walk=True)
+    assert len(walks) == 2, walks  # the fused GLU and the down projection
+    want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)
+    scale = float(jnp.max(jnp.abs(want)))
+    np.testing.assert_allclose(np.asarray(groups), np.asarray(tiles), rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(groups), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
+
+
+def test_latent_moe_walks_groups_only_when_configured_and_on_the_gpu_kernel_family(monkeypatch):
+    import flax.nnx as nnx
+
+    from k3jax.ops import gmm as gmm_ops
+
+    for walk, backend, want in (("tiles", "gpu", False), ("groups", "gpu", True), ("groups", "interpret", True),
+                                ("groups", "tpu", False), ("groups", None, False)):
+        cfg = configs.get_config("tiny", [f"moe_gmm_walk={walk}"])
+        layer = nnx.eval_shape(lambda cfg=cfg: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
+        monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda b=backend: b)
+        assert layer._group_walk() is want, (walk, backend)

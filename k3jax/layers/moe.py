@@ -45,22 +45,28 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores
 
 
-def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
-    """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
-    sums them weighted (f32, in j order). A gather, not a scatter-add: a GPU scatter-add adds with atomics in a
-    run-dependent order, which made greedy decoding differ between identical runs (benchmarks/RESULTS.md)."""
+def plan_from_experts(experts_nk: jax.Array, num_experts: int):
+    """The expert-sorted row plan (`pallas_kernels.moe.RoutePlan`) of a routing, in XLA: a stable argsort of the
+    assignments, its inverse (a scatter with distinct indices) and the group sizes."""
+    from pallas_kernels.moe import RoutePlan  # lazy: pallas_kernels imports k3jax modules
+
     n, k = experts_nk.shape
     flat_expert = experts_nk.reshape(-1)
     order = jnp.argsort(flat_expert, stable=True)
-    token_of_row = order // k
-    # the inverse permutation: assignment (n, j) sits at row rows_nk[n, j] (distinct indices: no conflicts)
     rows_nk = jnp.zeros((n * k,), jnp.int32).at[order].set(
         jnp.arange(n * k, dtype=jnp.int32), unique_indices=True).reshape(n, k)
-    group_sizes = jnp.bincount(flat_expert, length=cfg.num_experts)
-    rows = z_nl[token_of_row]
-    hidden = grouped_glu(rows, w1_elm, w3_elm, group_sizes, cfg)
-    out_rows = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype))
-    return (out_rows[rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+    return RoutePlan(experts_nk, rows_nk, jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32),
+                     (order // k).astype(jnp.int32))
+
+
+def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
+                     group_walk: bool = False):
+    """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
+    sums them weighted (f32, in j order): `experts_planned` on `plan_from_experts`. A gather, not a scatter-add: a
+    GPU scatter-add adds with atomics in a run-dependent order, which made greedy decoding differ between identical
+    runs (benchmarks/RESULTS.md, session 7)."""
+    return experts_planned(z_nl, weights_nk, plan_from_experts(experts_nk, cfg.num_experts), w1_elm, w3_elm, w2_eml,
+                           cfg, group_walk=group_walk)
 
 
 def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
@@ -176,8 +182,7 @@ class LatentMoE(nnx.Module):
         z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         if plan_backend is not None:
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
-            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg,
-                                   group_walk=plan_backend in ("gpu", "interpret")).astype(dt)
+            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg, group_walk=self._group_walk()).astype(dt)
         else:
             u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
@@ -204,6 +209,15 @@ class LatentMoE(nnx.Module):
             return None
         return gpu_kernel_backend()
 
+    def _group_walk(self) -> bool:
+        """Whether decode-sized grouped matmuls walk expert groups (`cfg.moe_gmm_walk == "groups"`): only for the
+        GPU kernel family (its tiling; the interpreter in tests), never for TPU or XLA."""
+        if self.cfg.moe_gmm_walk != "groups":
+            return False
+        from k3jax.ops import gmm as gmm_ops
+
+        return gmm_ops._kernel_backend_here() in ("gpu", "interpret")
+
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
         under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
@@ -212,8 +226,11 @@ class LatentMoE(nnx.Module):
         w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
         ep = expert_parallel.active_mode(cfg, b, t)
         if ep is None:
-            combine = experts_dense if cfg.moe_impl == "dense" else experts_dropless
-            u_nl = combine(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
+            if cfg.moe_impl == "dense":
+                u_nl = experts_dense(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
+            else:
+                u_nl = experts_dropless(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg,
+                                        group_walk=self._group_walk()).astype(dt)
             stats = expert_parallel.single_program_stats(experts_nk.size)
         else:
             mode, factor = ep
