@@ -60,7 +60,7 @@ def test_mix_norm_equals_float64_oracle(m, d, n, num_filled, dtype, gain_dtype, 
 
 def test_bad_inputs_are_refused_by_name():
     live, bank, key_gain, query, out_gain = _inputs(4, 64, 3, jnp.float32, jnp.float32, seed=0)
-    call = lambda *a, **k: mix_norm(*a, eps=1e-6, backend=k.pop("backend", "interpret"))  # noqa: E731
+    call = lambda *a, **k: mix_norm(*a, eps=1e-6, **{"backend": "interpret", **k})  # noqa: E731
     with pytest.raises(ValueError, match="expected live"):
         call(live, bank[:, :3], 1, key_gain, query, out_gain)
     with pytest.raises(ValueError, match="query must be"):
@@ -73,6 +73,20 @@ def test_bad_inputs_are_refused_by_name():
         call(live[:, :60], bank[..., :60], 1, key_gain[:60], query[:60], out_gain[:60])
     with pytest.raises(ValueError, match="unknown backend"):
         call(live, bank, 1, key_gain, query, out_gain, backend="tpu")
+    with pytest.raises(ValueError, match="block_rows"):
+        call(live, bank, 1, key_gain, query, out_gain, block_rows=3)
+    with pytest.raises(ValueError, match="warps"):
+        call(live, bank, 1, key_gain, query, out_gain, warps=3)
+
+
+def test_tuning_knobs_do_not_change_the_result():
+    """Rows per program and warps only change how the work is laid out: 1, 2 and 4 rows per program agree (to f32
+    rounding: the interpreter's row reductions may vectorise differently per block shape)."""
+    live, bank, key_gain, query, out_gain = _inputs(8, 96, 4, jnp.float32, jnp.float32, seed=5)
+    outs = [mix_norm(live, bank, 3, key_gain, query, out_gain, eps=1e-6, backend="interpret", block_rows=r, warps=w)
+            for r, w in ((1, 4), (2, 1), (4, 8))]
+    for got in outs[1:]:
+        np.testing.assert_allclose(np.asarray(got), np.asarray(outs[0]), rtol=1e-6, atol=1e-6)
 
 
 def test_kernel_lowers_for_cuda():

@@ -10,9 +10,11 @@ and, over ``chunk``-wide column slices of D,
 2. takes the softmax over sources and the sum of squares of the mix *rounded to the activation dtype* (the
    reference casts the mix back before its RMSNorm);
 3. writes ``out_gain · (mix · rsqrt(ssq_mix / D + eps)).astype(dtype)`` (the released RMSNorm: gain after the cast).
-Passes 2 and 3 recompute the mix from the sources (L1/L2-resident at these sizes) instead of holding a [block_m, D]
-row in registers. Everything is f32 inside. The number of filled bank rows is static (the unrolled decode step
-knows it per layer); rows past it are never read.
+Each source row is read once, all of its slices' loads issued up front (the loop over D is unrolled: at decode
+sizes a program is bound by load latency, not bandwidth; the first version looped three dependent passes over the
+sources and took 5.5-11 us per read on an H200), and kept in registers in the activation dtype. Arithmetic is f32.
+The number of filled bank rows is static (the unrolled decode step knows it per layer); rows past it are never
+read.
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). Forward only:
 the dispatch (`k3jax.layers.attn_res.read_normed`) gives it the XLA composite's gradient.
@@ -50,11 +52,14 @@ def _block_rows(m: int) -> int:
 
 
 def mix_norm(live_md: jax.Array, bank_nmd: jax.Array, num_filled: int, key_gain_d: jax.Array, query_d: jax.Array,
-             out_gain_d: jax.Array, *, eps: float, out_eps: float | None = None, backend: str = "gpu") -> jax.Array:
+             out_gain_d: jax.Array, *, eps: float, out_eps: float | None = None, backend: str = "gpu",
+             block_rows: int | None = None, warps: int = 4) -> jax.Array:
     """``out_gain * rms_normalize(mix).astype(dtype)`` with ``mix = Σ_s softmax_s(rms_normalize(src_s) · q) src_s``
     over sources ``bank[:num_filled]`` then ``live`` (q = key_gain ⊙ query). Returns [M, D] in
     ``promote(out_gain.dtype, live.dtype)``, what ``RMSNorm(attn_res_mix(...))`` returns. ``eps`` is the sources'
-    normalisation epsilon, ``out_eps`` the RMSNorm's (default: ``eps``)."""
+    normalisation epsilon, ``out_eps`` the RMSNorm's (default: ``eps``). ``block_rows`` (rows per program, a power
+    of two dividing M; default: `_block_rows`) and ``warps`` are Triton tuning knobs
+    (benchmarks/decode_kernels_bench.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"attn_res mix_norm: unknown backend {backend!r}; expected one of {BACKENDS}")
     if live_md.ndim != 2 or bank_nmd.ndim != 3 or bank_nmd.shape[1:] != live_md.shape:
@@ -72,71 +77,58 @@ def mix_norm(live_md: jax.Array, bank_nmd: jax.Array, num_filled: int, key_gain_
     if jnp.dtype(bank_nmd.dtype) != jnp.dtype(live_md.dtype):
         raise ValueError(f"attn_res mix_norm: bank and live must share a dtype, got {bank_nmd.dtype} and "
                          f"{live_md.dtype}")
+    m = live_md.shape[0]
+    if block_rows is not None and (block_rows < 1 or block_rows & (block_rows - 1) or m % block_rows):
+        raise ValueError(f"attn_res mix_norm: block_rows must be a power of two dividing M={m}, got {block_rows!r}")
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"attn_res mix_norm: warps must be a power of two, got {warps!r}")
     out_dtype = jnp.promote_types(out_gain_d.dtype, live_md.dtype)
     out_eps = float(eps if out_eps is None else out_eps)
     return _mix_norm_call(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled=num_filled, eps=float(eps),
-                          out_eps=out_eps, out_dtype=jnp.dtype(out_dtype), interpret=backend == "interpret")
+                          out_eps=out_eps, out_dtype=jnp.dtype(out_dtype), interpret=backend == "interpret",
+                          block_rows=block_rows, warps=int(warps))
 
 
-@functools.partial(jax.jit, static_argnames=("num_filled", "eps", "out_eps", "out_dtype", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_filled", "eps", "out_eps", "out_dtype", "interpret", "block_rows",
+                                             "warps"))
 def _mix_norm_call(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, *, num_filled, eps, out_eps, out_dtype,
-                   interpret):
+                   interpret, block_rows=None, warps=4):
     m, d = live_md.shape
-    bm, dc = _block_rows(m), chunk_width(d)
+    bm, dc = block_rows or _block_rows(m), chunk_width(d)
     steps = d // dc
     act_dtype = live_md.dtype
 
     def kernel(live_ref, bank_ref, key_gain_ref, query_ref, out_gain_ref, out_ref):
         rows = pl.ds(pl.multiple_of(pl.program_id(0) * bm, bm), bm)
-
-        def source(s, c0):  # [bm, dc] f32 slice of source s (bank rows first, the live sum last)
-            cols = pl.ds(c0, dc)
-            x = bank_ref[s, rows, cols] if s < num_filled else live_ref[rows, cols]
-            return x.astype(_F32)
-
-        def col(i):
-            return pl.multiple_of(i * dc, dc)
-
-        def scores_step(i, carry):
-            c0 = col(i)
-            q = key_gain_ref[pl.ds(c0, dc)].astype(_F32) * query_ref[pl.ds(c0, dc)].astype(_F32)
-            out = []
-            for s, (ssq, dot) in enumerate(carry):
-                x = source(s, c0)
-                out.append((ssq + jnp.sum(x * x, axis=1), dot + jnp.sum(x * q[None, :], axis=1)))
-            return tuple(out)
-
-        zero = jnp.zeros((bm,), _F32)
-        sums = jax.lax.fori_loop(0, steps, scores_step, tuple((zero, zero) for _ in range(num_filled + 1)))
-        scores = [dot * jax.lax.rsqrt(ssq / d + eps) for ssq, dot in sums]
+        chunks = [pl.ds(i * dc, dc) for i in range(steps)]  # static: every load is issued up front
+        # each source's row slices, read once (bank rows first, the live sum last), kept in the activation dtype
+        src = [[bank_ref[s, rows, c] if s < num_filled else live_ref[rows, c] for c in chunks]
+               for s in range(num_filled + 1)]
+        q = [key_gain_ref[c].astype(_F32) * query_ref[c].astype(_F32) for c in chunks]
+        scores = []
+        for parts in src:
+            ssq = functools.reduce(jnp.add, [jnp.sum(jnp.square(x.astype(_F32)), axis=1) for x in parts])
+            dot = functools.reduce(jnp.add, [jnp.sum(x.astype(_F32) * qc[None, :], axis=1)
+                                             for x, qc in zip(parts, q)])
+            scores.append(dot * jax.lax.rsqrt(ssq / d + eps))
         top = functools.reduce(jnp.maximum, scores)
-        weights = [jnp.exp(s - top) for s in scores]
+        weights = [jnp.exp(sc - top) for sc in scores]
         total = functools.reduce(jnp.add, weights)
         probs = [w / total for w in weights]
-
-        def mix(c0):  # the mix rounded to the activation dtype, as f32 [bm, dc]
-            acc = functools.reduce(jnp.add, [p[:, None] * source(s, c0) for s, p in enumerate(probs)])
-            return acc.astype(act_dtype).astype(_F32)
-
-        def ssq_step(i, ssq):
-            x = mix(col(i))
-            return ssq + jnp.sum(x * x, axis=1)
-
-        inv_rms = jax.lax.rsqrt(jax.lax.fori_loop(0, steps, ssq_step, zero) / d + out_eps)
-
-        def write_step(i, carry):
-            c0 = col(i)
-            y = (mix(c0) * inv_rms[:, None]).astype(act_dtype).astype(_F32)
-            out_ref[rows, pl.ds(c0, dc)] = (y * out_gain_ref[pl.ds(c0, dc)].astype(_F32)).astype(out_dtype)
-            return carry
-
-        jax.lax.fori_loop(0, steps, write_step, 0)
+        # the mix per slice, rounded to the activation dtype (the reference casts it back before its RMSNorm)
+        mix = [functools.reduce(jnp.add, [p[:, None] * parts[i].astype(_F32) for p, parts in zip(probs, src)])
+               .astype(act_dtype).astype(_F32) for i in range(steps)]
+        ssq_mix = functools.reduce(jnp.add, [jnp.sum(x * x, axis=1) for x in mix])
+        inv_rms = jax.lax.rsqrt(ssq_mix / d + out_eps)
+        for c, x in zip(chunks, mix):
+            y = (x * inv_rms[:, None]).astype(act_dtype).astype(_F32)
+            out_ref[rows, c] = (y * out_gain_ref[c].astype(_F32)).astype(out_dtype)
 
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, d), out_dtype),
         grid=(m // bm,),
         interpret=interpret,
-        compiler_params=triton_params(interpret, 4, 1),
+        compiler_params=triton_params(interpret, warps, 1),
         name="k3_attn_res_mix_norm",
     )(live_md, bank_nmd, key_gain_d, query_d, out_gain_d)

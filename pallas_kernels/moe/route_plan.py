@@ -50,8 +50,9 @@ class RoutePlan(NamedTuple):
     token_of_row_a: jax.Array  # int32 [N * k]: the token at each expert-sorted row (rows_nk's inverse)
 
 
-def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePlan:
-    """Top-k of the selection scores per token and the expert-sorted row plan (see the module doc)."""
+def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu", warps: int | None = None) -> RoutePlan:
+    """Top-k of the selection scores per token and the expert-sorted row plan (see the module doc). ``warps``:
+    Triton warps of the one program (default 4, 8 above 8192 padded scores; benchmarks/decode_kernels_bench.py)."""
     if backend not in BACKENDS:
         raise ValueError(f"route_plan: unknown backend {backend!r}; expected one of {BACKENDS}")
     if scores_ne.ndim != 2:
@@ -62,14 +63,18 @@ def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu") -> RoutePl
     if n > MAX_TOKENS or e > MAX_EXPERTS:
         raise ValueError(f"route_plan: decode sizes only (N <= {MAX_TOKENS}, E <= {MAX_EXPERTS}), got N={n}, "
                          f"E={e}")
+    if warps is not None and (warps < 1 or warps & (warps - 1)):
+        raise ValueError(f"route_plan: warps must be a power of two, got {warps!r}")
     np_, ep = next_pow2(n, 16), next_pow2(e, 16)
     scores = jnp.pad(jax.lax.stop_gradient(scores_ne).astype(_F32), ((0, np_ - n), (0, ep - e)))
-    experts, rows, sizes, token_of_row = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret")
+    warps = warps or (4 if np_ * ep <= 8192 else 8)
+    experts, rows, sizes, token_of_row = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret",
+                                                    warps=int(warps))
     return RoutePlan(experts[:n], rows[:n], sizes[:e], token_of_row[:n * k])
 
 
-@functools.partial(jax.jit, static_argnames=("n", "e", "k", "interpret"))
-def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("n", "e", "k", "interpret", "warps"))
+def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool, warps: int):
     np_, ep = scores_ne.shape
 
     def kernel(scores_ref, experts_ref, rows_ref, sizes_ref, token_ref):
@@ -109,6 +114,6 @@ def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool):
                    jax.ShapeDtypeStruct((ep,), jnp.int32), jax.ShapeDtypeStruct((np_ * k,), jnp.int32)),
         grid=(1,),
         interpret=interpret,
-        compiler_params=triton_params(interpret, 4 if np_ * ep <= 8192 else 8, 1),
+        compiler_params=triton_params(interpret, warps, 1),
         name="k3_moe_route_plan",
     )(scores_ne)
