@@ -17,6 +17,7 @@ A smoke run on CPU (``--backend=interpret``) checks the script, not the timings.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -83,8 +84,9 @@ def bench_route(rows, experts, k, warps_list, backend, chain, iters):
         _, idx = jax.lax.top_k(s, k)
         return moe.plan_from_experts(idx.astype(jnp.int32), experts)
 
-    def feed(s, plan):  # a dependence on the plan that XLA cannot fold away (a row index is never negative)
-        return s + (plan.rows_nk[0, 0] < 0).astype(s.dtype)
+    def feed(s, plan):  # a dependence on every output of the plan that XLA cannot fold away (none is negative)
+        never = functools.reduce(jnp.logical_or, [f.reshape(-1)[0] < 0 for f in plan])
+        return s + never.astype(s.dtype)
 
     want = jax.jit(xla)(scores)
     xla_us = median_ms(lambda f=_chain(lambda s: feed(s, xla(s)), chain): f(scores), iters) / chain * 1e3
@@ -117,7 +119,7 @@ def main(argv=None):
     import configs
 
     cfg = configs.get_config(args.config)
-    bank_rows = -(-cfg.num_hidden_layers * 2 // cfg.attn_res_block_size)
+    bank_rows = cfg.num_attn_res_snapshots
     print(f"devices: {jax.devices()}  config {args.config}: D={cfg.hidden_size}, bank rows <= {bank_rows}, "
           f"E={cfg.num_experts}, k={cfg.num_experts_per_token}", flush=True)
     rows_out = []

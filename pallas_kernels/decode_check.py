@@ -108,12 +108,12 @@ def check_planned_experts(n: int, cfg_name: str) -> list[dict]:
     w1, w3 = (jnp.asarray(rng.standard_normal((e, lat, mi)) / np.sqrt(lat), dt) for _ in range(2))
     w2 = jnp.asarray(rng.standard_normal((e, mi, lat)) / np.sqrt(mi), dt)
     weights, experts, _ = moe.route(x, router, bias, cfg)
-    want = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
+    want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)  # every expert on every token: no gmm kernel
     p_weights, plan = moe.route_planned(x, router, bias, cfg, _BACKEND)
     rows = []
     for walk in (True, False):
-        got = jax.jit(lambda z, pw, plan: moe.experts_planned(z, pw, plan, w1, w3, w2, cfg, group_walk=walk))(
-            z, p_weights, plan)
+        got = jax.jit(lambda z, pw, plan, *w: moe.experts_planned(z, pw, plan, *w, cfg, group_walk=walk))(
+            z, p_weights, plan, w1, w3, w2)  # weights as arguments: closed over, XLA would constant-fold them
         rows.append({"kernel": "moe.experts_planned", "n": n, "group_walk": walk,
                      "experts_mismatches": int(np.sum(np.asarray(plan.experts_nk) != np.asarray(experts))),
                      "err": _err(got, want)})
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
 
     cfg = configs.get_config(args.config)
     print(f"devices: {jax.devices()}", flush=True)
-    bank = -(-cfg.num_hidden_layers * 2 // cfg.attn_res_block_size)
+    bank = cfg.num_attn_res_snapshots
     cases = []
     for rows in (int(r) for r in args.rows.split(",")):
         cases += [lambda r=rows: check_mix_norm(r, cfg.hidden_size, bank, jnp.bfloat16),

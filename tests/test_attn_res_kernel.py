@@ -73,6 +73,9 @@ def test_bad_inputs_are_refused_by_name():
         call(live[:, :60], bank[..., :60], 1, key_gain[:60], query[:60], out_gain[:60])
     with pytest.raises(ValueError, match="unknown backend"):
         call(live, bank, 1, key_gain, query, out_gain, backend="tpu")
+    wide = _inputs(4, 144, 3, jnp.float32, jnp.float32, seed=1)  # 9 slices of 16 columns: over MAX_CHUNKS
+    with pytest.raises(ValueError, match="slices"):
+        call(wide[0], wide[1], 1, *wide[2:])
     with pytest.raises(ValueError, match="block_rows"):
         call(live, bank, 1, key_gain, query, out_gain, block_rows=3)
     with pytest.raises(ValueError, match="warps"):
@@ -92,7 +95,7 @@ def test_tuning_knobs_do_not_change_the_result():
 def test_kernel_lowers_for_cuda():
     s = jax.ShapeDtypeStruct
     bf = jnp.bfloat16
-    for m, d, n, filled in ((64, 1536, 5, 5), (1, 7168, 8, 3)):
+    for m, d, n, filled in ((64, 1536, 5, 5), (1, 4096, 8, 3)):  # k3_gpu; the widest D (8 slices)
         args = (s((m, d), bf), s((n, m, d), bf), s((d,), bf), s((d,), bf), s((d,), bf))
         count, names = triton_kernels(lambda *a: mix_norm(*a[:2], filled, *a[2:], eps=1e-6), *args,
                                       name_pattern=r"k3_[a-z_]+")

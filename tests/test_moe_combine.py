@@ -75,7 +75,7 @@ def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monke
     np.testing.assert_allclose(np.asarray(groups), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
 
 
-def test_latent_moe_walks_groups_only_when_configured_and_on_the_gpu_kernel_family(monkeypatch):
+def test_latent_moe_walks_groups_only_when_configured_in_decode_steps_on_the_gpu_kernel_family(monkeypatch):
     import flax.nnx as nnx
 
     from k3jax.ops import gmm as gmm_ops
@@ -85,4 +85,5 @@ def test_latent_moe_walks_groups_only_when_configured_and_on_the_gpu_kernel_fami
         cfg = configs.get_config("tiny", [f"moe_gmm_walk={walk}"])
         layer = nnx.eval_shape(lambda cfg=cfg: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
         monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda b=backend: b)
-        assert layer._group_walk() is want, (walk, backend)
+        assert layer._group_walk(1) is want, (walk, backend)
+        assert layer._group_walk(7) is False  # prefill / training: the tile walk

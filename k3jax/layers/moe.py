@@ -182,7 +182,7 @@ class LatentMoE(nnx.Module):
         z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         if plan_backend is not None:
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
-            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg, group_walk=self._group_walk()).astype(dt)
+            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg, group_walk=self._group_walk(t)).astype(dt)
         else:
             u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
@@ -209,10 +209,12 @@ class LatentMoE(nnx.Module):
             return None
         return gpu_kernel_backend()
 
-    def _group_walk(self) -> bool:
-        """Whether decode-sized grouped matmuls walk expert groups (`cfg.moe_gmm_walk == "groups"`): only for the
-        GPU kernel family (its tiling; the interpreter in tests), never for TPU or XLA."""
-        if self.cfg.moe_gmm_walk != "groups":
+    def _group_walk(self, t: int) -> bool:
+        """Whether the grouped matmuls walk expert groups (`cfg.moe_gmm_walk == "groups"`): decode steps only (one
+        token per sequence: a prefill or training batch can put hundreds of rows in one group, which one program
+        would walk serially, and its backward would inherit the decode tiles), and only for the GPU kernel family
+        (its tiling; the interpreter in tests), never for TPU or XLA."""
+        if self.cfg.moe_gmm_walk != "groups" or t != 1:
             return False
         from k3jax.ops import gmm as gmm_ops
 
@@ -230,7 +232,7 @@ class LatentMoE(nnx.Module):
                 u_nl = experts_dense(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
             else:
                 u_nl = experts_dropless(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg,
-                                        group_walk=self._group_walk()).astype(dt)
+                                        group_walk=self._group_walk(t)).astype(dt)
             stats = expert_parallel.single_program_stats(experts_nk.size)
         else:
             mode, factor = ep

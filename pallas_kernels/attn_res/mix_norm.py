@@ -31,15 +31,20 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda.chunk_fwd import triton_params
 from pallas_kernels.tiling import largest_pow2_divisor
 
-__all__ = ["BACKENDS", "chunk_width", "mix_norm"]
+__all__ = ["BACKENDS", "MAX_CHUNKS", "chunk_width", "mix_norm"]
 
 BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
 
 
+MAX_CHUNKS = 8  # column slices per row: all of them are held in registers (k3_gpu: D = 1536 = 3 x 512)
+
+
 def chunk_width(d: int) -> int:
-    """The column slice: the largest power of two <= 512 dividing D (0 when below 16: the kernel cannot take D)."""
-    return largest_pow2_divisor(d, 512, 16)
+    """The column slice: the largest power of two <= 512 dividing D, 0 when the kernel cannot take D (no such
+    divisor >= 16, or more than MAX_CHUNKS slices: the unrolled kernel would spill registers)."""
+    width = largest_pow2_divisor(d, 512, 16)
+    return width if width and d // width <= MAX_CHUNKS else 0
 
 
 def _block_rows(m: int) -> int:
@@ -73,7 +78,8 @@ def mix_norm(live_md: jax.Array, bank_nmd: jax.Array, num_filled: int, key_gain_
         raise ValueError(f"attn_res mix_norm: num_filled must be a static int in [0, {bank_nmd.shape[0]}], "
                          f"got {num_filled!r}")
     if not chunk_width(d):
-        raise ValueError(f"attn_res mix_norm: D={d} has no power-of-two divisor >= 16")
+        raise ValueError(f"attn_res mix_norm: D={d} needs a power-of-two divisor >= 16 that leaves at most "
+                         f"{MAX_CHUNKS} slices of <= 512 columns")
     if jnp.dtype(bank_nmd.dtype) != jnp.dtype(live_md.dtype):
         raise ValueError(f"attn_res mix_norm: bank and live must share a dtype, got {bank_nmd.dtype} and "
                          f"{live_md.dtype}")
