@@ -131,3 +131,27 @@ class KDALayerDecode:
     @property
     def args(self):
         return self.params, self.x, self.state, self.valid
+
+
+def moe_problem(n: int, seed: int):
+    """A routed-experts problem on `tiny` (f32): tokens x, router, bias, latent inputs z, expert weights w1 / w3 / w2
+    (latent width 32) and the XLA routing (weights, experts) of x; as a SimpleNamespace."""
+    import types
+
+    import jax.numpy as jnp
+
+    import configs
+    from k3jax.layers import moe
+
+    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
+    e, lat, m = cfg.num_experts, 32, cfg.moe_intermediate_size
+    rng = np.random.default_rng(seed)
+    p = types.SimpleNamespace(cfg=cfg)
+    p.x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), jnp.float32)
+    p.router = jnp.asarray(rng.standard_normal((cfg.hidden_size, e)), jnp.float32)
+    p.bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
+    p.z = jnp.asarray(rng.standard_normal((n, lat)), jnp.float32)
+    p.w1, p.w3 = (jnp.asarray(rng.standard_normal((e, lat, m)) / np.sqrt(lat), jnp.float32) for _ in range(2))
+    p.w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
+    p.weights, p.experts, _ = moe.route(p.x, p.router, p.bias, cfg)
+    return p

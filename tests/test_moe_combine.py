@@ -8,20 +8,12 @@ import numpy as np
 
 import configs
 from k3jax.layers import moe
+from tests.conftest import moe_problem
 
 
 def _inputs(n=7, seed=0):
-    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    e, lat, m = cfg.num_experts, 32, cfg.moe_intermediate_size
-    rng = np.random.default_rng(seed)
-    x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), jnp.float32)
-    router = jnp.asarray(rng.standard_normal((cfg.hidden_size, e)), jnp.float32)
-    bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
-    z = jnp.asarray(rng.standard_normal((n, lat)), jnp.float32)
-    w1, w3 = (jnp.asarray(rng.standard_normal((e, lat, m)) / np.sqrt(lat), jnp.float32) for _ in range(2))
-    w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
-    weights, experts, _ = moe.route(x, router, bias, cfg)
-    return cfg, z, weights, experts, w1, w3, w2
+    p = moe_problem(n, seed)
+    return p.cfg, p.z, p.weights, p.experts, p.w1, p.w3, p.w2
 
 
 def _float_scatter_adds(jaxpr) -> list:

@@ -113,21 +113,13 @@ def test_model_decode_with_the_routing_plan_equals_xla(monkeypatch):
 def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch):
     """`experts_planned` with the kernel backend (the interpreter standing in for the GPU: fused GLU and down gmm,
     both walking expert groups) equals `experts_dropless` on `jax.lax.ragged_dot`, for the same routing."""
-    import configs
-
+    from tests.conftest import moe_problem
     from k3jax.layers import moe
     from k3jax.ops import gmm as gmm_ops
 
-    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    n, e, lat, m = 6, cfg.num_experts, 32, cfg.moe_intermediate_size
-    rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((n, cfg.hidden_size)), jnp.float32)
-    router = jnp.asarray(rng.standard_normal((cfg.hidden_size, e)), jnp.float32)
-    bias = jnp.asarray(0.1 * rng.standard_normal(e), jnp.float32)
-    z = jnp.asarray(rng.standard_normal((n, lat)), jnp.float32)
-    w1, w3 = (jnp.asarray(rng.standard_normal((e, lat, m)) / np.sqrt(lat), jnp.float32) for _ in range(2))
-    w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
-    weights, experts, _ = moe.route(x, router, bias, cfg)
+    p = moe_problem(6, seed=9)
+    cfg, x, router, bias, z, w1, w3, w2 = p.cfg, p.x, p.router, p.bias, p.z, p.w1, p.w3, p.w2
+    weights, experts = p.weights, p.experts
     want = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
     p_weights, plan = moe.route_planned(x, router, bias, cfg, "interpret")
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), np.asarray(experts))
