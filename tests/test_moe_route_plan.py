@@ -125,7 +125,7 @@ def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch)
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), np.asarray(experts))
     np.testing.assert_allclose(np.asarray(p_weights), np.asarray(weights), rtol=1e-6)
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
-    got = moe.experts_planned(z, p_weights, plan, w1, w3, w2, cfg)
+    got = moe.experts_planned(z, p_weights, plan, w1, w3, w2, cfg, group_walk=True)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
 

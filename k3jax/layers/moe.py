@@ -86,12 +86,13 @@ def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg:
     return weights * cfg.routed_scaling_factor, plan
 
 
-def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, group_walk: bool = True):
-    """`experts_dropless` on a precomputed `RoutePlan`: assignment (n, j) sits at row plan.rows_nk[n, j] of the
-    expert-sorted layout and row r holds token plan.token_of_row_a[r]; the combine gathers each token's k output
-    rows and sums them weighted (f32), instead of a scatter-add. Decode-sized calls walk the expert groups in the
-    GPU kernels (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata; `group_walk=False` for any other
-    kernel family, the tiling being the GPU one; the XLA path ignores it)."""
+def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, group_walk: bool = False):
+    """The routed experts on an expert-sorted `RoutePlan` (from `plan_from_experts` or the `route_plan` kernel):
+    assignment (n, j) sits at row plan.rows_nk[n, j] and row r holds token plan.token_of_row_a[r]; grouped GLU and
+    down matmuls, then each token gathers its k output rows and sums them weighted (f32, in j order).
+    ``group_walk=True``: decode-sized calls walk the expert groups in the GPU kernels
+    (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata); only for the GPU kernel family, whose tiling it
+    is (the XLA path ignores it); see `LatentMoE._group_walk`."""
     from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
 
     n, k = plan.rows_nk.shape
