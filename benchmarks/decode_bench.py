@@ -33,7 +33,11 @@ puts it on every kernel), host CUDA-API calls (graph launches). The raw .xplane.
     --variants="base:;attn:attn_res_impl=pallas;all:attn_res_impl=pallas,moe_route_impl=pallas"
 (name:key=value,... separated by ';'; the first is the baseline). Each variant's decode step is compiled once, then
 the variants are timed in interleaved rounds (`--variant_rounds`, median per variant) at `--variant_batch` slots,
-and a table gives each step time, its floor fraction and its ratio to the baseline. Runs before the profile.
+and a table gives each step time, its floor fraction and its ratio to the baseline. Runs before the profile. Each
+variant also reports its first greedy tokens and the f32 logits of two teacher-forced steps against the baseline's
+(per row: a random-init router has near-tied experts, so a variant that changes rounding moves a few rows a lot; a
+broken one moves all of them; list the baseline twice, e.g. "base:;base2:", to see run-to-run determinism).
+Variants whose compile would start after --budget_s are skipped.
 
 --device_smoke: tiny shapes everywhere (CPU check of every path): `--config=tiny --hf_peer --profile --device_smoke`.
     python benchmarks/decode_bench.py --config=k3_gpu --batches= --hf_peer --profile --out_dir=$OUT
