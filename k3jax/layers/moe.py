@@ -17,7 +17,8 @@ from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.linear import project as dense
-from k3jax.ops.gmm import MXFP4Experts, dense_expert_weights, expert_weights, gmm, inference_only
+from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernels_here,
+                           inference_only)
 from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
@@ -215,11 +216,7 @@ class LatentMoE(nnx.Module):
         token per sequence: a prefill or training batch can put hundreds of rows in one group, which one program
         would walk serially, and its backward would inherit the decode tiles), and only for the GPU kernel family
         (its tiling; the interpreter in tests), never for TPU or XLA."""
-        if self.cfg.moe_gmm_walk != "groups" or t != 1:
-            return False
-        from k3jax.ops import gmm as gmm_ops
-
-        return gmm_ops._kernel_backend_here() in ("gpu", "interpret")
+        return self.cfg.moe_gmm_walk == "groups" and t == 1 and gpu_kernels_here()
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced

@@ -124,6 +124,12 @@ def _kernel_backend_here() -> str | None:
     return backend if jax.device_count() == 1 else None
 
 
+def gpu_kernels_here() -> bool:
+    """Whether ``impl="auto"`` runs the GPU kernel family (`pallas_kernels.gmm` on Triton, or its interpreter in
+    tests) in the current trace: where a GPU `Tiling` such as the decode group walk applies."""
+    return _kernel_backend_here() in ("gpu", "interpret")
+
+
 def _backend(impl: str) -> str:
     """The `pallas_kernels.gmm` backend for `impl` ('xla' = ragged_dot)."""
     if impl == "auto":
