@@ -20,7 +20,6 @@ import jax.numpy as jnp
 import numpy as np
 
 _TOL = 2e-2  # bf16 activations; the kernels are the same program on both sides
-_BACKEND = "gpu"  # --backend=interpret: a CPU smoke run of this script
 
 
 def _err(got, want) -> float:
@@ -28,7 +27,7 @@ def _err(got, want) -> float:
     return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
 
 
-def check_mix_norm(rows: int, d: int, bank: int, dtype) -> list[dict]:
+def check_mix_norm(rows: int, d: int, bank: int, dtype, backend: str = "gpu") -> list[dict]:
     from pallas_kernels.attn_res.mix_norm import mix_norm
 
     rng = np.random.default_rng(0)
@@ -38,18 +37,18 @@ def check_mix_norm(rows: int, d: int, bank: int, dtype) -> list[dict]:
     out = []
     for filled in sorted({0, 1, bank // 2, bank}):
         got, want = (mix_norm(live, bank_nmd, filled, *gains, eps=1e-6, out_eps=1e-5, backend=b)
-                     for b in (_BACKEND, "interpret"))
+                     for b in (backend, "interpret"))
         out.append({"kernel": "attn_res.mix_norm", "rows": rows, "d": d, "num_filled": filled,
                     "err": _err(got, want)})
     return out
 
 
-def check_route_plan(n: int, e: int, k: int) -> list[dict]:
+def check_route_plan(n: int, e: int, k: int, backend: str = "gpu") -> list[dict]:
     from pallas_kernels.moe.route_plan import route_plan
 
     rng = np.random.default_rng(1)
     scores = jnp.asarray(rng.standard_normal((n, e)), jnp.float32)
-    got, want = (route_plan(scores, k, backend=b) for b in (_BACKEND, "interpret"))
+    got, want = (route_plan(scores, k, backend=b) for b in (backend, "interpret"))
     row = {"kernel": "moe.route_plan", "n": n, "e": e, "k": k}
     for name in got._fields:
         row[name + "_mismatches"] = int(np.sum(np.asarray(getattr(got, name)) != np.asarray(getattr(want, name))))
@@ -59,7 +58,7 @@ def check_route_plan(n: int, e: int, k: int) -> list[dict]:
     return [row]
 
 
-def check_kda_fused(b: int, h: int, kd: int, wm1: int, dtype) -> list[dict]:
+def check_kda_fused(b: int, h: int, kd: int, wm1: int, dtype, backend: str = "gpu") -> list[dict]:
     from pallas_kernels.kda.decode_fused import kda_decode_fused
 
     rng = np.random.default_rng(2)
@@ -74,26 +73,26 @@ def check_kda_fused(b: int, h: int, kd: int, wm1: int, dtype) -> list[dict]:
             jnp.asarray([0] + [1] * (b - 1), jnp.int32))
     state = rng.standard_normal((b, h, kd, kd)).astype(np.float32)
     res = {}
-    for backend in (_BACKEND, "interpret"):
-        res[backend] = kda_decode_fused(*args, jnp.asarray(state), scale=kd ** -0.5, lower_bound=-5.0,
-                                        backend=backend)
-    (o, s), (o_ref, s_ref) = res[_BACKEND], res["interpret"]
+    for which in (backend, "interpret"):
+        res[which] = kda_decode_fused(*args, jnp.asarray(state), scale=kd ** -0.5, lower_bound=-5.0,
+                                      backend=which)
+    (o, s), (o_ref, s_ref) = res[backend], res["interpret"]
     return [{"kernel": "kda.decode_fused", "b": b, "h": h, "k": kd, "err_o": _err(o, o_ref),
              "err_state": _err(s, s_ref), "err": max(_err(o, o_ref), _err(s, s_ref))}]
 
 
-def check_split_k(m: int, k: int, n: int, dtype) -> list[dict]:
+def check_split_k(m: int, k: int, n: int, dtype, backend: str = "gpu") -> list[dict]:
     from pallas_kernels.dense.decode_matmul import decode_matmul
 
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((m, k)), dtype)
     w = jnp.asarray(rng.standard_normal((k, n)) / np.sqrt(k), dtype)
-    got = decode_matmul(x, w, backend=_BACKEND)
+    got = decode_matmul(x, w, backend=backend)
     want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision="highest")
     return [{"kernel": "dense.decode_matmul", "m": m, "k": k, "n": n, "err": _err(got, want)}]
 
 
-def check_planned_experts(n: int, cfg_name: str) -> list[dict]:
+def check_planned_experts(n: int, cfg_name: str, backend: str = "gpu") -> list[dict]:
     import configs
     from k3jax.layers import moe
 
@@ -109,7 +108,7 @@ def check_planned_experts(n: int, cfg_name: str) -> list[dict]:
     w2 = jnp.asarray(rng.standard_normal((e, mi, lat)) / np.sqrt(mi), dt)
     weights, experts, _ = moe.route(x, router, bias, cfg)
     want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)  # every expert on every token: no gmm kernel
-    p_weights, plan = moe.route_planned(x, router, bias, cfg, _BACKEND)
+    p_weights, plan = moe.route_planned(x, router, bias, cfg, backend)
     rows = []
     for walk in (True, False):
         got = jax.jit(lambda z, pw, plan, *w: moe.experts_planned(z, pw, plan, *w, cfg, group_walk=walk))(
@@ -126,21 +125,19 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="64,16,1", help="decode batch sizes (tokens per step)")
     ap.add_argument("--backend", default="gpu", choices=("gpu", "interpret"))
     args = ap.parse_args(argv)
-    global _BACKEND
-    _BACKEND = args.backend
     import configs
 
     cfg = configs.get_config(args.config)
     print(f"devices: {jax.devices()}", flush=True)
-    bank = cfg.num_attn_res_snapshots
+    bank, bk = cfg.num_attn_res_snapshots, args.backend
     cases = []
     for rows in (int(r) for r in args.rows.split(",")):
-        cases += [lambda r=rows: check_mix_norm(r, cfg.hidden_size, bank, jnp.bfloat16),
-                  lambda r=rows: check_route_plan(r, cfg.num_experts, cfg.num_experts_per_token),
+        cases += [lambda r=rows: check_mix_norm(r, cfg.hidden_size, bank, jnp.bfloat16, bk),
+                  lambda r=rows: check_route_plan(r, cfg.num_experts, cfg.num_experts_per_token, bk),
                   lambda r=rows: check_kda_fused(r, cfg.kda_num_heads, cfg.kda_head_dim,
-                                                 cfg.kda_short_conv_kernel_size - 1, jnp.bfloat16),
-                  lambda r=rows: check_split_k(r, cfg.hidden_size, 2 * cfg.hidden_size, jnp.bfloat16),
-                  lambda r=rows: check_planned_experts(r, args.config)]
+                                                 cfg.kda_short_conv_kernel_size - 1, jnp.bfloat16, bk),
+                  lambda r=rows: check_split_k(r, cfg.hidden_size, 2 * cfg.hidden_size, jnp.bfloat16, bk),
+                  lambda r=rows: check_planned_experts(r, args.config, bk)]
     failed = 0
     for case in cases:
         try:
