@@ -45,6 +45,9 @@ _UNROLL = flags.DEFINE_bool("unroll_layers", True, "Serve with the layer stack u
                              "--set scan_layers=... says otherwise: the layer scan slices every layer's weights out "
                              "of the stacked arrays at each decode step (copies; 2x slower decode on an H200, "
                              "benchmarks/RESULTS.md); unrolled compiles slower for deep models.")
+_XLA_DEFAULTS = flags.DEFINE_bool("xla_defaults", True, "Add k3jax's serving XLA flags to XLA_FLAGS (GPU: run "
+                                  "independent kernels of a decode step concurrently; k3jax/inference/xla_flags.py). "
+                                  "A flag already in XLA_FLAGS keeps its value.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
 _MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 1,2,1,4; context must be 1) to "
                             "serve on a device mesh; default: one device.")
@@ -158,6 +161,12 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if _XLA_DEFAULTS.value:
+        from k3jax.inference.xla_flags import apply_serving_flags
+
+        added = apply_serving_flags()
+        if added:
+            log(f"serve.py: XLA_FLAGS += {' '.join(added)} (--noxla_defaults to leave XLA_FLAGS as it is)")
     try:
         if not (_CHECKPOINT.value or _HF_DIR.value):
             configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override

@@ -462,12 +462,18 @@ def main():
     ap.add_argument("--variant_batch", type=int, default=64)
     ap.add_argument("--variant_rounds", type=int, default=7)
     ap.add_argument("--device_smoke", action="store_true", help="tiny shapes for every path (CPU check)")
+    ap.add_argument("--no_xla_defaults", action="store_true",
+                    help="leave XLA_FLAGS as it is (default: add the serving flags, k3jax/inference/xla_flags.py)")
     args = ap.parse_args()
     if args.device_smoke:
         explicit = {a.split("=")[0].lstrip("-") for a in sys.argv[1:]}
         for k, v in SMOKE.items():
             if k not in explicit:
                 setattr(args, k, v)
+    if not args.no_xla_defaults:  # as serve.py does, before the backend starts
+        from k3jax.inference.xla_flags import apply_serving_flags
+
+        apply_serving_flags()
     start = time.perf_counter()
     if not any(s.split("=")[0].strip() == "scan_layers" for s in args.set):
         args.set.append("scan_layers=False")  # serve.py's default (--unroll_layers)
@@ -476,8 +482,8 @@ def main():
     for _, sets in variants:  # fail on a bad key before the model is built
         configs.get_config(args.config, args.set + sets)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype})",
-          flush=True)
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype}), "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     records = []
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)

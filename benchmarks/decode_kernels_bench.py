@@ -31,6 +31,12 @@ import numpy as np  # noqa: E402
 from timing import median_ms  # noqa: E402
 
 
+def _emit(out: list, row: dict) -> None:
+    """Keeps a measurement and prints it at once (a run cut short by a time limit still reports what it measured)."""
+    out.append(row)
+    print(json.dumps(row), flush=True)
+
+
 def _chain(call, chain):
     """jit of `chain` dependent applications of `call(x) -> x` (same shape and dtype)."""
     return jax.jit(lambda x: jax.lax.fori_loop(0, chain, lambda i, h: call(h), x))
@@ -55,7 +61,7 @@ def bench_attn_res(rows, d, bank_rows, dtype, variants, backend, chain, iters):
 
         want = np.asarray(jax.jit(xla)(live), np.float64)
         xla_us = median_ms(lambda f=_chain(lambda h: xla(h).astype(dtype), chain): f(live), iters) / chain * 1e3
-        out.append({"op": "attn_res", "rows": rows, "num_filled": filled, "impl": "xla", "us": xla_us})
+        _emit(out, {"op": "attn_res", "rows": rows, "num_filled": filled, "impl": "xla", "us": xla_us})
         for text in variants:
             r, w = (int(v) for v in text.split("-"))
             if rows % r:
@@ -69,7 +75,7 @@ def bench_attn_res(rows, d, bank_rows, dtype, variants, backend, chain, iters):
                 row["vs_xla"] = xla_us / row["us"]
             except Exception as e:  # noqa: BLE001 -- a variant that does not compile must not stop the others
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            out.append(row)
+            _emit(out, row)
     return out
 
 
@@ -90,7 +96,8 @@ def bench_route(rows, experts, k, warps_list, backend, chain, iters):
 
     want = jax.jit(xla)(scores)
     xla_us = median_ms(lambda f=_chain(lambda s: feed(s, xla(s)), chain): f(scores), iters) / chain * 1e3
-    out = [{"op": "route", "rows": rows, "experts": experts, "k": k, "impl": "xla top_k + plan", "us": xla_us}]
+    out = []
+    _emit(out, {"op": "route", "rows": rows, "experts": experts, "k": k, "impl": "xla top_k + plan", "us": xla_us})
     for w in warps_list:
         row = {"op": "route", "rows": rows, "experts": experts, "k": k, "impl": f"route_plan warps {w}"}
         try:
@@ -101,7 +108,7 @@ def bench_route(rows, experts, k, warps_list, backend, chain, iters):
             row["vs_xla"] = xla_us / row["us"]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        out.append(row)
+        _emit(out, row)
     return out
 
 
@@ -131,8 +138,6 @@ def main(argv=None):
             rows_out += bench_route(rows, cfg.num_experts, cfg.num_experts_per_token,
                                     [int(w) for w in args.route_warps.split(",")], args.backend, args.chain,
                                     args.iters)
-    for r in rows_out:
-        print(json.dumps(r), flush=True)
     print("\n| op | rows | case | impl | µs per call | XLA / impl | check |")
     print("|---|---:|---|---|---:|---:|---|")
     for r in rows_out:

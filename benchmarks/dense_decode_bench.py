@@ -11,14 +11,17 @@ in and out, f32 accumulation), µs per call and weight bytes per second of:
 - ``xla``: ``x @ w`` as the model writes it (XLA picks a Triton gemm fusion or cuBLAS);
 - ``xla_cublas``: the same in a child process with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS only), unless
   ``--no_cublas_run``;
-- ``split_k_tn<tn>``: our split-K decode kernel (`pallas_kernels.dense.decode_matmul`, K split until the grid has
-  ~2 programs per SM; the partial products summed by XLA inside the timed call);
+- ``split_<tn-tk-splits-warps-stages>``: our split-K decode kernel (`pallas_kernels.dense.decode_matmul`; splits 0:
+  its default for the shape; the partial products summed by XLA inside the timed call);
 - ``gmm_<tiling>``: our grouped-matmul kernel (`pallas_kernels.gmm.gmm`) with one group holding all M rows, per
   tiling ``tm-tk-tn-warps-stages``.
 
-Each timed call multiplies the same x by ``copies`` distinct weight matrices (together >= 256 MB, so the weights
+Each timed call multiplies ``copies`` distinct x (one each: a shared x would let XLA merge the matmuls into one over
+concatenated weights) by ``copies`` distinct weight matrices (together >= 256 MB, so the weights
 come from HBM, not the 50 MB L2, as in a decode step where every layer has its own weights), all inside one jit;
-the figure is the median call time / copies. Default shapes are `k3_gpu`'s decode matmuls: merged KDA q/k/v
+the figure is the GPU's busy time per matmul from a profiler trace of ``--iters`` calls (all kernels of the call,
+e.g. a split-K reduction, included; the wall clock of such a call is mostly host dispatch), or with ``--wall_clock``
+the median call time / copies. Default shapes are `k3_gpu`'s decode matmuls: merged KDA q/k/v
 (1536x4608), KDA o_proj and output gate (1536x1536), shared-expert gate+up (1536x3072), latent MoE down/up
 (1536x768, 768x1536), MLA q_a (1536x768) and the LM head (1536x163840). ``--check`` compares every
 implementation's output with a float64 NumPy product first.
@@ -53,7 +56,15 @@ def parse_tiling(text: str) -> Tiling:
     return Tiling(*parts)
 
 
-def implementations(m: int, tilings: list[str]) -> dict:
+def parse_split_tiling(text: str) -> SplitTiling:
+    """``tn-tk-splits-warps-stages`` (splits 0: the kernel's default choice for the shape)."""
+    parts = [int(x) for x in text.split("-")]
+    if len(parts) != 5:
+        raise ValueError(f"split tiling {text!r}: expected tn-tk-splits-warps-stages")
+    return SplitTiling(*parts)
+
+
+def implementations(m: int, tilings: list[str], split_tilings: list[str]) -> dict:
     group_sizes = jnp.asarray([m], jnp.int32)
 
     def xla(x, w):
@@ -61,37 +72,66 @@ def implementations(m: int, tilings: list[str]) -> dict:
 
     impls = {"xla": xla}
     backend = "gpu" if jax.default_backend() == "gpu" else "interpret"  # interpret: CPU smoke runs only
-    for tn in (64, 128):
-        impls[f"split_k_tn{tn}"] = (lambda t: lambda x, w: decode_matmul(x, w, tiling=t, backend=backend))(
-            SplitTiling(tn=tn))
+    for text in split_tilings:
+        impls[f"split_{text}"] = (lambda t: lambda x, w: decode_matmul(x, w, tiling=t, backend=backend))(
+            parse_split_tiling(text))
     for text in tilings:
         tiling = parse_tiling(text)
         impls[f"gmm_{text}"] = (lambda t: lambda x, w: gmm(x, w[None], group_sizes, tiling=t))(tiling)
     return impls
 
 
+def device_us_per_call(call, iters: int, per_call: int) -> dict:
+    """GPU busy time (union of kernel intervals, from a jax.profiler trace) per matmul: `iters` calls of `call`, each
+    doing `per_call` matmuls."""
+    import glob
+    import tempfile
+
+    from trace_summary import summarize_xplane
+
+    jax.block_until_ready(call())
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(iters):
+                jax.block_until_ready(call())
+        path = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+        summary = summarize_xplane(path, steps=iters * per_call)
+    if summary.get("backend") != "gpu":
+        raise SystemExit("--device_time needs a GPU trace")
+    return {"busy_us": summary["busy_per_step_ms"] * 1e3, "kernels": summary["kernels_per_step"]}
+
+
 def bench_shape(m: int, k: int, n: int, impls: dict, iters: int, check: bool, stream_bytes: int,
-                label_prefix: str = "") -> list[dict]:
+                label_prefix: str = "", device_time: bool = False) -> list[dict]:
     weight_bytes = k * n * 2
     copies = max(1, -(-stream_bytes // weight_bytes))
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    # one x per weight: with a shared x XLA's dot merger would concatenate all the weights into one matmul
+    xs = [jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16) for _ in range(copies)]
+    x = xs[0]
     key = jax.random.key(1)
     ws = [jax.random.normal(jax.random.fold_in(key, i), (k, n), jnp.bfloat16) * (k ** -0.5) for i in range(copies)]
     rows = []
     for name, fn in impls.items():
-        if check:
-            got = np.asarray(jax.jit(fn)(x, ws[0]), np.float64)
-            want = np.asarray(x, np.float64) @ np.asarray(ws[0], np.float64)
-            err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-            if err > 2e-2:
-                raise SystemExit(f"{label_prefix}{name} {m}x{k}x{n}: max relative error {err:.3g} > 2e-2")
-        many = jax.jit(lambda x, *w, fn=fn: tuple(fn(x, wi) for wi in w))
-        ms = median_ms(lambda: many(x, *ws), iters) / copies
-        row = {"impl": label_prefix + name, "m": m, "k": k, "n": n, "copies": copies, "us": ms * 1e3,
-               "weight_TB_per_s": weight_bytes / (ms * 1e-3) / 1e12}
-        print(json.dumps(row), flush=True)
-        rows.append(row)
+        try:
+            if check:
+                got = np.asarray(jax.jit(fn)(x, ws[0]), np.float64)
+                want = np.asarray(x, np.float64) @ np.asarray(ws[0], np.float64)
+                err = float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
+                if err > 2e-2:
+                    raise SystemExit(f"{label_prefix}{name} {m}x{k}x{n}: max relative error {err:.3g} > 2e-2")
+            many = jax.jit(lambda xs, ws, fn=fn: tuple(fn(xi, wi) for xi, wi in zip(xs, ws)))
+            ms = median_ms(lambda: many(xs, ws), iters) / copies
+            row = {"impl": label_prefix + name, "m": m, "k": k, "n": n, "copies": copies, "wall_us": ms * 1e3}
+            if device_time:  # a few-hundred-µs call is mostly host dispatch: use the GPU's own time
+                trace = device_us_per_call(lambda: many(xs, ws), iters, copies)
+                ms = trace["busy_us"] / 1e3
+                row.update(kernels_per_call=trace["kernels"])
+            row.update(us=ms * 1e3, weight_TB_per_s=weight_bytes / (ms * 1e-3) / 1e12)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        except (ValueError, RuntimeError) as e:  # a tiling that does not fit this shape: report, go on
+            print(f"{label_prefix}{name} {k}x{n}: failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
     return rows
 
 
@@ -101,15 +141,20 @@ def main():
     p.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma list of KxN")
     p.add_argument("--tilings", default="16-64-128-4-4,64-64-64-4-4,64-128-32-4-4,16-128-64-4-4",
                    help="gmm tilings tm-tk-tn-warps-stages ('' for none)")
+    p.add_argument("--split_tilings", default="64-64-0-4-4,128-64-0-4-4",
+                   help="split-K tilings tn-tk-splits-warps-stages (splits 0: the default for the shape; '' for none)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--check", action="store_true")
     p.add_argument("--stream_mb", type=int, default=256, help="weight bytes per timed call (> L2: from HBM)")
     p.add_argument("--no_cublas_run", action="store_true", help="skip the cuBLAS-only child process")
+    p.add_argument("--wall_clock", action="store_true",
+                   help="report wall-clock time per call (host dispatch included) instead of GPU busy time")
     p.add_argument("--xla_only", action="store_true", help=argparse.SUPPRESS)  # the child process
     args = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     tilings = [t for t in args.tilings.split(",") if t] if not args.xla_only else []
-    impls = implementations(args.m, tilings)
+    split_tilings = [t for t in args.split_tilings.split(",") if t] if not args.xla_only else []
+    impls = implementations(args.m, tilings, split_tilings)
     prefix = "xla_cublas" if args.xla_only else ""
     if args.xla_only:
         impls = {"": impls["xla"]}
@@ -118,7 +163,8 @@ def main():
     rows = []
     for k, n in shapes:
         try:
-            rows += bench_shape(args.m, k, n, impls, args.iters, args.check, args.stream_mb * 2 ** 20, prefix)
+            rows += bench_shape(args.m, k, n, impls, args.iters, args.check, args.stream_mb * 2 ** 20, prefix,
+                                device_time=not args.wall_clock and jax.default_backend() == "gpu")
         except Exception as e:  # noqa: BLE001 -- report and go on with the other shapes
             print(f"{k}x{n}: failed: {type(e).__name__}: {e}", flush=True)
     if args.xla_only:
@@ -127,7 +173,8 @@ def main():
         env = dict(os.environ)
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
         cmd = [sys.executable, __file__, "--xla_only", f"--m={args.m}", f"--shapes={args.shapes}",
-               f"--iters={args.iters}", f"--stream_mb={args.stream_mb}"] + (["--check"] if args.check else [])
+               f"--iters={args.iters}", f"--stream_mb={args.stream_mb}"] + (["--check"] if args.check else []) + (
+                   ["--wall_clock"] if args.wall_clock else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         for line in out.stdout.splitlines():
             if line.startswith("{"):
@@ -136,7 +183,8 @@ def main():
         if out.returncode:
             print(f"cuBLAS-only run failed (rc {out.returncode}): {out.stderr[-2000:]}", flush=True)
     names = list(dict.fromkeys(r["impl"] for r in rows))
-    print(f"\nM = {args.m}, bf16; µs per call (weight TB/s)\n")
+    clock = "wall clock" if args.wall_clock or jax.default_backend() != "gpu" else "GPU busy time"
+    print(f"\nM = {args.m}, bf16; µs per matmul ({clock}; weight TB/s)\n")
     print("| K x N | weight MB | " + " | ".join(names) + " |")
     print("|---|---:|" + "---:|" * len(names))
     for k, n in shapes:

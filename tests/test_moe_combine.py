@@ -79,3 +79,32 @@ def test_latent_moe_walks_groups_only_when_configured_in_decode_steps_on_the_gpu
         monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda b=backend: b)
         assert layer._group_walk(1) is want, (walk, backend)
         assert layer._group_walk(7) is False  # prefill / training: the tile walk
+
+
+def _numpy_plan(experts_nk: np.ndarray, num_experts: int):
+    """Independent reference: walk the experts in order, and each expert's assignments in flat order."""
+    n, k = experts_nk.shape
+    flat = experts_nk.reshape(-1)
+    rows = np.zeros(n * k, np.int64)
+    token_of_row = np.zeros(n * k, np.int64)
+    row = 0
+    for e in range(num_experts):
+        for a in range(n * k):
+            if flat[a] == e:
+                rows[a], token_of_row[row] = row, a // k
+                row += 1
+    return rows.reshape(n, k), np.bincount(flat, minlength=num_experts), token_of_row
+
+
+def test_plan_equals_a_numpy_walk_of_the_assignments():
+    rng = np.random.default_rng(3)
+    for n, k, e, distinct in [(1, 1, 4, True), (7, 3, 5, False), (64, 8, 64, True), (33, 4, 9, False)]:
+        if distinct:
+            experts = np.stack([rng.choice(e, size=k, replace=False) for _ in range(n)])
+        else:  # repeated experts within a token: the plan still orders by flat index
+            experts = rng.integers(0, e, size=(n, k))
+        want_rows, want_sizes, want_tokens = _numpy_plan(experts, e)
+        plan = jax.jit(lambda x: moe.plan_from_experts(x, e))(jnp.asarray(experts, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(plan.rows_nk), want_rows, err_msg=f"{n}x{k} E={e}")
+        np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), want_sizes)
+        np.testing.assert_array_equal(np.asarray(plan.token_of_row_a), want_tokens)

@@ -27,8 +27,11 @@ def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d:
 
     `query_d` is the effective pseudo-query (norm gain ⊙ proj weight). Computed in f32, cast back to live's dtype.
     """
+    if isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_)):
+        bank_nbtd = bank_nbtd[:max(0, min(int(num_filled), bank_nbtd.shape[0]))]  # static: only the filled rows
+        num_filled = bank_nbtd.shape[0]
     num_rows = bank_nbtd.shape[0]
-    sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0)
+    sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0) if num_rows else live_btd[None]
     sources = upcast(sources)  # [N+1, B, T, D]
     scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sources, eps), query_d.astype(sources.dtype))
     valid = jnp.arange(num_rows + 1) < num_filled
