@@ -16,7 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
-from k3jax.ops.linear import project as dense
+from k3jax.ops.linear import project as dense, unless_single_row
 from sharding import context_parallel, kda_kernel
 from sharding.mesh import traced_accelerator
 
@@ -176,15 +176,17 @@ class MLA(nnx.Module):
         # q_nope · W_k over the whole kv_b row with q zero-padded over the value columns: the same sums (the
         # padding adds exact zeros) without slicing the weight, which XLA would copy every decode step.
         q_pad = jnp.pad(q_bthk[..., :nope].astype(dt), [(0, 0)] * (q_bthk.ndim - 1) + [(0, cfg.v_head_dim)])
-        q_lat = jnp.einsum("bthe,rhe->bthr", q_pad, self.kv_b_proj[...].astype(dt),
-                           preferred_element_type=wide(q_bthk.dtype)).astype(dt)
+        w_rhe = self.kv_b_proj[...].astype(dt)
+        q_lat = unless_single_row(lambda q: jnp.einsum("bthe,rhe->bthr", q, w_rhe, preferred_element_type=wide(
+            q_bthk.dtype)), q_pad, 2).astype(dt)
         return jnp.concatenate([q_lat, q_bthk[..., nope:].astype(dt)], axis=-1)
 
     def _latent_values(self, o_bthr):
         """W_v maps each head's attended latent [B, T, H, kv_lora] to its value width (in o's dtype)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         # the whole kv_b row, then the value columns of the (small) result: no per-step copy of a weight slice
-        kv = jnp.einsum("bthr,rhe->bthe", o_bthr, self.kv_b_proj[...].astype(dt).astype(o_bthr.dtype))
+        w_rhe = self.kv_b_proj[...].astype(dt).astype(o_bthr.dtype)
+        kv = unless_single_row(lambda o: jnp.einsum("bthr,rhe->bthe", o, w_rhe), o_bthr, 2)
         return kv[..., cfg.qk_nope_head_dim:]
 
 

@@ -16,7 +16,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
-from k3jax.ops.linear import project as dense
+from k3jax.ops.linear import project as dense, unless_single_row
 from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernels_here,
                            inference_only)
 from k3jax.training.balancing import margin_histogram, routing_margins
@@ -30,7 +30,7 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
     num_expert_group > 1); combine weights are the unbiased scores, renormalised, times routed_scaling_factor.
     """
     x_wide = upcast(x_nd)
-    scores = jax.nn.sigmoid(x_wide @ router_de.astype(x_wide.dtype))
+    scores = jax.nn.sigmoid(unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1))
     biased = scores + bias_e.astype(x_wide.dtype)
     if cfg.num_expert_group > 1:
         n, e = biased.shape
@@ -80,7 +80,7 @@ def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg:
     from pallas_kernels.moe import route_plan  # lazy: pallas_kernels imports k3jax modules
 
     x_wide = upcast(x_nd)
-    scores = jax.nn.sigmoid(x_wide @ router_de.astype(x_wide.dtype))
+    scores = jax.nn.sigmoid(unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1))
     biased = jax.lax.stop_gradient(scores + bias_e.astype(x_wide.dtype))  # selection only: no gradient
     plan = route_plan(biased, cfg.num_experts_per_token, backend=backend)
     weights = jnp.take_along_axis(scores, plan.experts_nk, axis=-1)

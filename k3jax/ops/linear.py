@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["DECODE_MAX_ROWS", "project"]
+__all__ = ["DECODE_MAX_ROWS", "project", "unless_single_row"]
 
 DECODE_MAX_ROWS = 256
 
@@ -51,10 +51,22 @@ def project(x: jax.Array, w: jax.Array, cfg, *, contract: int = 1, preferred_ele
     backend = _kernel_backend(cfg, rows, k, n)
     if backend is None:
         dims = (tuple(range(x.ndim - contract, x.ndim)), tuple(range(contract)))
-        return jax.lax.dot_general(x, w, (dims, ((), ())), preferred_element_type=preferred_element_type)
+        return unless_single_row(
+            lambda x2: jax.lax.dot_general(x2, w, (dims, ((), ())), preferred_element_type=preferred_element_type),
+            x, x.ndim - contract)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     y = _kernel_matmul(x.reshape(rows, k), w.reshape(k, n).astype(x.dtype), backend, out_dtype)
     return y.reshape(out_shape)
+
+
+def unless_single_row(fn, x: jax.Array, lead: int) -> jax.Array:
+    """``fn(x)`` where the product of x's first `lead` axes (the rows of a matmul) is 1 (batch-1 decode) runs on x
+    padded with a zero row along axis 0, then keeps the real row. XLA rewrites a one-row matmul as a multiply and a
+    reduction over a materialised [K, N] product (k3_gpu decode at B = 1 spent ~1.8 ms of a 2.5 ms step there:
+    benchmarks/RESULTS.md, session 8); two rows stay a matmul. `fn` must act row by row along axis 0."""
+    if lead < 1 or math.prod(x.shape[:lead]) != 1:
+        return fn(x)
+    return fn(jnp.concatenate([x, jnp.zeros_like(x)], axis=0))[:1]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
