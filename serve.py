@@ -47,7 +47,7 @@ _UNROLL = flags.DEFINE_bool("unroll_layers", True, "Serve with the layer stack u
                              "benchmarks/RESULTS.md); unrolled compiles slower for deep models.")
 _XLA_DEFAULTS = flags.DEFINE_bool("xla_defaults", True, "Add k3jax's serving XLA flags to XLA_FLAGS (GPU: run "
                                   "independent kernels of a decode step concurrently; k3jax/inference/xla_flags.py). "
-                                  "A flag already in XLA_FLAGS keeps its value.")
+                                  "A flag already in XLA_FLAGS keeps its value. Not with --mesh (untested there).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for the random init (and batch-mode sampling).")
 _MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 1,2,1,4; context must be 1) to "
                             "serve on a device mesh; default: one device.")
@@ -161,7 +161,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
-    if _XLA_DEFAULTS.value:
+    if _XLA_DEFAULTS.value and not _MESH.value:  # measured on one GPU only (not with NCCL inside the graphs)
         from k3jax.inference.xla_flags import apply_serving_flags
 
         added = apply_serving_flags()

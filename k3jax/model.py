@@ -22,7 +22,7 @@ from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import wide
-from k3jax.ops.linear import project as dense
+from k3jax.ops.linear import project as dense, unless_single_row
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
@@ -310,8 +310,9 @@ class K3Model(nnx.Module):
     def logits(self, h_btd: jax.Array) -> jax.Array:
         dt = self.cfg.jnp_dtype
         if self.cfg.tie_word_embeddings:  # a transposed view: the XLA product (no per-step transposed copy)
-            return constrain(jnp.einsum("btd,dv->btv", h_btd.astype(dt), self.embed_tokens[...].T.astype(dt),
-                                        preferred_element_type=wide(dt)), ACT_BTV)
+            emb_vd = self.embed_tokens[...]
+            return constrain(unless_single_row(lambda h: jnp.einsum(
+                "btd,dv->btv", h, emb_vd.T.astype(dt), preferred_element_type=wide(dt)), h_btd.astype(dt), 2), ACT_BTV)
         return constrain(dense(h_btd.astype(dt), self.lm_head[...].astype(dt), self.cfg,
                                preferred_element_type=wide(dt)), ACT_BTV)
 

@@ -6,19 +6,32 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from flax import nnx
+
 import configs
 from k3jax.layers import moe
+from k3jax.layers.mla import MLA
 from k3jax.ops.linear import project
 
 
-def _dot_lhs_rows(fn, *args):
-    """The number of rows (product of the lhs free axes) of every dot_general in fn's jaxpr."""
+def _dot_rows(fn, *args):
+    """For every dot_general in fn's jaxpr (nested ones included), the smaller of its two operands' free sizes
+    (product of the axes neither contracted nor batched): 1 means a matrix-vector product."""
     rows = []
-    for eqn in jax.make_jaxpr(fn)(*args).jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract_l, _), (batch_l, _) = eqn.params["dimension_numbers"]
-            shape = eqn.invars[0].aval.shape
-            rows.append(int(np.prod([s for i, s in enumerate(shape) if i not in contract_l + batch_l])))
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+                free = [int(np.prod([s for i, s in enumerate(v.aval.shape) if i not in c + b]))
+                        for v, c, b in ((eqn.invars[0], contract_l, batch_l), (eqn.invars[1], contract_r, batch_r))]
+                rows.append(min(free))
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", None)
+                if inner is not None:
+                    walk(getattr(inner, "jaxpr", inner))
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
     return rows
 
 
@@ -30,14 +43,33 @@ def test_one_row_projection_is_a_two_row_matmul_with_the_float64_result():
         x, w = rng.standard_normal(x_shape), rng.standard_normal(w_shape)
         got = project(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32), cfg, contract=contract)
         np.testing.assert_allclose(np.asarray(got, np.float64), np.einsum(spec, x, w), rtol=1e-5, atol=1e-5)
-        assert _dot_lhs_rows(lambda a, b: project(a, b, cfg, contract=contract), x.astype(np.float32),
+        assert _dot_rows(lambda a, b: project(a, b, cfg, contract=contract), x.astype(np.float32),
                              w.astype(np.float32)) == [2]
+
+
+def test_the_compiled_one_row_projection_keeps_a_two_row_dot():
+    """Past the jaxpr: XLA's own simplifier (here the CPU compiler) does not fold the zero row away."""
+    cfg = configs.get_config("tiny")
+    x, w = jnp.ones((1, 1, 64), jnp.float32), jnp.ones((64, 48), jnp.float32)
+    hlo = jax.jit(lambda a, b: project(a, b, cfg)).lower(x, w).compile().as_text()
+    assert "f32[2,48]" in hlo and "dot(" in hlo
+
+
+def test_mla_absorbed_einsums_of_one_token_equal_its_row_in_a_batch():
+    cfg = configs.get_config("tiny")
+    mla = MLA(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(2)
+    q = jnp.asarray(rng.standard_normal((3, 1, cfg.num_attention_heads, cfg.qk_head_dim)), jnp.float32)
+    o = jnp.asarray(rng.standard_normal((3, 1, cfg.num_attention_heads, cfg.kv_lora_rank)), jnp.float32)
+    for fn, x in ((mla._absorbed_queries, q), (mla._latent_values, o)):
+        np.testing.assert_allclose(np.asarray(fn(x[1:2])), np.asarray(fn(x)[1:2]), rtol=1e-5, atol=1e-6)
+        assert set(_dot_rows(fn, x[1:2])) == {2}
 
 
 def test_more_rows_are_left_alone():
     cfg = configs.get_config("tiny")
     x, w = jnp.ones((3, 1, 64)), jnp.ones((64, 16))
-    assert _dot_lhs_rows(lambda a, b: project(a, b, cfg), x, w) == [3]
+    assert _dot_rows(lambda a, b: project(a, b, cfg), x, w) == [3]
 
 
 def test_one_token_routing_matches_the_routing_of_the_same_token_in_a_batch():
@@ -51,4 +83,4 @@ def test_one_token_routing_matches_the_routing_of_the_same_token_in_a_batch():
     np.testing.assert_array_equal(np.asarray(e_one), np.asarray(e_all[2:3]))
     np.testing.assert_allclose(np.asarray(s_one), np.asarray(s_all[2:3]), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(np.asarray(w_one), np.asarray(w_all[2:3]), rtol=1e-6, atol=1e-7)
-    assert _dot_lhs_rows(lambda a: moe.route(a, router, bias, cfg), x[2:3]) == [2]
+    assert _dot_rows(lambda a: moe.route(a, router, bias, cfg), x[2:3]) == [2]

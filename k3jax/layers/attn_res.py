@@ -2,7 +2,8 @@
 partial sum, with one learned pseudo-query per read site.
 
 The bank has a fixed number of rows (`cfg.num_attn_res_snapshots`) so layers can be scanned; rows not yet written
-are masked out by the count of filled rows, which may be a traced value inside a scan.
+are masked out by the count of filled rows, which may be a traced value inside a scan. With a static count (the
+unrolled layer stack) a read slices the filled rows instead (no concatenation of unused rows).
 """
 
 from __future__ import annotations
