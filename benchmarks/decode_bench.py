@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
-from trace_summary import scope_group, short_source, summarize_xplane  # noqa: E402
+from trace_summary import scope_group, short_source, summarize_xplane, trace_xplane  # noqa: E402
 from k3jax.inference import scheduler as sched_lib  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
@@ -291,7 +291,6 @@ def bench_prefill(cfg, spec, params, n, context, iters):
 
 def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     """Traces `calls` jitted decode calls (after a compile + warm call) and returns the trace summary."""
-    import glob
     import shutil
     import tempfile
 
@@ -312,19 +311,13 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     cache, state = call(cache, state)
     untraced_step_ms = (time.perf_counter() - t0) / steps * 1e3
     log_dir = tempfile.mkdtemp(prefix="decode_profile_")
-    try:
-        opts = jax.profiler.ProfileOptions()
-        opts.python_tracer_level = 0  # device activity only: keeps the trace small
-        ctx = jax.profiler.trace(log_dir, profiler_options=opts)
-    except (AttributeError, TypeError):
-        ctx = jax.profiler.trace(log_dir)
-    with ctx:
-        for _ in range(calls):
-            cache, state = call(cache, state)
-    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
-    if not paths:
-        raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
-    summary = summarize_xplane(paths[-1], steps * calls)
+
+    def run():
+        nonlocal cache, state
+        cache, state = call(cache, state)
+
+    xplane = trace_xplane(run, calls, log_dir)
+    summary = summarize_xplane(xplane, steps * calls)
     try:  # map kernel names to model source lines through the optimised HLO (one more compile, best effort)
         hlo = sched_lib._decode.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
                                       mesh=sched_lib._intern(None)).compile().as_text()
@@ -335,9 +328,9 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     except Exception as e:  # noqa: BLE001 -- the profile stands without the sources
         print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
     summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
-                   untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(paths[-1]))
-    if out_dir and os.path.getsize(paths[-1]) < 15 << 20:
-        shutil.copy(paths[-1], os.path.join(out_dir, f"decode_profile_b{batch}.xplane.pb"))
+                   untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(xplane))
+    if out_dir and os.path.getsize(xplane) < 15 << 20:
+        shutil.copy(xplane, os.path.join(out_dir, f"decode_profile_b{batch}.xplane.pb"))
     shutil.rmtree(log_dir, ignore_errors=True)
     return summary
 

@@ -49,19 +49,21 @@ from timing import median_ms  # noqa: E402
 DEFAULT_SHAPES = "1536x4608,1536x1536,1536x3072,1536x768,768x1536,1536x163840"
 
 
-def parse_tiling(text: str) -> Tiling:
+def _parse_ints(text: str, cls, fields: str):
     parts = [int(x) for x in text.split("-")]
-    if len(parts) != 5:
-        raise ValueError(f"tiling {text!r}: expected tm-tk-tn-warps-stages")
-    return Tiling(*parts)
+    if len(parts) != len(fields.split("-")):
+        raise ValueError(f"tiling {text!r}: expected {fields}")
+    return cls(*parts)
+
+
+def parse_tiling(text: str) -> Tiling:
+    """``tm-tk-tn-warps-stages`` of the grouped-matmul kernel."""
+    return _parse_ints(text, Tiling, "tm-tk-tn-warps-stages")
 
 
 def parse_split_tiling(text: str) -> SplitTiling:
     """``tn-tk-splits-warps-stages`` (splits 0: the kernel's default choice for the shape)."""
-    parts = [int(x) for x in text.split("-")]
-    if len(parts) != 5:
-        raise ValueError(f"split tiling {text!r}: expected tn-tk-splits-warps-stages")
-    return SplitTiling(*parts)
+    return _parse_ints(text, SplitTiling, "tn-tk-splits-warps-stages")
 
 
 def implementations(m: int, tilings: list[str], split_tilings: list[str]) -> dict:
@@ -84,17 +86,13 @@ def implementations(m: int, tilings: list[str], split_tilings: list[str]) -> dic
 def device_us_per_call(call, iters: int, per_call: int) -> dict:
     """GPU busy time (union of kernel intervals, from a jax.profiler trace) per matmul: `iters` calls of `call`, each
     doing `per_call` matmuls."""
-    import glob
     import tempfile
 
-    from trace_summary import summarize_xplane
+    from trace_summary import summarize_xplane, trace_xplane
 
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(iters):
-                jax.block_until_ready(call())
-        path = glob.glob(os.path.join(tmp, "**", "*.xplane.pb"), recursive=True)[0]
+        path = trace_xplane(lambda: jax.block_until_ready(call()), iters, tmp)
         summary = summarize_xplane(path, steps=iters * per_call)
     if summary.get("backend") != "gpu":
         raise SystemExit("--device_time needs a GPU trace")

@@ -119,16 +119,12 @@ def _print_kernels(label, kernels):
 
 def profile_jax(label, fn, args):
     """Device time per GPU kernel of `fn(*args)` (already compiled), from a jax.profiler trace."""
-    import glob
     import tempfile
 
-    from trace_summary import summarize_xplane
+    from trace_summary import summarize_xplane, trace_xplane
 
-    log_dir = tempfile.mkdtemp(prefix="kda_profile_")
-    with jax.profiler.trace(log_dir):
-        for _ in range(PROFILE_CALLS):
-            jax.block_until_ready(fn(*args))
-    path = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    path = trace_xplane(lambda: jax.block_until_ready(fn(*args)), PROFILE_CALLS,
+                        tempfile.mkdtemp(prefix="kda_profile_"))
     summary = summarize_xplane(path, PROFILE_CALLS, top=40)
     rows = summary.get("top_kernels") or summary.get("top_events", [])
     _print_kernels(label, [(r["name"], r["per_step_us"], r["count_per_step"]) for r in rows])

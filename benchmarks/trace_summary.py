@@ -8,12 +8,35 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["summarize_xplane", "short_source", "scope_group"]
+__all__ = ["summarize_xplane", "short_source", "scope_group", "trace_xplane"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.
 _NOISE_SCOPES = {"while", "body", "cond", "eval_jaxpr", "closed_call", "core_call", "checkpoint", "remat",
                  "custom_jvp_call", "custom_vjp_call"}
+
+
+def trace_xplane(run, calls: int, log_dir: str) -> str:
+    """Runs ``run()`` `calls` times under `jax.profiler` (device activity only: a small trace) into `log_dir`; returns
+    the path of the .xplane.pb it wrote. ``run`` must block until its work is done."""
+    import glob
+    import os
+
+    import jax
+
+    try:
+        opts = jax.profiler.ProfileOptions()
+        opts.python_tracer_level = 0
+        ctx = jax.profiler.trace(log_dir, profiler_options=opts)
+    except (AttributeError, TypeError):
+        ctx = jax.profiler.trace(log_dir)
+    with ctx:
+        for _ in range(calls):
+            run()
+    paths = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))
+    if not paths:
+        raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
+    return paths[-1]
 
 
 def _stats(event) -> dict:

@@ -91,6 +91,16 @@ class DecodeHarness:
         return init_cache(self.cfg, batch, max_len)
 
 
+def jaxpr_eqns(jaxpr):
+    """Every equation of a jaxpr and of its sub-jaxprs (jit, custom_vjp, scan bodies ...), depth first."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", None)
+            if inner is not None:
+                yield from jaxpr_eqns(getattr(inner, "jaxpr", inner))
+
+
 def max_rel_err(got, want) -> float:
     """max |got - want| / max |want| in float64."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)

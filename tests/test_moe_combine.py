@@ -8,7 +8,7 @@ import numpy as np
 
 import configs
 from k3jax.layers import moe
-from tests.conftest import moe_problem
+from tests.conftest import jaxpr_eqns, moe_problem
 
 
 def _inputs(n=7, seed=0):
@@ -18,15 +18,8 @@ def _inputs(n=7, seed=0):
 
 def _float_scatter_adds(jaxpr) -> list:
     """The floating-point scatter-adds of a jaxpr and its sub-jaxprs (an integer one, bincount's, is exact)."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating):
-            found.append(eqn)
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", None)
-            if inner is not None:
-                found += _float_scatter_adds(getattr(inner, "jaxpr", inner))
-    return found
+    return [eqn for eqn in jaxpr_eqns(jaxpr)
+            if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)]
 
 
 def test_dropless_combine_equals_every_expert_on_every_token():

@@ -12,26 +12,19 @@ import configs
 from k3jax.layers import moe
 from k3jax.layers.mla import MLA
 from k3jax.ops.linear import project
+from tests.conftest import jaxpr_eqns
 
 
 def _dot_rows(fn, *args):
     """For every dot_general in fn's jaxpr (nested ones included), the smaller of its two operands' free sizes
     (product of the axes neither contracted nor batched): 1 means a matrix-vector product."""
     rows = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
-                free = [int(np.prod([s for i, s in enumerate(v.aval.shape) if i not in c + b]))
-                        for v, c, b in ((eqn.invars[0], contract_l, batch_l), (eqn.invars[1], contract_r, batch_r))]
-                rows.append(min(free))
-            for param in eqn.params.values():
-                inner = getattr(param, "jaxpr", None)
-                if inner is not None:
-                    walk(getattr(inner, "jaxpr", inner))
-
-    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    for eqn in jaxpr_eqns(jax.make_jaxpr(fn)(*args).jaxpr):
+        if eqn.primitive.name == "dot_general":
+            (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
+            free = [int(np.prod([s for i, s in enumerate(v.aval.shape) if i not in c + b]))
+                    for v, c, b in ((eqn.invars[0], contract_l, batch_l), (eqn.invars[1], contract_r, batch_r))]
+            rows.append(min(free))
     return rows
 
 
