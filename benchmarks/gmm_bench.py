@@ -3,6 +3,7 @@
     python benchmarks/gmm_bench.py [--shapes=32768x3584x6144x56,...] [--routing=balanced,skewed] [--iters=20]
                                    [--check] [--ragged_max_rows=32768] [--sweep] [--glu | --mxfp4]
     python benchmarks/gmm_bench.py --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4-groups,...  # decode
+    python benchmarks/gmm_bench.py --chain=50 --glu --shapes=512x768x768x64 --tilings=16-64-64-4-4  # decode GLU
 
 Shapes are rows×k×n×groups (K3 latent experts: up k=3584 n=2·3072, down k=3072 n=3584; rows per rank 8k–64k,
 groups = 896 / expert-parallel degree). bf16 inputs, f32 accumulation, bf16 outputs for all three. Forward and
@@ -150,25 +151,40 @@ def parse_tiling(text: str) -> Tiling:
     return Tiling(*(int(v) for v in parts))._replace(walk=walk)
 
 
-def bench_chained(m, k, n, g, routing, chain, iters, backend, tilings):
+def bench_chained(m, k, n, g, routing, chain, iters, backend, tilings, glu=False):
     """Decode-sized calls (`--chain`): `chain` dependent forward calls inside one jit (each call's output is the
     next call's input, so k == n), timed per call without host dispatch; ours for each tiling (None = the
-    default) and `ragged_dot`. GB/s = expert weight bytes per call / time (decode reads every touched expert)."""
+    default) and `ragged_dot`. GB/s = expert weight bytes per call / time (decode reads every touched expert).
+    `glu`: the fused up-projection `gmm_glu` (gate and up weights, SiTU) instead of `gmm`; the peer is `ragged_dot`
+    twice + SiTU."""
     if k != n:
         raise ValueError(f"--chain needs k == n (the output feeds the next call), got {m}x{k}x{n}x{g}")
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    w = jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16)
+    # a tuple of [g, k, n] weights (gate and up for glu): slicing one stacked array inside the jit copied it per call
+    w = tuple(jnp.asarray(rng.standard_normal((g, k, n)) / np.sqrt(k), jnp.bfloat16) for _ in range(1 + glu))
     gs = jnp.asarray(group_sizes_for(m, g, routing))
-    weight_bytes = int((gs > 0).sum()) * k * n * 2
+    weight_bytes = int((gs > 0).sum()) * k * n * 2 * (1 + glu)
 
     def chained(call):
         return jax.jit(lambda x, w: jax.lax.fori_loop(0, chain, lambda i, h: call(h, w).astype(h.dtype), x))
 
-    impls = {f"ours_{'default' if t is None else '-'.join(map(str, t))}":
-             (lambda t: lambda a, b: gmm(a, b, gs, backend=backend, tiling=t))(t) for t in tilings}
-    impls["ragged_dot"] = lambda a, b: jax.lax.ragged_dot(a, b, gs)
-    row = {"m": m, "k": k, "n": n, "groups": g, "routing": routing, "chain": chain, "weight_MB": weight_bytes / 1e6}
+    def ours(t):
+        if glu:
+            return lambda a, b: gmm_glu(a, b[0], b[1], gs, beta1=_BETAS[0], beta2=_BETAS[1], backend=backend,
+                                        tiling=t)
+        return lambda a, b: gmm(a, b[0], gs, backend=backend, tiling=t)
+
+    def ragged(a, b):
+        if glu:
+            gate, up = (jax.lax.ragged_dot(a, b[i], gs, preferred_element_type=jnp.float32) for i in (0, 1))
+            return glu_f32(gate, up, "situ", *_BETAS)
+        return jax.lax.ragged_dot(a, b[0], gs)
+
+    impls = {f"ours_{'default' if t is None else '-'.join(map(str, t))}": ours(t) for t in tilings}
+    impls["ragged_dot"] = ragged
+    row = {"m": m, "k": k, "n": n, "groups": g, "routing": routing, "chain": chain, "weight_MB": weight_bytes / 1e6,
+           "call": "gmm_glu" if glu else "gmm"}
     for label, call in impls.items():
         try:
             f = chained(call)
@@ -438,7 +454,7 @@ def main():
         tilings = [None] + ([parse_tiling(t) for t in args.tilings.split(",")] if args.tilings else [])
         for m, k, n, g in shapes:
             for routing in args.routing.split(","):
-                bench_chained(m, k, n, g, routing, args.chain, args.iters, backend, tilings)
+                bench_chained(m, k, n, g, routing, args.chain, args.iters, backend, tilings, glu=args.glu)
         return
     for m, k, n, g in shapes:
         for routing in args.routing.split(","):
