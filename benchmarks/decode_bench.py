@@ -65,7 +65,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
-from trace_summary import scope_group, short_source, summarize_xplane, trace_xplane  # noqa: E402
+from trace_summary import overlap_by_group, scope_group, short_source, summarize_xplane, trace_xplane  # noqa: E402
 from k3jax.inference import scheduler as sched_lib  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
@@ -318,15 +318,19 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
 
     xplane = trace_xplane(run, calls, log_dir)
     summary = summarize_xplane(xplane, steps * calls)
+    sources = {}
     try:  # map kernel names to model source lines through the optimised HLO (one more compile, best effort)
         hlo = sched_lib._decode.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
                                       mesh=sched_lib._intern(None)).compile().as_text()
-        annotate_kernels(summary, hlo_sources(hlo))
+        sources = hlo_sources(hlo)
+        annotate_kernels(summary, sources)
         if out_dir:
             with open(os.path.join(out_dir, f"decode_hlo_b{batch}.txt"), "w") as f:
                 f.write(hlo)
     except Exception as e:  # noqa: BLE001 -- the profile stands without the sources
         print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
+    if summary.get("backend") == "gpu":
+        summary["overlap_by_source"] = overlap_by_group(xplane, steps * calls, kernel_group(sources))
     summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
                    untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(xplane))
     if out_dir and os.path.getsize(xplane) < 15 << 20:
@@ -384,6 +388,18 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def kernel_group(sources: dict[str, str]):
+    """Kernel name -> the model source line it comes from (`hlo_sources`, without the op name), or for kernels the
+    HLO does not name (Pallas / Triton calls, library kernels) the name without its numeric suffixes."""
+    def group_of(name: str) -> str:
+        src = sources.get(name) or sources.get(re.sub(r"__\d+$", "", name))
+        if src:
+            return src.split(" @ ", 1)[-1]
+        return re.sub(r"(_\d+)+$", "", name) or name
+
+    return group_of
+
+
 def annotate_kernels(summary: dict, sources: dict[str, str]) -> None:
     """Adds each top kernel's HLO source ("src") to the profile summary in place."""
     for row in summary.get("top_kernels", []):
@@ -404,6 +420,14 @@ def print_profile(s: dict) -> None:
                     "copies_by_scope"), ("host CUDA API", "host_cuda_api")]
     else:
         sections = [("host XLA events", "top_events")]
+    if s.get("overlap_by_source"):  # the critical path of a step whose kernels overlap (concurrent regions)
+        print("\n| source (top by share of busy time) | kernels/step | kernel us/step | exclusive us/step | "
+              "share us/step |")
+        print("|---|---:|---:|---:|---:|")
+        for r in s["overlap_by_source"]:
+            print(f"| `{r['name']}` | {r['count_per_step']:.1f} | {r['kernel_us']:.1f} | {r['exclusive_us']:.1f} | "
+                  f"{r['share_us']:.1f} |")
+        print("(exclusive: while the only kernel running; share: each instant split over the kernels running)")
     for title, key in sections:
         if not s.get(key):
             continue

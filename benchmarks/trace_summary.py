@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["summarize_xplane", "short_source", "scope_group", "trace_xplane"]
+__all__ = ["overlap_by_group", "overlap_times", "summarize_xplane", "short_source", "scope_group", "trace_xplane"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.
@@ -90,6 +90,56 @@ def _union_ns(intervals) -> int:
             total += e - end
             end = e
     return total
+
+
+def overlap_times(events) -> dict[str, tuple[int, int, int, int]]:
+    """Per group, from kernel events ``(start_ns, end_ns, group)`` that may overlap (concurrent CUDA-graph regions):
+    (kernel time, exclusive time = while it is the only kernel running, share = every instant split evenly over
+    the kernels running then, count). Shares add up to the busy time (the union of the events); exclusive time is
+    what a group certainly adds to the step's critical path, kernel time minus share what overlap hid."""
+    points = []
+    for i, (start, end, _) in enumerate(events):
+        points += [(start, 1, i), (end, -1, i)]
+    points.sort()  # at equal times ends (-1) come before starts: back-to-back kernels do not overlap
+    total, exclusive, share, count = {}, {}, {}, {}
+    for start, end, group in events:
+        total[group] = total.get(group, 0) + end - start
+        count[group] = count.get(group, 0) + 1
+    active, last = set(), None
+    for t, kind, i in points:
+        if active and t > last:
+            dt = t - last
+            if len(active) == 1:
+                g = events[next(iter(active))][2]
+                exclusive[g] = exclusive.get(g, 0) + dt
+            for j in active:
+                g = events[j][2]
+                share[g] = share.get(g, 0) + dt / len(active)
+        if kind == 1:
+            active.add(i)
+        else:
+            active.discard(i)
+        last = t
+    return {g: (total[g], exclusive.get(g, 0), round(share.get(g, 0)), count[g]) for g in total}
+
+
+def overlap_by_group(path, steps: int, group_of, top: int = 25) -> list[dict]:
+    """`overlap_times` of a GPU trace's kernels grouped by ``group_of(kernel name)`` (e.g. the model source line
+    from the optimised HLO), per step, the `top` groups by share of busy time first."""
+    from jax.profiler import ProfileData
+
+    pd = path if isinstance(path, ProfileData) else ProfileData.from_file(path)
+    events = []
+    for plane in pd.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                events += [(e.start_ns, e.start_ns + e.duration_ns, group_of(e.name)) for e in line.events]
+        break  # the first device, as summarize_xplane
+    rows = sorted(overlap_times(events).items(), key=lambda kv: -kv[1][2])[:top]
+    return [{"name": g[:140], "kernel_us": t / 1e3 / steps, "exclusive_us": x / 1e3 / steps,
+             "share_us": sh / 1e3 / steps, "count_per_step": c / steps} for g, (t, x, sh, c) in rows]
 
 
 def _top(agg: dict, steps: int, n: int) -> list[dict]:

@@ -63,9 +63,9 @@ def check_kda_fused(b: int, h: int, kd: int, wm1: int, dtype, backend: str = "gp
 
     rng = np.random.default_rng(2)
     p = h * kd
-    args = (jnp.asarray(rng.standard_normal((b, 3, p)), dtype),
+    args = (tuple(jnp.asarray(rng.standard_normal((b, p)), dtype) for _ in "qkv"),
             jnp.asarray(rng.standard_normal((b, wm1, 3, p)), dtype),
-            jnp.asarray(rng.standard_normal((wm1 + 1, 3, p)) / 2, jnp.float32),
+            tuple(jnp.asarray(rng.standard_normal((wm1 + 1, p)) / 2, jnp.float32) for _ in "qkv"),
             jnp.asarray(rng.standard_normal((b, h, kd)), dtype),
             jnp.asarray(np.log(rng.uniform(1, 16, h)), jnp.float32),
             jnp.asarray(rng.standard_normal((h, kd)) * 0.5 - 3, jnp.float32),

@@ -45,6 +45,13 @@ def _oracle(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, scale, l
     return o, s
 
 
+def _unstacked(args):
+    """The kernel's argument form of `_inputs` (stacked, as the oracle takes them): q, k, v projections and conv
+    kernels as triples."""
+    proj, hist, conv_w, *rest = args
+    return (tuple(proj[:, c] for c in range(3)), hist, tuple(conv_w[:, c] for c in range(3)), *rest)
+
+
 def _inputs(b, h, kd, wm1, dtype, seed):
     rng = np.random.default_rng(seed)
     p = h * kd
@@ -64,7 +71,7 @@ def _inputs(b, h, kd, wm1, dtype, seed):
 def test_fused_decode_equals_float64_oracle(dtype, tol):
     args = _inputs(b=3, h=2, kd=32, wm1=3, dtype=dtype, seed=5)
     scale = 32 ** -0.5
-    o, s = kda_decode_fused(*args, scale=scale, lower_bound=-5.0, backend="interpret", block_v=16)
+    o, s = kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret", block_v=16)
     want_o, want_s = _oracle(*args, scale, -5.0, dtype)
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
     assert _rel_err(o, want_o) < tol and _rel_err(s, want_s) < tol
@@ -73,7 +80,7 @@ def test_fused_decode_equals_float64_oracle(dtype, tol):
 
 
 def test_bad_shapes_are_refused_by_name():
-    args = list(_inputs(b=2, h=2, kd=32, wm1=3, dtype=jnp.float32, seed=0))
+    args = list(_unstacked(_inputs(b=2, h=2, kd=32, wm1=3, dtype=jnp.float32, seed=0)))
     bad = list(args)
     bad[5] = bad[5][:, :16]
     with pytest.raises(ValueError, match="dt_bias must have shape"):
@@ -87,15 +94,23 @@ def test_bad_shapes_are_refused_by_name():
     with pytest.raises(ValueError, match="block_v must be"):
         kda_decode_fused(*args, scale=1.0, lower_bound=-5.0, backend="interpret", block_v=24)
     bad = list(args)
-    bad[1], bad[2] = bad[1][:, :0], bad[2][:1]
+    bad[1], bad[2] = bad[1][:, :0], tuple(w[:1] for w in bad[2])
     with pytest.raises(ValueError, match="W-1 >= 1"):
+        kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
+    bad = list(args)
+    bad[0] = bad[0][:2]
+    with pytest.raises(ValueError, match=r"\(q, k, v\) triples"):
+        kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
+    bad = list(args)
+    bad[2] = (bad[2][0], bad[2][1][:, :16], bad[2][2])
+    with pytest.raises(ValueError, match=r"conv_w\[k\] must have shape"):
         kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
 
 
 def test_kernel_lowers_for_cuda():
     s, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     b, h, k, w = 64, 12, 128, 4
-    args = (s((b, 3, h * k), bf), s((b, w - 1, 3, h * k), bf), s((w, 3, h * k), f32), s((b, h, k), bf),
+    args = ((s((b, h * k), bf),) * 3, s((b, w - 1, 3, h * k), bf), (s((w, h * k), f32),) * 3, s((b, h, k), bf),
             s((h,), f32), s((h, k), f32), s((b, h), bf), s((b,), jnp.int32), s((b, h, k, k), f32))
     count, names = triton_kernels(lambda *a: kda_decode_fused(*a, scale=k ** -0.5, lower_bound=-5.0), *args,
                                   name_pattern=r"kda_[a-z_]+")

@@ -233,19 +233,19 @@ class KDA(nnx.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b = x_btd.shape[0]
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
-        proj_b3p = jnp.stack([project(name)[:, 0] for name in "qkv"], axis=1)
-        conv_w3p = self.conv_kernels()
+        proj_qkv = tuple(project(name)[:, 0] for name in "qkv")  # [B, H*K] each: the kernel takes them unstacked
+        conv_qkv = tuple(getattr(self, f"{name}_conv1d")[...] for name in "qkv")  # [W, H*K] each
         z_bhk = self.gate_logits(x_btd)[:, 0]
         b_raw_bh = dense(x_btd, self.b_proj[...].astype(dt), cfg)[:, 0]
         valid_b = jnp.ones((b,), jnp.int32) if valid_len_b is None else (valid_len_b > 0).astype(jnp.int32)
         history = state.conv_bwcp.astype(dt)
         o_bhv, new_s = kda_decode_fused(
-            proj_b3p, history, conv_w3p, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
+            proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
             backend=backend)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
-        new_history = history_at(flat_history, proj_b3p.reshape(b, 1, 3 * h * k), valid_b)
+        new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)
         y = self._output(x_btd, o_bhv[:, None].astype(dt))
         return y, KDAState(new_history.reshape(b, wm1, 3, h * k), new_s)
 

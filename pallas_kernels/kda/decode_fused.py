@@ -4,8 +4,10 @@
 per layer producing them (the short conv over the stacked q/k/v history, SiLU, the casts, two L2 norms, the gate
 and β activations, the padding masks). This kernel starts from the layer's raw inputs instead:
 
-- ``proj [B, 3, H*K]``: the pre-conv q/k/v projections of the new token, ``hist [B, W-1, 3, H*K]`` the W-1
-  previous ones (the layer's conv state), ``conv_w [W, 3, H*K]`` the depthwise kernels (f32);
+- ``proj``: the pre-conv q, k, v projections of the new token, three [B, H*K] arrays (separate: stacking them
+  would be one more kernel between the projection matmul and this one), ``hist [B, W-1, 3, H*K]`` the W-1
+  previous ones (the layer's conv state, stacked), ``conv_w``: the q, k, v depthwise kernels, three [W, H*K]
+  arrays (any float dtype; used in f32);
 - ``z [B, H, K]``: the gate's low-rank projection output, ``A_log [H]``, ``dt_bias [H, K]``;
 - ``b_raw [B, H]``: β's logits; ``valid [B]``: 0 for a slot whose token is padding (β = g = 0: state unchanged).
 
@@ -39,18 +41,24 @@ def _sigmoid(x):
     return 1.0 / (1.0 + jnp.exp(-x))
 
 
-def kda_decode_fused(proj_b3p, hist_bw3p, conv_w3p, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
+def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
                      scale: float, lower_bound: float, l2_eps: float = 1e-6, backend: str = "gpu",
                      block_v: int = 32, warps: int = 4):
-    """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it)."""
+    """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it).
+    `proj_qkv`: the (q, k, v) projections, each [B, H*K]; `conv_qkv`: their conv kernels, each [W, H*K]."""
     if backend not in _BACKENDS:
         raise ValueError(f"kda_decode_fused: unknown backend {backend!r}; expected one of {_BACKENDS}")
+    if len(proj_qkv) != 3 or len(conv_qkv) != 3:
+        raise ValueError(f"kda_decode_fused: proj and conv_w must be (q, k, v) triples, got {len(proj_qkv)} and "
+                         f"{len(conv_qkv)} arrays")
     b, h, kd = z_bhk.shape
     wm1 = hist_bw3p.shape[1]
     p = h * kd
-    expected = {"proj": (proj_b3p, (b, 3, p)), "hist": (hist_bw3p, (b, wm1, 3, p)),
-                "conv_w": (conv_w3p, (wm1 + 1, 3, p)), "A_log": (a_log_h, (h,)), "dt_bias": (dt_bias_hk, (h, kd)),
+    expected = {"hist": (hist_bw3p, (b, wm1, 3, p)), "A_log": (a_log_h, (h,)), "dt_bias": (dt_bias_hk, (h, kd)),
                 "b_raw": (b_raw_bh, (b, h)), "valid": (valid_b, (b,)), "state": (state_bhkv, (b, h, kd, kd))}
+    for c, name in enumerate("qkv"):
+        expected[f"proj[{name}]"] = (proj_qkv[c], (b, p))
+        expected[f"conv_w[{name}]"] = (conv_qkv[c], (wm1 + 1, p))
     for name, (x, shape) in expected.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"kda_decode_fused: {name} must have shape {list(shape)} (B={b}, H={h}, K=V={kd}, "
@@ -66,14 +74,14 @@ def kda_decode_fused(proj_b3p, hist_bw3p, conv_w3p, z_bhk, a_log_h, dt_bias_hk, 
     if b * h * kd * kd >= 2 ** 31:
         raise ValueError(f"kda_decode_fused: the state has {b * h * kd * kd} elements; int32 offsets need < 2^31 "
                          f"(split the batch)")
-    if jnp.dtype(proj_b3p.dtype) != jnp.dtype(hist_bw3p.dtype):
-        raise ValueError(f"kda_decode_fused: proj and hist must share the activation dtype, got {proj_b3p.dtype} "
-                         f"and {hist_bw3p.dtype}")
+    if any(jnp.dtype(x.dtype) != jnp.dtype(hist_bw3p.dtype) for x in proj_qkv):
+        raise ValueError(f"kda_decode_fused: proj and hist must share the activation dtype, got "
+                         f"{[str(x.dtype) for x in proj_qkv]} and {hist_bw3p.dtype}")
     if jnp.dtype(state_bhkv.dtype) != jnp.dtype(_F32):
         raise ValueError(f"kda_decode_fused: state must be float32, got {state_bhkv.dtype}")
     block_v = min(block_v, kd)
-    return _fused_call(proj_b3p, hist_bw3p, conv_w3p.astype(_F32), z_bhk, a_log_h.astype(_F32),
-                       dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
+    return _fused_call(tuple(proj_qkv), hist_bw3p, tuple(w.astype(_F32) for w in conv_qkv), z_bhk,
+                       a_log_h.astype(_F32), dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
                        scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
                        interpret=backend == "interpret", block_v=block_v, warps=warps)
 
@@ -83,10 +91,11 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
                 interpret, block_v, warps):
     b, h, kd = z.shape
     wm1 = hist.shape[1]
-    act = proj.dtype
+    act = proj[0].dtype
 
-    def kernel(proj_ref, hist_ref, conv_ref, z_ref, a_log_ref, dt_bias_ref, b_raw_ref, valid_ref, s_ref,
-               o_ref, s_out_ref):
+    def kernel(q_ref, k_ref, v_ref, hist_ref, conv_q_ref, conv_k_ref, conv_v_ref, z_ref, a_log_ref, dt_bias_ref,
+               b_raw_ref, valid_ref, s_ref, o_ref, s_out_ref):
+        proj_ref, conv_ref = (q_ref, k_ref, v_ref), (conv_q_ref, conv_k_ref, conv_v_ref)
         bh, j = pl.program_id(0), pl.program_id(1)
         bi, hi = bh // h, bh % h
         head = pl.ds(pl.multiple_of(hi * kd, kd), kd)
@@ -95,8 +104,8 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         def conv_silu(c, cols):  # the short conv of channel c (0 q, 1 k, 2 v) on columns cols, SiLU, rounded
             acc = jnp.zeros((cols.size,), _F32)
             for w in range(wm1):
-                acc = acc + hist_ref[bi, w, c, cols].astype(_F32) * conv_ref[w, c, cols]
-            acc = acc + proj_ref[bi, c, cols].astype(_F32) * conv_ref[wm1, c, cols]
+                acc = acc + hist_ref[bi, w, c, cols].astype(_F32) * conv_ref[c][w, cols]
+            acc = acc + proj_ref[c][bi, cols].astype(_F32) * conv_ref[c][wm1, cols]
             return (acc * _sigmoid(acc)).astype(act).astype(_F32)
 
         def l2(x):
@@ -119,8 +128,8 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         kernel,
         out_shape=(jax.ShapeDtypeStruct((b, h, kd), _F32), jax.ShapeDtypeStruct((b, h, kd, kd), _F32)),
         grid=(b * h, kd // block_v),
-        input_output_aliases={8: 1},
+        input_output_aliases={12: 1},
         interpret=interpret,
         compiler_params=triton_params(interpret, warps),
         name="kda_decode_fused",
-    )(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state)
+    )(*proj, hist, *conv_w, z, a_log, dt_bias, b_raw, valid, state)
