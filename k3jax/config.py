@@ -102,8 +102,8 @@ class ModelConfig:
     # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
     # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
     # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
-    # Off by default: 1.05-1.07x slower in k3_gpu decode (the one-program plan takes 28 us; RESULTS.md, session 7;
-    # measured with the group walk, now `moe_gmm_walk=groups`).
+    # Off by default: not faster in k3_gpu decode at B = 64 (1.001x the step time with its 16-warp default, 1.095x at
+    # 4 warps; RESULTS.md, session 9: XLA's routing mostly runs beside the shared-expert projections).
     moe_route_impl: Literal["xla", "pallas"] = "xla"
     # Decode-sized grouped matmuls on the GPU kernels (<= 32 rows per expert): "tiles" (default: a row-tile walk
     # with per-tile metadata, ~5 small XLA kernels per MoE layer) or "groups" (one program per expert group and

@@ -52,7 +52,9 @@ class RoutePlan(NamedTuple):
 
 def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu", warps: int | None = None) -> RoutePlan:
     """Top-k of the selection scores per token and the expert-sorted row plan (see the module doc). ``warps``:
-    Triton warps of the one program (default 4, 8 above 8192 padded scores; benchmarks/decode_kernels_bench.py)."""
+    Triton warps of the one program. Default by padded scores N·E: 4 below 4096; 16 from 4096 to 8192 (the program is
+    compute-bound: 64 × 64 took 16.8 µs at 4 warps, 9.0 at 16, 9.7 at 32 alone, and in k3_gpu decode at B = 64 the
+    kernel went from 1.095× the XLA routing's step time to 1.001×; RESULTS.md, session 9); 8 above (session 7)."""
     if backend not in BACKENDS:
         raise ValueError(f"route_plan: unknown backend {backend!r}; expected one of {BACKENDS}")
     if scores_ne.ndim != 2:
@@ -67,7 +69,8 @@ def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu", warps: int
         raise ValueError(f"route_plan: warps must be a power of two, got {warps!r}")
     np_, ep = next_pow2(n, 16), next_pow2(e, 16)
     scores = jnp.pad(jax.lax.stop_gradient(scores_ne).astype(_F32), ((0, np_ - n), (0, ep - e)))
-    warps = warps or (4 if np_ * ep <= 8192 else 8)
+    cells = np_ * ep
+    warps = warps or (4 if cells < 4096 else 16 if cells <= 8192 else 8)
     experts, rows, sizes, token_of_row = _plan_call(scores, n=n, e=e, k=int(k), interpret=backend == "interpret",
                                                     warps=int(warps))
     return RoutePlan(experts[:n], rows[:n], sizes[:e], token_of_row[:n * k])
