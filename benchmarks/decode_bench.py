@@ -67,7 +67,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
-from trace_summary import overlap_by_group, scope_group, short_source, summarize_xplane, trace_xplane  # noqa: E402
+from trace_summary import (load_profile, overlap_by_group, scope_group, short_source, summarize_xplane,  # noqa: E402
+                           trace_xplane)
 from k3jax.inference import scheduler as sched_lib  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
@@ -319,7 +320,8 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
         cache, state = call(cache, state)
 
     xplane = trace_xplane(run, calls, log_dir)
-    summary = summarize_xplane(xplane, steps * calls)
+    trace = load_profile(xplane)  # parsed once for both summaries
+    summary = summarize_xplane(trace, steps * calls)
     sources = {}
     try:  # map kernel names to model source lines through the optimised HLO (one more compile, best effort)
         hlo = sched_lib._decode.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
@@ -332,7 +334,7 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     except Exception as e:  # noqa: BLE001 -- the profile stands without the sources
         print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
     if summary.get("backend") == "gpu":
-        summary["overlap_by_source"] = overlap_by_group(xplane, steps * calls, kernel_group(sources))
+        summary["overlap_by_source"] = overlap_by_group(trace, steps * calls, kernel_group(sources))
     summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
                    untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(xplane))
     if out_dir and os.path.getsize(xplane) < 15 << 20:
@@ -390,11 +392,16 @@ def hlo_sources(hlo_text: str) -> dict[str, str]:
     return out
 
 
+def _kernel_source(sources: dict[str, str], name: str) -> str | None:
+    """The `hlo_sources` entry of a GPU kernel name (also for a repeated kernel's "__N" suffix)."""
+    return sources.get(name) or sources.get(re.sub(r"__\d+$", "", name))
+
+
 def kernel_group(sources: dict[str, str]):
     """Kernel name -> the model source line it comes from (`hlo_sources`, without the op name), or for kernels the
     HLO does not name (Pallas / Triton calls, library kernels) the name without its numeric suffixes."""
     def group_of(name: str) -> str:
-        src = sources.get(name) or sources.get(re.sub(r"__\d+$", "", name))
+        src = _kernel_source(sources, name)
         if src:
             return src.split(" @ ", 1)[-1]
         return re.sub(r"(_\d+)+$", "", name) or name
@@ -405,7 +412,7 @@ def kernel_group(sources: dict[str, str]):
 def annotate_kernels(summary: dict, sources: dict[str, str]) -> None:
     """Adds each top kernel's HLO source ("src") to the profile summary in place."""
     for row in summary.get("top_kernels", []):
-        src = sources.get(row["name"]) or sources.get(re.sub(r"__\d+$", "", row["name"]))
+        src = _kernel_source(sources, row["name"])
         if src:
             row["src"] = src[-160:]
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["overlap_by_group", "overlap_times", "summarize_xplane", "short_source", "scope_group", "trace_xplane"]
+__all__ = ["load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source", "scope_group",
+           "trace_xplane"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.
@@ -123,20 +124,26 @@ def overlap_times(events) -> dict[str, tuple[int, int, int, int]]:
     return {g: (total[g], exclusive.get(g, 0), round(share.get(g, 0)), count[g]) for g in total}
 
 
-def overlap_by_group(path, steps: int, group_of, top: int = 25) -> list[dict]:
-    """`overlap_times` of a GPU trace's kernels grouped by ``group_of(kernel name)`` (e.g. the model source line
-    from the optimised HLO), per step, the `top` groups by share of busy time first."""
+def load_profile(path):
+    """A `jax.profiler.ProfileData` from an .xplane.pb path (or the ProfileData itself: parse a trace once)."""
     from jax.profiler import ProfileData
 
-    pd = path if isinstance(path, ProfileData) else ProfileData.from_file(path)
-    events = []
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            if line.name.startswith("Stream"):
-                events += [(e.start_ns, e.start_ns + e.duration_ns, group_of(e.name)) for e in line.events]
-        break  # the first device, as summarize_xplane
+    return path if isinstance(path, ProfileData) else ProfileData.from_file(path)
+
+
+def _device_plane(pd):
+    """The first device plane of a trace (GPU: kernels and copies on its "Stream" lines), or None (CPU)."""
+    return next((p for p in pd.planes if p.name.startswith("/device:")), None)
+
+
+def overlap_by_group(path, steps: int, group_of, top: int = 25) -> list[dict]:
+    """`overlap_times` of a GPU trace's kernels grouped by ``group_of(kernel name)`` (e.g. the model source line
+    from the optimised HLO), per step, the `top` groups by share of busy time first. `path`: an .xplane.pb or the
+    `load_profile` of one."""
+    plane = _device_plane(load_profile(path))
+    events = [(e.start_ns, e.start_ns + e.duration_ns, group_of(e.name))
+              for line in (plane.lines if plane is not None else ()) if line.name.startswith("Stream")
+              for e in line.events]
     rows = sorted(overlap_times(events).items(), key=lambda kv: -kv[1][2])[:top]
     return [{"name": g[:140], "kernel_us": t / 1e3 / steps, "exclusive_us": x / 1e3 / steps,
              "share_us": sh / 1e3 / steps, "count_per_step": c / steps} for g, (t, x, sh, c) in rows]
@@ -154,12 +161,10 @@ def summarize_xplane(path: str, steps: int, top: int = 25) -> dict:
     GPU: the "/device:*" planes' "Stream*" lines hold kernels and copies, "XLA Ops" the HLO ops (with their JAX name
     stack in a stat when present), "XLA Modules" the executions (one per jitted call). CPU (smoke runs): the host
     plane's XLA threads, summarised by event name only."""
-    from jax.profiler import ProfileData
-
-    pd = path if isinstance(path, ProfileData) else ProfileData.from_file(path)
-    planes = [p for p in pd.planes if p.name.startswith("/device:")]
+    pd = load_profile(path)
+    plane = _device_plane(pd)
     out = {"planes": [p.name for p in pd.planes], "steps": steps}
-    if not planes:  # CPU: XLA work runs on the host's client/Eigen threads
+    if plane is None:  # CPU: XLA work runs on the host's client/Eigen threads
         agg, count = {}, 0
         for p in pd.planes:
             if p.name != "/host:CPU":
@@ -173,7 +178,6 @@ def summarize_xplane(path: str, steps: int, top: int = 25) -> dict:
                     count += 1
         out.update(backend="cpu", events=count, top_events=_top(agg, steps, top))
         return out
-    plane = planes[0]
     kernels, ops, scopes, sources, copies, modules, intervals, stat_names = {}, {}, {}, {}, {}, [], [], {}
     n_kernels = copy_bytes = 0
     line_counts = []
