@@ -7,10 +7,20 @@ Ops (`--ops`):
 - ``attn_res``: one AttnRes read + its RMSNorm: `pallas_kernels.attn_res.mix_norm` (variants block_rows-warps) vs
   the XLA composite `k3jax.layers.attn_res._composite`, for 1, 4 and all bank rows filled;
 - ``route``: the routing plan: `pallas_kernels.moe.route_plan` (variants: warps) vs `jax.lax.top_k` +
-  `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount).
+  `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount);
+- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps), chained
+  through its f32 state, beside an XLA pass over the same state (``s * c + 1``: one f32 read + one write, the
+  traffic's streaming ceiling); kernel rows report their max difference from the first variant;
+- ``hbm``: how fast the routed experts' weights stream on this GPU: an XLA reduction over a bf16 weight stack, a
+  read-only Pallas stream of it (`_stream_sum`, variants ``--stream_tilings``) and our grouped matmuls (`gmm_glu`,
+  `gmm`) on ``rows`` x top-k balanced rows.
 Each timing is ``--chain`` dependent calls inside one jit (a `fori_loop` feeding each output into the next input,
 so the calls cannot overlap and host dispatch is paid once), median of ``--iters``, divided by ``--chain``: the
-per-call cost inside a decode step. Every kernel row also reports its max error against the XLA result.
+per-call cost inside a decode step. For ``kda`` and ``hbm`` on a GPU the figure is the GPU's busy time per call
+from a profiler trace instead (``wall_us`` keeps the chain's wall clock, which also counts the loop's
+per-iteration predicate copy to the host), and each chained call goes through ``--rotate`` distinct states / weight
+copies so that none is still in the L2 when it comes round again. ``attn_res`` / ``route`` kernel rows report their
+max error against the XLA result.
 A smoke run on CPU (``--backend=interpret``) checks the script, not the timings.
 """
 
@@ -112,6 +122,151 @@ def bench_route(rows, experts, k, warps_list, backend, chain, iters):
     return out
 
 
+def _device_us(f, arg, iters: int, chain: int) -> dict:
+    """From a profiler trace of `iters` calls of the chained `f(arg)` (GPU only): busy time per chained call (the
+    loop's own small kernels included, its host round trips not) and the longest kernel's mean time; the wall clock
+    of a `fori_loop` chain also counts the loop's per-iteration predicate copy back to the host (~10 µs on an H200)."""
+    import tempfile
+
+    from trace_summary import summarize_xplane, trace_xplane
+
+    if jax.default_backend() != "gpu":
+        return {}
+    jax.block_until_ready(f(arg))
+    with tempfile.TemporaryDirectory() as tmp:
+        summary = summarize_xplane(trace_xplane(lambda: jax.block_until_ready(f(arg)), iters, tmp),
+                                   steps=iters * chain)
+    top = summary["top_kernels"][0]
+    return {"busy_us": summary["busy_per_step_ms"] * 1e3, "kernel": top["name"][:60], "kernel_us": top["avg_us"]}
+
+
+def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
+    from pallas_kernels.kda.decode_fused import kda_decode_fused
+
+    rng = np.random.default_rng(2)
+    p = heads * kd
+    proj = tuple(jnp.asarray(rng.standard_normal((rows, p)), jnp.bfloat16) for _ in range(3))
+    hist = jnp.asarray(rng.standard_normal((rows, wm1, 3, p)), jnp.bfloat16)
+    conv = tuple(jnp.asarray(rng.standard_normal((wm1 + 1, p)) / 2, jnp.float32) for _ in range(3))
+    z = jnp.asarray(rng.standard_normal((rows, heads, kd)), jnp.bfloat16)
+    a_log = jnp.asarray(rng.standard_normal(heads) / 4, jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal((heads, kd)) / 4, jnp.float32)
+    b_raw = jnp.asarray(rng.standard_normal((rows, heads)), jnp.bfloat16)
+    valid = jnp.ones((rows,), jnp.int32)
+    # `rotate` states, each updated once per chained call: a state is re-read only after (rotate - 1) others'
+    # traffic went through the 50 MB L2 (as in a model, where every layer has its own state)
+    states = tuple(jnp.asarray(rng.standard_normal((rows, heads, kd, kd)) / 8, jnp.float32) for _ in range(rotate))
+    state_mb = 2 * states[0].size * 4 / 1e6  # one read + one write per call
+
+    def kernel(s, bv=32, w=4):
+        return kda_decode_fused(proj, hist, conv, z, a_log, dt_bias, b_raw, valid, s, scale=kd ** -0.5,
+                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w)[1]
+
+    def timed(row, call):
+        f = _chain(lambda ss: tuple(call(s) for s in ss), chain)
+        row["wall_us"] = median_ms(lambda: f(states), iters) / chain / rotate * 1e3
+        dev = _device_us(f, states, iters, chain)
+        row.update(dev)
+        row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+        row["gbs"] = state_mb / row["us"] * 1e3
+        return row
+
+    out = []
+    _emit(out, timed({"op": "kda", "rows": rows, "impl": f"xla s*c+1 (same f32 traffic, {rotate} states)"},
+                     lambda s: s * 0.999 + 1e-3))
+    copy_us = out[-1]["us"]
+    want = None
+    for text in variants:
+        bv, w = (int(x) for x in text.split("-"))
+        row = {"op": "kda", "rows": rows, "impl": f"fused {text}"}
+        try:
+            got = np.asarray(jax.jit(lambda s: kernel(s, bv, w))(states[0]), np.float64)
+            want = got if want is None else want
+            row["err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+            timed(row, lambda s: kernel(s, bv, w))
+            row["vs_xla"] = copy_us / row["us"]
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        _emit(out, row)
+    return out
+
+
+def _stream_sum(w_ekn, tk: int, tn: int, warps: int, stages: int, interpret: bool):
+    """[E, K, N] -> [E, N] f32 column sums: reads every weight once in (1, tk, tn) tiles, program (e, column tile)
+    walking K in a pipelined loop, i.e. the grouped matmul's weight traffic without its matmul (a read ceiling)."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.kda.chunk_fwd import triton_params
+
+    e, k, n = w_ekn.shape
+
+    def kernel(w_ref, o_ref):
+        ei, j = pl.program_id(0), pl.program_id(1)
+        cols = pl.ds(pl.multiple_of(j * tn, tn), tn)
+
+        def body(i, acc):
+            rows = pl.ds(pl.multiple_of(i * tk, tk), tk)
+            return acc + jnp.sum(w_ref[ei, rows, cols].astype(jnp.float32), axis=0)
+        o_ref[ei, cols] = jax.lax.fori_loop(0, k // tk, body, jnp.zeros((tn,), jnp.float32))
+
+    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((e, n), jnp.float32), grid=(e, n // tn),
+                          interpret=interpret, compiler_params=triton_params(interpret, warps, stages),
+                          name="k3_stream_sum")(w_ekn)
+
+
+def bench_hbm(cfg, rows, chain, iters, backend, stream_tilings, rotate):
+    """How fast weights stream on this GPU, on the routed experts' shapes: an XLA reduction, a Pallas read-only
+    stream (`_stream_sum`, per tiling tk-tn-warps-stages) and our grouped matmuls on `rows` balanced tokens (top-k
+    rows per token), each call depending on the last (no hoisting out of the chain)."""
+    from pallas_kernels.gmm import gmm, gmm_glu
+
+    e, latent, inter = cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size, cfg.moe_intermediate_size
+    m = rows * cfg.num_experts_per_token
+    rng = np.random.default_rng(3)
+    sizes = jnp.asarray(np.full(e, m // e) + (np.arange(e) < m % e), jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, latent)), jnp.bfloat16)
+    # `rotate` copies of each weight stack, all used once per chained call (each re-read only after the others
+    # went through the 50 MB L2, as in a model where every layer has its own experts)
+    w_ups = [jnp.asarray(rng.standard_normal((e, latent, 2 * inter)) / 32, jnp.bfloat16) for _ in range(rotate)]
+    w_gates = [(w[..., :inter], w[..., inter:]) for w in w_ups]  # gate, up: separate arrays, as the model holds them
+    w_downs = [jnp.asarray(rng.standard_normal((e, inter, latent)) / 32, jnp.bfloat16) for _ in range(rotate)]
+    interpret = backend == "interpret"
+    out = []
+
+    def emit(name, mb, step, arg):  # step(carry, i) uses weight copy i; chained over every copy, `chain` times
+        def one(c):
+            for i in range(rotate):
+                c = step(c, i)
+            return c
+        f = _chain(one, chain)
+        row = {"op": "hbm", "rows": m, "impl": f"{name} ({mb:.0f} MB, {rotate} copies)",
+               "wall_us": median_ms(lambda: f(arg), iters) / chain / rotate * 1e3}
+        dev = _device_us(f, arg, iters, chain)
+        row.update(dev)
+        row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+        row["gbs"] = mb / row["us"] * 1e3
+        _emit(out, row)
+
+    for name, ws in (("glu weights", w_ups), ("down weights", w_downs)):
+        mb = ws[0].size * 2 / 1e6
+        emit(f"xla reduce, {name} {list(ws[0].shape)}", mb,
+             lambda c, i, ws=ws: jnp.sum(ws[i].astype(jnp.float32) * c, axis=(0, 1))[:1].sum() * 1e-9 + c,
+             jnp.float32(1))
+        for text in stream_tilings:
+            tk, tn, wp, st = (int(v) for v in text.split("-"))
+            try:
+                emit(f"pallas stream {text}, {name}", mb, lambda c, i, ws=ws, t=(tk, tn, wp, st):
+                     _stream_sum(ws[i], *t, interpret)[0, :1].sum() * 1e-9 + c, jnp.float32(1))
+            except Exception as ex:  # noqa: BLE001
+                _emit(out, {"op": "hbm", "rows": m, "impl": f"pallas stream {text}", "error": str(ex)[:200]})
+    gmm_backend = "interpret" if interpret else None
+    emit("gmm_glu (ours)", w_ups[0].size * 2 / 1e6, lambda h, i: gmm_glu(
+        h, *w_gates[i], sizes, beta1=4.0, beta2=25.0, backend=gmm_backend)[:, :latent].astype(h.dtype), x)
+    emit("gmm down (ours)", w_downs[0].size * 2 / 1e6,
+         lambda h, i: gmm(h, w_downs[i], sizes, backend=gmm_backend).astype(h.dtype), x)
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_gpu")
@@ -119,6 +274,11 @@ def main(argv=None):
     ap.add_argument("--ops", default="attn_res,route")
     ap.add_argument("--mix_variants", default="1-4,1-2,1-1,2-4,4-4", help="mix_norm block_rows-warps")
     ap.add_argument("--route_warps", default="1,2,4,8")
+    ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
+                    help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
+    ap.add_argument("--kda_variants", default="32-4,128-4,64-4,16-2", help="fused KDA decode block_v-warps")
+    ap.add_argument("--rotate", type=int, default=4,
+                    help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--backend", default="gpu", choices=("gpu", "interpret"))
@@ -131,6 +291,9 @@ def main(argv=None):
           f"E={cfg.num_experts}, k={cfg.num_experts_per_token}", flush=True)
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
+        if "hbm" in args.ops:
+            rows_out += bench_hbm(cfg, rows, args.chain, args.iters, args.backend, args.stream_tilings.split(","),
+                                  args.rotate)
         if "attn_res" in args.ops:
             rows_out += bench_attn_res(rows, cfg.hidden_size, bank_rows, cfg.jnp_dtype, args.mix_variants.split(","),
                                        args.backend, args.chain, args.iters)
@@ -138,10 +301,15 @@ def main(argv=None):
             rows_out += bench_route(rows, cfg.num_experts, cfg.num_experts_per_token,
                                     [int(w) for w in args.route_warps.split(",")], args.backend, args.chain,
                                     args.iters)
+        if "kda" in args.ops:
+            rows_out += bench_kda(rows, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size - 1,
+                                  args.kda_variants.split(","), args.backend, args.chain, args.iters, args.rotate)
     print("\n| op | rows | case | impl | µs per call | XLA / impl | check |")
     print("|---|---:|---|---|---:|---:|---|")
     for r in rows_out:
-        case = f"{r['num_filled']} filled" if r["op"] == "attn_res" else f"E={r['experts']} k={r['k']}"
+        case = {"attn_res": lambda: f"{r['num_filled']} filled", "route": lambda: f"E={r['experts']} k={r['k']}",
+                "kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
+                "hbm": lambda: f"{r['gbs']:.0f} GB/s"}[r["op"]]()
         check = (f"err {r['err']:.1e}" if "err" in r else f"{r['mismatches']} mismatches" if "mismatches" in r
                  else r.get("error", "(peer)"))
         us = f"{r['us']:.2f}" if "us" in r else "-"

@@ -1,0 +1,31 @@
+"""benchmarks/decode_kernels_bench.py on CPU (Pallas interpreter, tiny config): the read-only stream probe sums
+what a float64 NumPy sum gives, and the `kda` / `hbm` ops run end to end with every fused-KDA variant equal to the
+first (the script's own check), so a GPU session does not spend device time on a broken script."""
+
+import os
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import decode_kernels_bench as bench  # noqa: E402
+
+
+def test_stream_probe_sums_every_weight_once():
+    w = np.random.default_rng(0).standard_normal((3, 64, 96)).astype(np.float32)
+    got = bench._stream_sum(jnp.asarray(w, jnp.bfloat16), tk=16, tn=32, warps=4, stages=2, interpret=True)
+    want = np.asarray(jnp.asarray(w, jnp.bfloat16), np.float64).sum(axis=1)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-4)
+
+
+def test_kda_and_hbm_ops_run_on_the_interpreter(capsys):
+    bench.main(["--config=tiny", "--rows=4", "--backend=interpret", "--chain=1", "--iters=1", "--rotate=2",
+                "--ops=hbm,kda", "--stream_tilings=16-32-2-2", "--kda_variants=32-4,16-2"])
+    out = capsys.readouterr().out
+    kda_rows = [line for line in out.splitlines() if line.startswith("| kda |")]
+    hbm_rows = [line for line in out.splitlines() if line.startswith("| hbm |")]
+    assert len(kda_rows) == 3 and len(hbm_rows) == 6, out
+    errors = [float(line.split("err ")[1].split()[0]) for line in kda_rows[1:]]
+    assert all(e < 1e-6 for e in errors), kda_rows
