@@ -85,11 +85,18 @@ class ModelConfig:
     # (gather every sequence's pages, then einsums); "pallas" forces the kernel (the Pallas interpreter off GPU:
     # exact but slow, for tests). Under a multi-device mesh the XLA path always runs.
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # Page ranges per sequence of that kernel (flash-decoding splits; pallas_kernels/mla DecodeConfig.num_splits):
+    # 0 = auto (about 128 programs in all: 2 at batch 64), capped at the pages a sequence holds.
+    mla_decode_splits: int = 0
     # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "prologue" (default)
     # also runs the short conv, SiLU, L2 norms and the gate / beta activations inside it
     # (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster,
     # benchmarks/RESULTS.md); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
     kda_decode_fusion: Literal["step", "prologue"] = "prologue"
+    # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim). 32:
+    # the session-3 sweep's best; 128 was 7% faster alone in session 10 (decode_kernels_bench --ops=kda), not yet
+    # timed in the model.
+    kda_decode_block_v: int = 32
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).
@@ -162,8 +169,9 @@ class ModelConfig:
         positive = [
             "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kda_num_heads", "kda_head_dim",
             "kda_short_conv_kernel_size", "kda_chunk_size", "num_attention_heads", "kv_lora_rank",
-            "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token", "moe_intermediate_size",
-            "num_expert_group", "topk_group", "max_position_embeddings", "routing_histogram_bins",
+            "kda_decode_block_v", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
+            "moe_intermediate_size", "num_expert_group", "topk_group", "max_position_embeddings",
+            "routing_histogram_bins",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -172,7 +180,8 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be > 0 or None, got {v}")
-        for name in ["qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"]:
+        for name in ["qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
+                     "mla_decode_splits"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ["rms_norm_eps", "mla_lora_norm_eps", "activation_situ_beta", "activation_situ_linear_beta",
@@ -181,6 +190,8 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
+        if self.kda_decode_block_v < 16 or self.kda_decode_block_v & (self.kda_decode_block_v - 1):
+            raise ConfigError(f"kda_decode_block_v must be a power of two >= 16, got {self.kda_decode_block_v}")
         if self.kda_impl == "pallas" and not self.kda_kernel_compatible:
             raise ConfigError(
                 "kda_impl='pallas' needs kda_gate='lower_bound' with kda_gate_lower_bound >= -5 (the kernel's f32 "

@@ -21,6 +21,8 @@ from tests.reference import numpy_k3 as ref
     (dict(dtype="fp8"), "dtype must be one of"),
     (dict(routed_expert_hidden_size=None), "latent_moe_use_norm=True needs routed_expert_hidden_size"),
     (dict(num_expert_group=3), "not divisible by num_expert_group=3"),
+    (dict(kda_decode_block_v=24), "kda_decode_block_v must be a power of two >= 16"),
+    (dict(mla_decode_splits=-1), "mla_decode_splits must be >= 0"),
 ])
 def test_invalid_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:

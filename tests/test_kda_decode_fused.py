@@ -117,7 +117,8 @@ def test_kernel_lowers_for_cuda():
     assert count == 1 and names == ["kda_decode_fused"]
 
 
-def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch):
+@pytest.mark.parametrize("block_v", [32, 16], ids=["whole_head", "two_value_blocks"])
+def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch, block_v):
     import pallas_kernels.kda.decode_fused as fused_mod
     from tests.conftest import KDALayerDecode
 
@@ -126,11 +127,12 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
     decode = setup.decode
     calls = []
     real = fused_mod.kda_decode_fused
-    monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(kw["block_v"]) or real(*a, **kw))
     y_ref, st_ref = jax.jit(decode(kda_impl="chunked"))(params, x, state, valid)
     monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue"))(params, x, state, valid)
-    assert calls == [1]
+    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue", kda_decode_block_v=block_v))(
+        params, x, state, valid)
+    assert calls == [block_v]
     rows = np.asarray(valid) == 1
     assert _rel_err(np.asarray(y)[rows], np.asarray(y_ref)[rows]) < 2e-5
     assert _rel_err(st.state_bhkv, st_ref.state_bhkv) < 2e-5

@@ -79,16 +79,18 @@ def test_kernel_matches_float64_reference_through_shuffled_shared_table(dtype, t
     np.testing.assert_array_equal(np.asarray(got)[4], 0.0)  # length 0: nothing attended
 
 
-def _decode_layer(impl):
-    cfg = configs.get_config("tiny", [f"mla_decode_impl={impl}"])
+def _decode_layer(impl, splits=0):
+    cfg = configs.get_config("tiny", [f"mla_decode_impl={impl}", f"mla_decode_splits={splits}"])
     return MLA(cfg, rngs=nnx.Rngs(3))  # same seed: same weights for every impl
 
 
-def test_mla_layer_decode_with_kernel_equals_xla_path_and_full_forward():
+@pytest.mark.parametrize("splits", [0, 1], ids=["auto_splits", "one_split"])
+def test_mla_layer_decode_with_kernel_equals_xla_path_and_full_forward(splits):
     """Two sequences in 4-token pages scattered over a pool of garbage rows: 6-token prefill (expanded form),
-    then 5 single-token decode steps (absorbed form) by the kernel (interpret) and by the XLA gather path; both
-    equal each other and the full forward. The kernel path's trace has the Pallas call and no page gather."""
-    layers = {impl: _decode_layer(impl) for impl in ("pallas", "xla")}
+    then 5 single-token decode steps (absorbed form) by the kernel (interpret; `mla_decode_splits` auto: 3, or one
+    page range, no combine) and by the XLA gather path; both equal each other and the full forward. The kernel
+    path's trace has the Pallas call and no page gather."""
+    layers = {"pallas": _decode_layer("pallas", splits), "xla": _decode_layer("xla")}
     cfg = layers["xla"].cfg
     rng = np.random.RandomState(5)
     x = jnp.asarray(rng.randn(2, 11, cfg.hidden_size), jnp.float32)
@@ -101,6 +103,7 @@ def test_mla_layer_decode_with_kernel_equals_xla_path_and_full_forward():
     jaxprs = {impl: str(jax.make_jaxpr(fn)(x[:, 6:7], pages, jnp.full((2,), 6, jnp.int32)))
               for impl, fn in step.items()}
     assert "pallas_call" in jaxprs["pallas"] and "pallas_call" not in jaxprs["xla"]
+    assert f"grid=(2, {splits or 3}, 1)" in jaxprs["pallas"]  # (sequences, page ranges, head blocks)
     dense = "f32[2,3,4,40]"  # every sequence's pages gathered: [B, P, page_size, C]
     assert dense in jaxprs["xla"] and dense not in jaxprs["pallas"]
     caches = {impl: pages for impl in layers}

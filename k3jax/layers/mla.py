@@ -161,12 +161,13 @@ class MLA(nnx.Module):
         """The absorbed decode step (T == 1) by the paged Pallas kernel (pallas_kernels/mla): every sequence's pages
         read once through its table row, positions 0 .. start_b (its own row already written)."""
         # lazy: pallas_kernels imports k3jax modules
-        from pallas_kernels.mla import paged_latent_attention
+        from pallas_kernels.mla import DecodeConfig, paged_latent_attention
 
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         q_bhc = self._absorbed_queries(q_bthk)[:, 0]
         o_bhr = paged_latent_attention(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
-                                       scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend)
+                                       scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend,
+                                       config=DecodeConfig(num_splits=cfg.mla_decode_splits))
         return self._latent_values(o_bhr[:, None])  # f32, like the XLA path
 
     def _absorbed_queries(self, q_bthk):
