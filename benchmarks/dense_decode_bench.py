@@ -11,6 +11,9 @@ in and out, f32 accumulation), µs per call and weight bytes per second of:
 - ``xla``: ``x @ w`` as the model writes it (XLA picks a Triton gemm fusion or cuBLAS);
 - ``xla_cublas``: the same in a child process with ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS only), unless
   ``--no_cublas_run``;
+- ``xla_triton_<bm-bn-bk-split-stages-warps>``: the same in a child process per ``--triton_configs`` entry, with
+  XLA's Triton gemm config forced (``--xla_gpu_override_gemm_autotuner``): what each config does with the weights
+  cold (XLA's autotuner times its candidates on L2-resident weights, i.e. not as a decode step sees them);
 - ``split_<tn-tk-splits-warps-stages>``: our split-K decode kernel (`pallas_kernels.dense.decode_matmul`; splits 0:
   its default for the shape; the partial products summed by XLA inside the timed call);
 - ``gmm_<tiling>``: our grouped-matmul kernel (`pallas_kernels.gmm.gmm`) with one group holding all M rows, per
@@ -64,6 +67,16 @@ def parse_tiling(text: str) -> Tiling:
 def parse_split_tiling(text: str) -> SplitTiling:
     """``tn-tk-splits-warps-stages`` (splits 0: the kernel's default choice for the shape)."""
     return _parse_ints(text, SplitTiling, "tn-tk-splits-warps-stages")
+
+
+def triton_gemm_key(text: str) -> str:
+    """``bm-bn-bk-split-stages-warps`` -> an AutotuneResult.TritonGemmKey textproto without spaces (XLA_FLAGS splits
+    on whitespace; the text format takes ',' between fields)."""
+    names = ("block_m", "block_n", "block_k", "split_k", "num_stages", "num_warps")
+    parts = text.split("-")
+    if len(parts) != len(names) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise SystemExit(f"--triton_configs: expected bm-bn-bk-split-stages-warps (positive ints), got {text!r}")
+    return ",".join(f"{n}:{v}" for n, v in zip(names, parts)) + ",num_ctas:1"
 
 
 def implementations(m: int, tilings: list[str], split_tilings: list[str]) -> dict:
@@ -147,13 +160,16 @@ def main():
     p.add_argument("--no_cublas_run", action="store_true", help="skip the cuBLAS-only child process")
     p.add_argument("--wall_clock", action="store_true",
                    help="report wall-clock time per call (host dispatch included) instead of GPU busy time")
-    p.add_argument("--xla_only", action="store_true", help=argparse.SUPPRESS)  # the child process
+    p.add_argument("--triton_configs", default="",
+                   help="comma list of bm-bn-bk-split-stages-warps: one child process each with that Triton gemm "
+                        "config forced for every XLA matmul")
+    p.add_argument("--xla_only", default="", help=argparse.SUPPRESS)  # the child process: its row label
     args = p.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",") if s]
     tilings = [t for t in args.tilings.split(",") if t] if not args.xla_only else []
     split_tilings = [t for t in args.split_tilings.split(",") if t] if not args.xla_only else []
     impls = implementations(args.m, tilings, split_tilings)
-    prefix = "xla_cublas" if args.xla_only else ""
+    prefix = args.xla_only
     if args.xla_only:
         impls = {"": impls["xla"]}
     else:
@@ -167,10 +183,13 @@ def main():
             print(f"{k}x{n}: failed: {type(e).__name__}: {e}", flush=True)
     if args.xla_only:
         return
-    if not args.no_cublas_run:
+    children = [] if args.no_cublas_run else [("xla_cublas", "--xla_gpu_enable_triton_gemm=false")]
+    children += [(f"xla_triton_{c}", "--xla_gpu_override_gemm_autotuner=" + triton_gemm_key(c))
+                 for c in args.triton_configs.split(",") if c]
+    for label, flag in children:
         env = dict(os.environ)
-        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_triton_gemm=false").strip()
-        cmd = [sys.executable, __file__, "--xla_only", f"--m={args.m}", f"--shapes={args.shapes}",
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + flag).strip()
+        cmd = [sys.executable, __file__, f"--xla_only={label}", f"--m={args.m}", f"--shapes={args.shapes}",
                f"--iters={args.iters}", f"--stream_mb={args.stream_mb}"] + (["--check"] if args.check else []) + (
                    ["--wall_clock"] if args.wall_clock else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -178,8 +197,10 @@ def main():
             if line.startswith("{"):
                 print(line, flush=True)
                 rows.append(json.loads(line))
+            elif "failed" in line:
+                print(line, flush=True)
         if out.returncode:
-            print(f"cuBLAS-only run failed (rc {out.returncode}): {out.stderr[-2000:]}", flush=True)
+            print(f"{label} run failed (rc {out.returncode}): {out.stderr[-1500:]}", flush=True)
     names = list(dict.fromkeys(r["impl"] for r in rows))
     clock = "wall clock" if args.wall_clock or jax.default_backend() != "gpu" else "GPU busy time"
     print(f"\nM = {args.m}, bf16; µs per matmul ({clock}; weight TB/s)\n")
