@@ -126,16 +126,12 @@ def _device_us(f, arg, iters: int, chain: int) -> dict:
     """From a profiler trace of `iters` calls of the chained `f(arg)` (GPU only): busy time per chained call (the
     loop's own small kernels included, its host round trips not) and the longest kernel's mean time; the wall clock
     of a `fori_loop` chain also counts the loop's per-iteration predicate copy back to the host (~10 µs on an H200)."""
-    import tempfile
-
-    from trace_summary import summarize_xplane, trace_xplane
+    from trace_summary import traced_summary
 
     if jax.default_backend() != "gpu":
         return {}
     jax.block_until_ready(f(arg))
-    with tempfile.TemporaryDirectory() as tmp:
-        summary = summarize_xplane(trace_xplane(lambda: jax.block_until_ready(f(arg)), iters, tmp),
-                                   steps=iters * chain)
+    summary = traced_summary(lambda: jax.block_until_ready(f(arg)), iters, iters * chain)
     top = summary["top_kernels"][0]
     return {"busy_us": summary["busy_per_step_ms"] * 1e3, "kernel": top["name"][:60], "kernel_us": top["avg_us"]}
 
@@ -309,7 +305,7 @@ def main(argv=None):
     for r in rows_out:
         case = {"attn_res": lambda: f"{r['num_filled']} filled", "route": lambda: f"E={r['experts']} k={r['k']}",
                 "kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
-                "hbm": lambda: f"{r['gbs']:.0f} GB/s"}[r["op"]]()
+                "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else ""}[r["op"]]()
         check = (f"err {r['err']:.1e}" if "err" in r else f"{r['mismatches']} mismatches" if "mismatches" in r
                  else r.get("error", "(peer)"))
         us = f"{r['us']:.2f}" if "us" in r else "-"

@@ -99,14 +99,10 @@ def implementations(m: int, tilings: list[str], split_tilings: list[str]) -> dic
 def device_us_per_call(call, iters: int, per_call: int) -> dict:
     """GPU busy time (union of kernel intervals, from a jax.profiler trace) per matmul: `iters` calls of `call`, each
     doing `per_call` matmuls."""
-    import tempfile
-
-    from trace_summary import summarize_xplane, trace_xplane
+    from trace_summary import traced_summary
 
     jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as tmp:
-        path = trace_xplane(lambda: jax.block_until_ready(call()), iters, tmp)
-        summary = summarize_xplane(path, steps=iters * per_call)
+    summary = traced_summary(lambda: jax.block_until_ready(call()), iters, iters * per_call)
     if summary.get("backend") != "gpu":
         raise SystemExit("--device_time needs a GPU trace")
     return {"busy_us": summary["busy_per_step_ms"] * 1e3, "kernels_per_matmul": summary["kernels_per_step"]}

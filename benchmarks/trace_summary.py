@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source", "scope_group",
-           "trace_xplane"]
+           "trace_xplane", "traced_summary"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.
@@ -38,6 +38,15 @@ def trace_xplane(run, calls: int, log_dir: str) -> str:
     if not paths:
         raise RuntimeError(f"jax.profiler wrote no .xplane.pb under {log_dir}")
     return paths[-1]
+
+
+def traced_summary(run, calls: int, steps: int) -> dict:
+    """`summarize_xplane` of a trace (in a temporary directory) of `calls` runs of ``run`` (which must block until
+    its work is done), per-step figures counted over `steps` steps."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return summarize_xplane(trace_xplane(run, calls, tmp), steps=steps)
 
 
 def _stats(event) -> dict:
