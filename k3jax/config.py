@@ -116,6 +116,9 @@ class ModelConfig:
     # with per-tile metadata, ~5 small XLA kernels per MoE layer) or "groups" (one program per expert group and
     # column tile, no metadata; pallas_kernels/gmm Tiling.walk). TPU and XLA paths ignore it.
     moe_gmm_walk: Literal["tiles", "groups"] = "tiles"
+    # Rows per tile of those decode-sized grouped matmuls (a power of two >= 16): an expert with more rows than one
+    # tile streams its weights once per tile; 32 trades that for MMA rows wasted on emptier experts. GPU only.
+    moe_decode_row_tile: int = 16
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -190,8 +193,10 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
-        if self.kda_decode_block_v < 16 or self.kda_decode_block_v & (self.kda_decode_block_v - 1):
-            raise ConfigError(f"kda_decode_block_v must be a power of two >= 16, got {self.kda_decode_block_v}")
+        for name in ("kda_decode_block_v", "moe_decode_row_tile"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
         if self.kda_impl == "pallas" and not self.kda_kernel_compatible:
             raise ConfigError(
                 "kda_impl='pallas' needs kda_gate='lower_bound' with kda_gate_lower_bound >= -5 (the kernel's f32 "

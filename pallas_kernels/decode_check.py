@@ -95,6 +95,7 @@ def check_split_k(m: int, k: int, n: int, dtype, backend: str = "gpu") -> list[d
 def check_planned_experts(n: int, cfg_name: str, backend: str = "gpu") -> list[dict]:
     import configs
     from k3jax.layers import moe
+    from pallas_kernels.gmm import DECODE_GROUP_WALK
 
     cfg = configs.get_config(cfg_name)
     e, lat, mi = cfg.num_experts, cfg.routed_expert_hidden_size, cfg.moe_intermediate_size
@@ -111,7 +112,8 @@ def check_planned_experts(n: int, cfg_name: str, backend: str = "gpu") -> list[d
     p_weights, plan = moe.route_planned(x, router, bias, cfg, backend)
     rows = []
     for walk in (True, False):
-        got = jax.jit(lambda z, pw, plan, *w: moe.experts_planned(z, pw, plan, *w, cfg, group_walk=walk))(
+        tiling = DECODE_GROUP_WALK if walk else None
+        got = jax.jit(lambda z, pw, plan, *w: moe.experts_planned(z, pw, plan, *w, cfg, decode_tiling=tiling))(
             z, p_weights, plan, w1, w3, w2)  # weights as arguments: closed over, XLA would constant-fold them
         rows.append({"kernel": "moe.experts_planned", "n": n, "group_walk": walk,
                      "experts_mismatches": int(np.sum(np.asarray(plan.experts_nk) != np.asarray(experts))),

@@ -23,6 +23,7 @@ from tests.reference import numpy_k3 as ref
     (dict(num_expert_group=3), "not divisible by num_expert_group=3"),
     (dict(kda_decode_block_v=24), "kda_decode_block_v must be a power of two >= 16"),
     (dict(mla_decode_splits=-1), "mla_decode_splits must be >= 0"),
+    (dict(moe_decode_row_tile=8), "moe_decode_row_tile must be a power of two >= 16"),
 ])
 def test_invalid_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:

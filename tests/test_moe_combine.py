@@ -8,6 +8,7 @@ import numpy as np
 
 import configs
 from k3jax.layers import moe
+from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_TILING
 from tests.conftest import jaxpr_eqns, moe_problem
 
 
@@ -41,7 +42,8 @@ def test_dropless_combine_gathers_instead_of_scatter_adding():
 
 def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monkeypatch):
     """`moe_gmm_walk="groups"` on the XLA routing: the GPU kernels (the interpreter here) walk expert groups for the
-    fused GLU and the down gmm, and give the tile walk's result and every-expert-on-every-token's."""
+    fused GLU and the down gmm, and give the tile walk's result and every-expert-on-every-token's; so do 32-row
+    decode tiles (`moe_decode_row_tile=32`)."""
     from k3jax.ops import gmm as gmm_ops
     from pallas_kernels.gmm import gpu as gmm_gpu
 
@@ -52,26 +54,33 @@ def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monke
     monkeypatch.setattr(gmm_gpu, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or real(*a, **kw))
     tiles = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
     assert not walks
-    groups = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, group_walk=True)
+    groups = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, decode_tiling=DECODE_GROUP_WALK)
     assert len(walks) == 2, walks  # the fused GLU and the down projection
+    tall = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, decode_tiling=DECODE_TILING._replace(tm=32))
+    assert len(walks) == 2, walks  # 32-row tiles: still the tile walk
     want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)
     scale = float(jnp.max(jnp.abs(want)))
-    np.testing.assert_allclose(np.asarray(groups), np.asarray(tiles), rtol=1e-5, atol=1e-5 * scale)
-    np.testing.assert_allclose(np.asarray(groups), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
+    for got in (groups, tall):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(tiles), rtol=1e-5, atol=1e-5 * scale)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
 
 
-def test_latent_moe_walks_groups_only_when_configured_in_decode_steps_on_the_gpu_kernel_family(monkeypatch):
+def test_latent_moe_takes_a_decode_tiling_only_when_configured_in_decode_steps_on_the_gpu_kernel_family(
+        monkeypatch):
     import flax.nnx as nnx
 
     from k3jax.ops import gmm as gmm_ops
 
-    for walk, backend, want in (("tiles", "gpu", False), ("groups", "gpu", True), ("groups", "interpret", True),
-                                ("groups", "tpu", False), ("groups", None, False)):
-        cfg = configs.get_config("tiny", [f"moe_gmm_walk={walk}"])
+    groups, tall = DECODE_TILING._replace(walk="groups"), DECODE_TILING._replace(tm=32)
+    for sets, backend, want in (([], "gpu", None), (["moe_gmm_walk=groups"], "gpu", groups),
+                                (["moe_gmm_walk=groups"], "interpret", groups),
+                                (["moe_decode_row_tile=32"], "interpret", tall),
+                                (["moe_gmm_walk=groups"], "tpu", None), (["moe_decode_row_tile=32"], None, None)):
+        cfg = configs.get_config("tiny", sets)
         layer = nnx.eval_shape(lambda cfg=cfg: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
         monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda b=backend: b)
-        assert layer._group_walk(1) is want, (walk, backend)
-        assert layer._group_walk(7) is False  # prefill / training: the tile walk
+        assert layer._decode_tiling(1) == want, (sets, backend)
+        assert layer._decode_tiling(7) is None  # prefill / training: the kernels' own tiling
 
 
 def _numpy_plan(experts_nk: np.ndarray, num_experts: int):

@@ -116,6 +116,7 @@ def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch)
     from tests.conftest import moe_problem
     from k3jax.layers import moe
     from k3jax.ops import gmm as gmm_ops
+    from pallas_kernels.gmm import DECODE_GROUP_WALK
 
     p = moe_problem(6, seed=9)
     cfg, x, router, bias, z, w1, w3, w2 = p.cfg, p.x, p.router, p.bias, p.z, p.w1, p.w3, p.w2
@@ -125,7 +126,7 @@ def test_planned_experts_on_the_kernels_equal_the_dropless_xla_path(monkeypatch)
     np.testing.assert_array_equal(np.asarray(plan.experts_nk), np.asarray(experts))
     np.testing.assert_allclose(np.asarray(p_weights), np.asarray(weights), rtol=1e-6)
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
-    got = moe.experts_planned(z, p_weights, plan, w1, w3, w2, cfg, group_walk=True)
+    got = moe.experts_planned(z, p_weights, plan, w1, w3, w2, cfg, decode_tiling=DECODE_GROUP_WALK)
     err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     assert err < 1e-5, err
 

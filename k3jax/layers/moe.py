@@ -63,13 +63,13 @@ def plan_from_experts(experts_nk: jax.Array, num_experts: int):
 
 
 def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
-                     group_walk: bool = False):
+                     decode_tiling=None):
     """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
     sums them weighted (f32, in j order): `experts_planned` on `plan_from_experts`. A gather, not a scatter-add: a
     GPU scatter-add adds with atomics in a run-dependent order, which made greedy decoding differ between identical
     runs (benchmarks/RESULTS.md, session 7)."""
     return experts_planned(z_nl, weights_nk, plan_from_experts(experts_nk, cfg.num_experts), w1_elm, w3_elm, w2_eml,
-                           cfg, group_walk=group_walk)
+                           cfg, decode_tiling=decode_tiling)
 
 
 def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
@@ -89,18 +89,18 @@ def route_planned(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg:
     return weights * cfg.routed_scaling_factor, plan
 
 
-def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, group_walk: bool = False):
+def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, decode_tiling=None):
     """The routed experts on an expert-sorted `RoutePlan` (from `plan_from_experts` or the `route_plan` kernel):
     assignment (n, j) sits at row plan.rows_nk[n, j] and row r holds token plan.token_of_row_a[r]; grouped GLU and
     down matmuls, then each token gathers its k output rows and sums them weighted (f32, in j order).
-    ``group_walk=True``: decode-sized calls walk the expert groups in the GPU kernels
-    (`pallas_kernels.gmm.DECODE_GROUP_WALK`: no per-tile metadata); only for the GPU kernel family, whose tiling it
-    is (the XLA path ignores it); see `LatentMoE._group_walk`."""
-    from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
+    `decode_tiling`: the GPU kernels' `pallas_kernels.gmm.Tiling` for decode-sized calls (few rows per expert), e.g.
+    another row tile or the group walk (`LatentMoE._decode_tiling`); None: the kernels' defaults. Only for the GPU
+    kernel family, whose tiling it is (the XLA path ignores it)."""
+    from pallas_kernels.gmm import DECODE_ROWS_PER_GROUP  # lazy: pallas_kernels imports k3jax
 
     n, k = plan.rows_nk.shape
     decode_sized = n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts
-    tiling = DECODE_GROUP_WALK if group_walk and decode_sized else None
+    tiling = decode_tiling if decode_sized else None
     sizes = plan.group_sizes_e
     hidden = grouped_glu(z_nl[plan.token_of_row_a], w1_elm, w3_elm, sizes, cfg, tiling=tiling)
     out_rows = gmm(hidden, w2_eml, sizes, preferred_element_type=wide(hidden.dtype), tiling=tiling)
@@ -186,7 +186,8 @@ class LatentMoE(nnx.Module):
         z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         if plan_backend is not None:
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
-            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg, group_walk=self._group_walk(t)).astype(dt)
+            u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg,
+                                   decode_tiling=self._decode_tiling(t)).astype(dt)
         else:
             u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
         if latent:
@@ -213,12 +214,17 @@ class LatentMoE(nnx.Module):
             return None
         return gpu_kernel_backend()
 
-    def _group_walk(self, t: int) -> bool:
-        """Whether the grouped matmuls walk expert groups (`cfg.moe_gmm_walk == "groups"`): decode steps only (one
+    def _decode_tiling(self, t: int):
+        """The grouped matmuls' decode tiling when the config departs from the kernels' default
+        (`cfg.moe_gmm_walk == "groups"` or `cfg.moe_decode_row_tile != 16`), else None: decode steps only (one
         token per sequence: a prefill or training batch can put hundreds of rows in one group, which one program
         would walk serially, and its backward would inherit the decode tiles), and only for the GPU kernel family
         (its tiling; the interpreter in tests), never for TPU or XLA."""
-        return self.cfg.moe_gmm_walk == "groups" and t == 1 and gpu_kernels_here()
+        from pallas_kernels.gmm import DECODE_TILING  # lazy: pallas_kernels imports k3jax
+
+        cfg = self.cfg
+        tiling = DECODE_TILING._replace(tm=cfg.moe_decode_row_tile, walk=cfg.moe_gmm_walk)
+        return tiling if tiling != DECODE_TILING and t == 1 and gpu_kernels_here() else None
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
@@ -232,7 +238,7 @@ class LatentMoE(nnx.Module):
                 u_nl = experts_dense(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
             else:
                 u_nl = experts_dropless(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg,
-                                        group_walk=self._group_walk(t)).astype(dt)
+                                        decode_tiling=self._decode_tiling(t)).astype(dt)
             stats = expert_parallel.single_program_stats(experts_nk.size)
         else:
             mode, factor = ep

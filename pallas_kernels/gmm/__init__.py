@@ -8,6 +8,7 @@ from pallas_kernels.gmm.api import (
     BACKENDS,
     DECODE_GROUP_WALK,
     DECODE_ROWS_PER_GROUP,
+    DECODE_TILING,
     Tiling,
     default_backend,
     gmm,
@@ -16,5 +17,5 @@ from pallas_kernels.gmm.api import (
 from pallas_kernels.gmm.glu import gmm_glu
 from pallas_kernels.gmm.quantized import gmm_mxfp4
 
-__all__ = ["BACKENDS", "DECODE_GROUP_WALK", "DECODE_ROWS_PER_GROUP", "Tiling", "default_backend", "gmm", "gmm_glu",
-           "gmm_mxfp4", "tgmm"]
+__all__ = ["BACKENDS", "DECODE_GROUP_WALK", "DECODE_ROWS_PER_GROUP", "DECODE_TILING", "Tiling", "default_backend",
+           "gmm", "gmm_glu", "gmm_mxfp4", "tgmm"]

@@ -52,6 +52,7 @@ _DEFAULTS = {
 # the weights once: thin row tiles, 4 warps and deeper pipelining. H200, 512x768x768, 64 groups, 50 chained calls
 # (`gmm_bench.py --chain=50`): 32.9 us balanced / 30.8 us skewed vs 38.3 / 38.1 with the training tiling.
 _GPU_DECODE = Tiling(16, 64, 128, 4, 4)
+DECODE_TILING = _GPU_DECODE  # public name: callers derive variants (row tile, walk) from it
 # The decode tiling walking groups instead of row tiles: no per-tile metadata kernels (only the group bounds).
 DECODE_GROUP_WALK = _GPU_DECODE._replace(walk="groups")
 DECODE_ROWS_PER_GROUP = 32
