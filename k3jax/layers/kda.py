@@ -17,6 +17,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
+from k3jax.layers.fused import project_inputs
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.linear import project as dense
@@ -102,29 +103,41 @@ class KDA(nnx.Module):
     def init_state(self, batch_size: int) -> KDAState:
         return init_kda_state(self.cfg, batch_size)
 
-    def gate_logits(self, x_btd: jax.Array) -> jax.Array:
-        """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype."""
+    def input_projection_names(self) -> tuple[str, ...]:
+        """The projections of the layer input, in `_project_inputs` order (fused for serving: `k3jax.layers.fused`)."""
+        gate = ("g_proj",) if self.cfg.kda_output_gate == "full_rank" else ("g_a_proj",)
+        return ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj") + gate
+
+    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
+        """Every projection of the layer input x (compute dtype), by weight name: one matmul each, or one in all
+        with fused inputs."""
+        names = self.input_projection_names()
+        return dict(zip(names, project_inputs(self, x_btd, names, self.cfg)))
+
+    def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
+        """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        return dense(dense(x_btd, self.f_a_proj[...].astype(dt), cfg), self.f_b_proj[...].astype(dt), cfg)
+        return dense(f_a_btk, self.f_b_proj[...].astype(dt), cfg)
 
     def conv_kernels(self) -> jax.Array:
         """The q, k, v short-conv kernels stacked as [W, 3, H*K] (the layout of the stacked conv state)."""
         return jnp.stack([getattr(self, f"{name}_conv1d")[...] for name in "qkv"], axis=1)
 
-    def decay(self, x_btd: jax.Array) -> jax.Array:
-        """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt)."""
+    def _decay(self, f_a_btk: jax.Array) -> jax.Array:
+        """Per-channel log-decay g [B,T,H,K] in f32: g_min·sigmoid(A·(z+dt)) or −A·softplus(z+dt), from f_a(x)."""
         cfg = self.cfg
-        z = upcast(self.gate_logits(x_btd)) + upcast(self.dt_bias[...])
+        z = upcast(self._gate_logits(f_a_btk)) + upcast(self.dt_bias[...])
         a_h = jnp.exp(upcast(self.A_log[...]))[:, None]
         if cfg.kda_gate == "lower_bound":
             return cfg.kda_gate_lower_bound * jax.nn.sigmoid(a_h * z)
         return -a_h * jax.nn.softplus(z)
 
-    def output_gate(self, x_btd: jax.Array) -> jax.Array:
+    def _output_gate(self, proj: dict[str, jax.Array]) -> jax.Array:
+        """The output gate's logits [B,T,H,V] (before the sigmoid) from the input projections."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         if cfg.kda_output_gate == "full_rank":
-            return dense(x_btd, self.g_proj[...].astype(dt), cfg)
-        return dense(dense(x_btd, self.g_a_proj[...].astype(dt), cfg), self.g_b_proj[...].astype(dt), cfg)
+            return proj["g_proj"]
+        return dense(proj["g_a_proj"], self.g_b_proj[...].astype(dt), cfg)
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward from a zero state. `segment_ids_bt` int [B, T] (optional) packs several documents
@@ -159,12 +172,14 @@ class KDA(nnx.Module):
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         x = x_btd.astype(dt)
 
+        proj_in = self._project_inputs(x)
+
         def project(name):
-            return dense(x, getattr(self, f"{name}_proj")[...].astype(dt), cfg).reshape(b, t, h * k)
+            return proj_in[f"{name}_proj"].reshape(b, t, h * k)
 
         fused_backend = self._fused_decode_backend(state, t, with_state, cp_mesh)
         if fused_backend is not None:
-            return self._decode_fused(x, state, valid_len_b, project, fused_backend)
+            return self._decode_fused(x, state, valid_len_b, proj_in, fused_backend)
 
         if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
             history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
@@ -186,8 +201,8 @@ class KDA(nnx.Module):
 
             q, k_, v = (project_conv(name) for name in "qkv")
             conv_bwcp = None
-        g = self.decay(x)
-        beta = jax.nn.sigmoid(upcast(dense(x, self.b_proj[...].astype(dt), cfg)))
+        g = self._decay(proj_in["f_a_proj"])
+        beta = jax.nn.sigmoid(upcast(proj_in["b_proj"]))
         impl = resolve_kda_impl(cfg)
         q, k_ = l2_normalize(q), l2_normalize(k_)
         if impl == "pallas":  # the kernel's numerics policy: model-dtype q/k/v operands, f32 state and accumulation
@@ -207,13 +222,13 @@ class KDA(nnx.Module):
         o_bthv, new_s = core(
             q, k_, v, g, beta, scale=k ** -0.5, initial_state=None if state is None else state.state_bhkv,
             impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
-        return self._output(x, o_bthv), KDAState(conv_bwcp, new_s)
+        return self._output(self._output_gate(proj_in), o_bthv), KDAState(conv_bwcp, new_s)
 
-    def _output(self, x_btd: jax.Array, o_bthv: jax.Array) -> jax.Array:
-        """Per-head RMSNorm of the core's output, the sigmoid output gate and o_proj."""
+    def _output(self, gate_bthv: jax.Array, o_bthv: jax.Array) -> jax.Array:
+        """Per-head RMSNorm of the core's output, the sigmoid output gate (its logits `gate_bthv`) and o_proj."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
-        o = (o * jax.nn.sigmoid(upcast(self.output_gate(x_btd)))).astype(dt)
+        o = (o * jax.nn.sigmoid(upcast(gate_bthv))).astype(dt)
         return dense(o, self.o_proj[...].astype(dt), cfg, contract=2)
 
     def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
@@ -226,17 +241,18 @@ class KDA(nnx.Module):
             return None
         return kda_ops.decode_kernel_backend()
 
-    def _decode_fused(self, x_btd, state: KDAState, valid_len_b, project, backend: str):
+    def _decode_fused(self, x_btd, state: KDAState, valid_len_b, proj_in: dict[str, jax.Array], backend: str):
         """One token through `pallas_kernels.kda.decode_fused` (conv + activations + delta step in one kernel)."""
         from pallas_kernels.kda.decode_fused import kda_decode_fused  # lazy: pallas_kernels.kda imports k3jax
 
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b = x_btd.shape[0]
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
-        proj_qkv = tuple(project(name)[:, 0] for name in "qkv")  # [B, H*K] each: the kernel takes them unstacked
+        proj_qkv = tuple(proj_in[f"{name}_proj"].reshape(b, h * k)  # [B, H*K] each: the kernel takes them unstacked
+                         for name in "qkv")
         conv_qkv = tuple(getattr(self, f"{name}_conv1d")[...] for name in "qkv")  # [W, H*K] each
-        z_bhk = self.gate_logits(x_btd)[:, 0]
-        b_raw_bh = dense(x_btd, self.b_proj[...].astype(dt), cfg)[:, 0]
+        z_bhk = self._gate_logits(proj_in["f_a_proj"])[:, 0]
+        b_raw_bh = proj_in["b_proj"][:, 0]
         valid_b = jnp.ones((b,), jnp.int32) if valid_len_b is None else (valid_len_b > 0).astype(jnp.int32)
         history = state.conv_bwcp.astype(dt)
         o_bhv, new_s = kda_decode_fused(
@@ -246,7 +262,7 @@ class KDA(nnx.Module):
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)
-        y = self._output(x_btd, o_bhv[:, None].astype(dt))
+        y = self._output(self._output_gate(proj_in), o_bhv[:, None].astype(dt))
         return y, KDAState(new_history.reshape(b, wm1, 3, h * k), new_s)
 
 

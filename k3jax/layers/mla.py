@@ -14,6 +14,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
+from k3jax.layers.fused import project_inputs
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.linear import project as dense, unless_single_row
@@ -40,20 +41,35 @@ class MLA(nnx.Module):
             self.g_proj = params.normal(rngs, (d, h, vd), ("embed", "heads", "head_dim"), pd)
         self.o_proj = params.normal(rngs, (h, vd, d), ("heads", "head_dim", "embed"), pd, fan_in=h * vd)
 
+    def input_projection_names(self) -> tuple[str, ...]:
+        """The projections of the layer input, in `_project_inputs` order (fused for serving: `k3jax.layers.fused`)."""
+        cfg = self.cfg
+        names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
+        names += ("kv_a_proj_with_mqa",)
+        return names + (("g_proj",) if cfg.mla_use_output_gate else ())
+
+    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
+        """Every projection of the layer input (cast to the compute dtype), by weight name: one matmul each, or one
+        in all with fused inputs."""
+        names = self.input_projection_names()
+        return dict(zip(names, project_inputs(self, x_btd.astype(self.cfg.jnp_dtype), names, self.cfg)))
+
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""
         dt = self.cfg.jnp_dtype
-        c = dense(x_btd.astype(dt), self.kv_a_proj_with_mqa[...].astype(dt), self.cfg)
-        lat, k_r = c[..., :self.cfg.kv_lora_rank], c[..., self.cfg.kv_lora_rank:]
+        return self._latent_rows(dense(x_btd.astype(dt), self.kv_a_proj_with_mqa[...].astype(dt), self.cfg))
+
+    def _latent_rows(self, c_btc: jax.Array) -> jax.Array:
+        """[kv_a_layernorm(latent) | k_r] from the latent projection's output."""
+        lat, k_r = c_btc[..., :self.cfg.kv_lora_rank], c_btc[..., self.cfg.kv_lora_rank:]
         return jnp.concatenate([self.kv_a_layernorm(lat), k_r], axis=-1)
 
-    def queries(self, x_btd: jax.Array) -> jax.Array:
+    def _queries(self, proj: dict[str, jax.Array]) -> jax.Array:
+        """Per-head queries [B,T,H,qk_head_dim] from the input projections (through the q LoRA when K3's)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        x = x_btd.astype(dt)
         if cfg.q_lora_rank is None:
-            return dense(x, self.q_proj[...].astype(dt), cfg)
-        q_lat = self.q_a_layernorm(dense(x, self.q_a_proj[...].astype(dt), cfg))
-        return dense(q_lat, self.q_b_proj[...].astype(dt), cfg)
+            return proj["q_proj"]
+        return dense(self.q_a_layernorm(proj["q_a_proj"]), self.q_b_proj[...].astype(dt), cfg)
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.
@@ -61,14 +77,15 @@ class MLA(nnx.Module):
         (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        q_bthk = self.queries(x_btd)
-        cache_btc = self.latent(x_btd)
+        proj = self._project_inputs(x_btd)
+        q_bthk = self._queries(proj)
+        cache_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         cp_mesh = context_parallel.context_mesh(x_btd.shape[1])
         if cp_mesh is not None:
             o_bthv = context_parallel.mla_attention_context_parallel(
                 q_bthk, cache_btc, self.kv_b_proj[...].astype(dt), segment_ids_bt, nope=nope,
                 scale=cfg.qk_head_dim ** -0.5, mesh=cp_mesh)  # f32
-            return self._output(x_btd, o_bthv)
+            return self._output(proj, o_bthv)
         lat, k_r = cache_btc[..., :cfg.kv_lora_rank], cache_btc[..., cfg.kv_lora_rank:]
         kv_bthe = jnp.einsum("btr,rhe->bthe", lat, self.kv_b_proj[...].astype(dt))
         k_nope, v_bthv = kv_bthe[..., :nope], kv_bthe[..., nope:]
@@ -76,14 +93,14 @@ class MLA(nnx.Module):
         k_bthk = jnp.concatenate([k_nope, k_rope], axis=-1)
         o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5,
                                   segment_ids_bt=segment_ids_bt)  # f32
-        return self._output(x_btd, o_bthv)
+        return self._output(proj, o_bthv)
 
-    def _output(self, x_btd: jax.Array, o_bthv: jax.Array) -> jax.Array:
-        """Sigmoid output gate (K3) and o_proj on the f32 attention output."""
+    def _output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:
+        """Sigmoid output gate (K3; its logits among the input projections) and o_proj on the f32 attention
+        output."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         if cfg.mla_use_output_gate:
-            gate = dense(x_btd.astype(dt), self.g_proj[...].astype(dt), cfg)
-            o_bthv = o_bthv * jax.nn.sigmoid(upcast(gate))
+            o_bthv = o_bthv * jax.nn.sigmoid(upcast(proj["g_proj"]))
         return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
     # ---------------------------------------------------------------------------------------------
@@ -118,21 +135,22 @@ class MLA(nnx.Module):
         array. Returns (y [B,T,D], new pages).
         """
         t = x_btd.shape[1]
-        rows_btc = self.latent(x_btd)
+        proj = self._project_inputs(x_btd)
+        rows_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         pages_npc = write_latent_rows(pages_npc, page_table_bp, start_b, rows_btc, valid_len_b)
-        q_bthk = self.queries(x_btd)
+        q_bthk = self._queries(proj)
         if absorb is None:
             absorb = t == 1
         backend = mla_decode_backend(self.cfg, *pages_npc.shape[:2]) if absorb and t == 1 else None
         if backend is not None:
             o_bthv = self._attend_paged(q_bthk, pages_npc, page_table_bp, start_b, backend)
-            return self._output(x_btd, o_bthv), pages_npc
+            return self._output(proj, o_bthv), pages_npc
         cache_bsc = gather_latent_rows(pages_npc, page_table_bp)
         pos_bt = start_b.astype(jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         mask_bts = jnp.arange(cache_bsc.shape[1], dtype=jnp.int32)[None, None, :] <= pos_bt[:, :, None]
         attend = self._attend_absorbed if absorb else self._attend_expanded
         o_bthv = attend(q_bthk, cache_bsc, mask_bts)
-        return self._output(x_btd, o_bthv), pages_npc
+        return self._output(proj, o_bthv), pages_npc
 
     def _attend_expanded(self, q_bthk, cache_bsc, mask_bts):
         """Standard MLA over cached latents: expand every cached row to per-head k_nope / v with kv_b_proj."""

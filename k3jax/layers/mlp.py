@@ -10,6 +10,7 @@ from k3jax.numerics import upcast
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
+from k3jax.layers.fused import project_inputs
 from k3jax.ops import gmm as gmm_ops
 from k3jax.ops.linear import project as dense
 
@@ -57,8 +58,16 @@ class GatedMLP(nnx.Module):
         self.up_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
+    def input_projection_names(self) -> tuple[str, ...]:
+        """The projections of the input (fused for serving: `k3jax.layers.fused`)."""
+        return ("gate_proj", "up_proj")
+
     def __call__(self, x_btd: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        gate, up = project_inputs(self, x_btd.astype(cfg.jnp_dtype), self.input_projection_names(), cfg)
+        return self.down(gate, up)
+
+    def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """down(act(gate, up)) from the gate and up projections (compute dtype)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        x = x_btd.astype(dt)
-        h = glu(dense(x, self.gate_proj[...].astype(dt), cfg), dense(x, self.up_proj[...].astype(dt), cfg), cfg)
-        return dense(h, self.down_proj[...].astype(dt), cfg)
+        return dense(glu(gate, up, cfg), self.down_proj[...].astype(dt), cfg)
