@@ -154,9 +154,9 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     states = tuple(jnp.asarray(rng.standard_normal((rows, heads, kd, kd)) / 8, jnp.float32) for _ in range(rotate))
     state_mb = 2 * states[0].size * 4 / 1e6  # one read + one write per call
 
-    def kernel(s, bv=32, w=4):
+    def kernel(s, bv=32, w=4, joint=False):
         return kda_decode_fused(proj, hist, conv, z, a_log, dt_bias, b_raw, valid, s, scale=kd ** -0.5,
-                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w)[1]
+                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w, joint_reductions=joint)
 
     def timed(row, call):
         f = _chain(lambda ss: tuple(call(s) for s in ss), chain)
@@ -173,13 +173,14 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     copy_us = out[-1]["us"]
     want = None
     for text in variants:
-        bv, w = (int(x) for x in text.split("-"))
+        bv, w, *joint = text.split("-")  # block_v-warps[-j]: -j = joint reductions
+        bv, w, joint = int(bv), int(w), joint == ["j"]
         row = {"op": "kda", "rows": rows, "impl": f"fused {text}"}
         try:
-            got = np.asarray(jax.jit(lambda s: kernel(s, bv, w))(states[0]), np.float64)
-            want = got if want is None else want
-            row["err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-            timed(row, lambda s: kernel(s, bv, w))
+            got = [np.asarray(x, np.float64) for x in jax.jit(lambda s: kernel(s, bv, w, joint))(states[0])]
+            want = got if want is None else want  # the first variant's (o, state)
+            row["o_err"], row["err"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, want))
+            timed(row, lambda s: kernel(s, bv, w, joint)[1])
             row["vs_xla"] = copy_us / row["us"]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -272,7 +273,8 @@ def main(argv=None):
     ap.add_argument("--route_warps", default="1,2,4,8")
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
-    ap.add_argument("--kda_variants", default="32-4,128-4,64-4,16-2", help="fused KDA decode block_v-warps")
+    ap.add_argument("--kda_variants", default="32-4,32-4-j,128-4,128-4-j,64-4",
+                    help="fused KDA decode block_v-warps[-j] (-j: joint reductions)")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)
@@ -308,6 +310,8 @@ def main(argv=None):
                 "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else ""}[r["op"]]()
         check = (f"err {r['err']:.1e}" if "err" in r else f"{r['mismatches']} mismatches" if "mismatches" in r
                  else r.get("error", "(peer)"))
+        if "o_err" in r:
+            check += f", o err {r['o_err']:.1e}"
         us = f"{r['us']:.2f}" if "us" in r else "-"
         ratio = f"{r['vs_xla']:.2f}" if "vs_xla" in r else "-"
         print(f"| {r['op']} | {r['rows']} | {case} | {r['impl']} | {us} | {ratio} | {check} |")
