@@ -3,13 +3,13 @@
 Each layer projects its (normed) input several times: KDA q, k, v, the decay gate's down projection, β and the
 output gate; MLA the query LoRA, the latent and the output gate; the latent MoE its expert down projection and
 the shared experts' gate and up. XLA's dot merger already turns such siblings into one matmul, but it builds the
-concatenated weight inside the jitted step, so every decode step re-copies those weights in HBM (k3_gpu: ~440 MB
+concatenated weight inside the jitted step, so every decode step re-copies those weights in HBM (k3_gpu: ~465 MB
 per step). `fuse_input_projections` concatenates them once, into a `FusedInputs` variable beside the originals;
 the layers then run one matmul on it (`project_inputs`) and split its columns.
 
 Serving only: the fused copy is not a parameter (training, Muon and checkpoints see the original `nnx.Param`s),
 and it is built only without a device mesh (a concatenation of differently sharded weights has no sharding of its
-own; `k3jax.inference` skips it on a mesh). Costs the fused weights' memory once more (k3_gpu: 0.44 GB).
+own; `k3jax.inference` skips it on a mesh). Costs the fused weights' memory once more (k3_gpu: 0.50 GB).
 """
 
 from __future__ import annotations
