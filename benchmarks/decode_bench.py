@@ -341,6 +341,7 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
                                       mesh=sched_lib._intern(None)).compile().as_text()
         sources = hlo_sources(hlo)
         annotate_kernels(summary, sources)
+        summary["large_concatenates"] = large_concatenates(hlo)
         if out_dir:
             with open(os.path.join(out_dir, f"decode_hlo_b{batch}.txt"), "w") as f:
                 f.write(hlo)
@@ -370,6 +371,26 @@ def _hlo_tables(hlo_text: str) -> dict[str, dict[int, str]]:
         else:
             current = None
     return tables
+
+
+_HLO_CONCAT = re.compile(r"=\s*([a-z]+[0-9]*)\[([0-9,]*)\](?:\{[^}]*\})?\s+concatenate\(")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+                "f64": 8, "s64": 8, "u64": 8}
+
+
+def large_concatenates(hlo_text: str, min_bytes: int = 1 << 20) -> dict:
+    """Concatenates of at least `min_bytes` in an optimised HLO module (fused or not): at decode sizes only
+    weights are that large, so these are weight copies built in the step (e.g. by XLA's dot merger, which joins
+    the weights of matmuls that share an input). {"count", "mb", "shapes": {"bf16[1536,6284]": n, ...}}."""
+    shapes: dict[str, int] = {}
+    total = 0
+    for dtype, dims in _HLO_CONCAT.findall(hlo_text):
+        size = _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+        if size >= min_bytes:
+            key = f"{dtype}[{dims}]"
+            shapes[key] = shapes.get(key, 0) + 1
+            total += size
+    return {"count": sum(shapes.values()), "mb": total / 1e6, "shapes": shapes}
 
 
 def hlo_sources(hlo_text: str) -> dict[str, str]:
@@ -442,6 +463,10 @@ def print_profile(s: dict) -> None:
                     "copies_by_scope"), ("host CUDA API", "host_cuda_api")]
     else:
         sections = [("host XLA events", "top_events")]
+    if s.get("large_concatenates") is not None:
+        lc = s["large_concatenates"]
+        print(f"concatenates >= 1 MB in the optimised HLO (weight copies built in the step): {lc['count']}, "
+              f"{lc['mb']:.1f} MB: {lc['shapes']}")
     if s.get("overlap_by_source"):  # the critical path of a step whose kernels overlap (concurrent regions)
         print("\n| source (top by share of busy time) | kernels/step | kernel us/step | exclusive us/step | "
               "share us/step |")

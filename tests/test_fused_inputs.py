@@ -99,11 +99,13 @@ def test_schedulers_fuse_when_configured_and_generate_the_same_tokens(caplog):
     assert "skipped on a device mesh" in caplog.text
 
 
-def test_mismatched_fused_names_are_an_error():
+def test_fused_inputs_that_do_not_match_the_module_are_an_error():
     from k3jax.layers.fused import project_inputs
 
     fused, _ = fused_copy(tiny_model("tiny_kimi_linear"))
     layer = _modules(fused, KDA)[0]
     x = jnp.zeros((1, 2, layer.cfg.hidden_size), layer.cfg.jnp_dtype)
+    assert set(project_inputs(layer, x, layer.cfg)) == set(layer.input_projection_names())
+    layer.fused_input_names = ("q_proj", "k_proj")
     with pytest.raises(ValueError, match="fused inputs hold"):
-        project_inputs(layer, x, ("q_proj", "k_proj"), layer.cfg)
+        project_inputs(layer, x, layer.cfg)

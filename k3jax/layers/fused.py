@@ -4,7 +4,7 @@ Each layer projects its (normed) input several times: KDA q, k, v, the decay gat
 output gate; MLA the query LoRA, the latent and the output gate; the latent MoE its expert down projection and
 the shared experts' gate and up. XLA's dot merger already turns such siblings into one matmul, but it builds the
 concatenated weight inside the jitted step, so every decode step re-copies those weights in HBM (k3_gpu: ~465 MB
-per step). `fuse_input_projections` concatenates them once, into a `FusedInputs` variable beside the originals;
+per step, by our reading of XLA's GPU pipeline and a session-9 trace; not yet confirmed by a timing). `fuse_input_projections` concatenates them once, into a `FusedInputs` variable beside the originals;
 the layers then run one matmul on it (`project_inputs`) and split its columns.
 
 Serving only: the fused copy is not a parameter (training, Muon and checkpoints see the original `nnx.Param`s),
@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -40,28 +39,29 @@ def _weight(module: nnx.Module, name: str) -> nnx.Variable:
     return functools.reduce(getattr, name.split("."), module)
 
 
-def project_inputs(module: nnx.Module, x: jax.Array, names: Sequence[str], cfg) -> tuple[jax.Array, ...]:
-    """``dense(x, module.<name>)`` for every name, each shaped ``x.shape[:-1] + w.shape[1:]`` in x's dtype: one
-    matmul on ``module.fused_inputs`` when `fuse_input_projections` built it for exactly these names, else one
-    matmul per weight."""
+def project_inputs(module: nnx.Module, x: jax.Array, cfg) -> dict[str, jax.Array]:
+    """``dense(x, module.<name>)`` for every name of ``module.input_projection_names()``, by name, each shaped
+    ``x.shape[:-1] + w.shape[1:]`` in x's dtype: one matmul on ``module.fused_inputs`` when
+    `fuse_input_projections` built it, else one matmul per weight."""
+    names = tuple(module.input_projection_names())
     dt = x.dtype
     weights = [_weight(module, n) for n in names]
     fused = getattr(module, "fused_inputs", None)
     if fused is None:
-        return tuple(dense(x, w[...].astype(dt), cfg) for w in weights)
-    if tuple(module.fused_input_names) != tuple(names):
-        raise ValueError(f"{type(module).__name__}: fused inputs hold {module.fused_input_names}, asked for "
-                         f"{tuple(names)}")
+        return {n: dense(x, w[...].astype(dt), cfg) for n, w in zip(names, weights)}
+    if tuple(module.fused_input_names) != names:
+        raise ValueError(f"{type(module).__name__}: fused inputs hold {module.fused_input_names}, the module "
+                         f"projects {names}")
     y = dense(x, fused[...].astype(dt), cfg)
-    outs, start = [], 0
-    for w in weights:
+    outs, start = {}, 0
+    for n, w in zip(names, weights):
         out_shape = tuple(w.shape[1:])
         width = math.prod(out_shape)
-        outs.append(y[..., start:start + width].reshape(x.shape[:-1] + out_shape))
+        outs[n] = y[..., start:start + width].reshape(x.shape[:-1] + out_shape)
         start += width
     if start != y.shape[-1]:
         raise ValueError(f"{type(module).__name__}: fused inputs have {y.shape[-1]} columns, the weights {start}")
-    return tuple(outs)
+    return outs
 
 
 def _lead_axes(w: nnx.Variable) -> int:

@@ -104,15 +104,10 @@ class KDA(nnx.Module):
         return init_kda_state(self.cfg, batch_size)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the layer input, in `_project_inputs` order (fused for serving: `k3jax.layers.fused`)."""
+        """The projections of the layer input (`k3jax.layers.fused.project_inputs`: one matmul in all when fused
+        for serving)."""
         gate = ("g_proj",) if self.cfg.kda_output_gate == "full_rank" else ("g_a_proj",)
         return ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj") + gate
-
-    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
-        """Every projection of the layer input x (compute dtype), by weight name: one matmul each, or one in all
-        with fused inputs."""
-        names = self.input_projection_names()
-        return dict(zip(names, project_inputs(self, x_btd, names, self.cfg)))
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
         """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""
@@ -172,7 +167,7 @@ class KDA(nnx.Module):
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         x = x_btd.astype(dt)
 
-        proj_in = self._project_inputs(x)
+        proj_in = project_inputs(self, x, cfg)
 
         def project(name):
             return proj_in[f"{name}_proj"].reshape(b, t, h * k)

@@ -42,17 +42,12 @@ class MLA(nnx.Module):
         self.o_proj = params.normal(rngs, (h, vd, d), ("heads", "head_dim", "embed"), pd, fan_in=h * vd)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the layer input, in `_project_inputs` order (fused for serving: `k3jax.layers.fused`)."""
+        """The projections of the layer input (`k3jax.layers.fused.project_inputs`: one matmul in all when fused
+        for serving)."""
         cfg = self.cfg
         names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
         names += ("kv_a_proj_with_mqa",)
         return names + (("g_proj",) if cfg.mla_use_output_gate else ())
-
-    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
-        """Every projection of the layer input (cast to the compute dtype), by weight name: one matmul each, or one
-        in all with fused inputs."""
-        names = self.input_projection_names()
-        return dict(zip(names, project_inputs(self, x_btd.astype(self.cfg.jnp_dtype), names, self.cfg)))
 
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""
@@ -77,7 +72,7 @@ class MLA(nnx.Module):
         (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        proj = self._project_inputs(x_btd)
+        proj = project_inputs(self, x_btd.astype(cfg.jnp_dtype), cfg)
         q_bthk = self._queries(proj)
         cache_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         cp_mesh = context_parallel.context_mesh(x_btd.shape[1])
@@ -135,7 +130,7 @@ class MLA(nnx.Module):
         array. Returns (y [B,T,D], new pages).
         """
         t = x_btd.shape[1]
-        proj = self._project_inputs(x_btd)
+        proj = project_inputs(self, x_btd.astype(self.cfg.jnp_dtype), self.cfg)
         rows_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         pages_npc = write_latent_rows(pages_npc, page_table_bp, start_b, rows_btc, valid_len_b)
         q_bthk = self._queries(proj)

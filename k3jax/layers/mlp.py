@@ -59,13 +59,13 @@ class GatedMLP(nnx.Module):
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the input (fused for serving: `k3jax.layers.fused`)."""
+        """The projections of the input (`k3jax.layers.fused.project_inputs`: one matmul when fused for serving)."""
         return ("gate_proj", "up_proj")
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         cfg = self.cfg
-        gate, up = project_inputs(self, x_btd.astype(cfg.jnp_dtype), self.input_projection_names(), cfg)
-        return self.down(gate, up)
+        proj = project_inputs(self, x_btd.astype(cfg.jnp_dtype), cfg)
+        return self.down(proj["gate_proj"], proj["up_proj"])
 
     def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
         """down(act(gate, up)) from the gate and up projections (compute dtype)."""

@@ -184,7 +184,7 @@ class LatentMoE(nnx.Module):
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
             if cfg.record_routing_stats:
                 self._record_routing(scores_ne, experts_nk)
-        proj = self._project_inputs(x_nd)
+        proj = project_inputs(self, x_nd, cfg)
         z_nl = proj["routed_expert_down_proj"] if latent else x_nd
         if plan_backend is not None:
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
@@ -203,17 +203,14 @@ class LatentMoE(nnx.Module):
         return y_btd
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The dense projections of the layer input, in `_project_inputs` order: the latent down projection and
-        the shared experts' gate and up (fused for serving: `k3jax.layers.fused`). The router stays apart (f32)."""
+        """The dense projections of the layer input: the latent down projection and the shared experts' gate and up
+        (`k3jax.layers.fused.project_inputs`: one matmul in all when fused for serving). The router stays apart
+        (f32)."""
         cfg = self.cfg
         names = ("routed_expert_down_proj",) if cfg.routed_expert_hidden_size is not None else ()
         if cfg.num_shared_experts:
             names += ("shared_experts.gate_proj", "shared_experts.up_proj")
         return names
-
-    def _project_inputs(self, x_nd: jax.Array) -> dict[str, jax.Array]:
-        names = self.input_projection_names()
-        return dict(zip(names, project_inputs(self, x_nd, names, self.cfg)))
 
     def _plan_backend(self, b: int, t: int) -> str | None:
         """The `route_plan` kernel backend when `cfg.moe_route_impl == "pallas"` applies here (decode-sized,
