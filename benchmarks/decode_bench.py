@@ -380,8 +380,10 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 
 def large_concatenates(hlo_text: str, min_bytes: int = 1 << 20) -> dict:
     """Concatenates of at least `min_bytes` in an optimised HLO module (fused or not): at decode sizes only
-    weights are that large, so these are weight copies built in the step (e.g. by XLA's dot merger, which joins
-    the weights of matmuls that share an input). {"count", "mb", "shapes": {"bf16[1536,6284]": n, ...}}."""
+    weights are that large, so these are weights joined in the step (e.g. by XLA's dot merger, which joins the
+    weights of matmuls that share an input): a copy when the concatenate is its own kernel or a loop fusion's
+    root, read in place when XLA put it inside a gemm fusion (check the HLO). {"count", "mb", "shapes":
+    {"bf16[1536,6284]": n, ...}}."""
     shapes: dict[str, int] = {}
     total = 0
     for dtype, dims in _HLO_CONCAT.findall(hlo_text):
@@ -465,8 +467,8 @@ def print_profile(s: dict) -> None:
         sections = [("host XLA events", "top_events")]
     if s.get("large_concatenates") is not None:
         lc = s["large_concatenates"]
-        print(f"concatenates >= 1 MB in the optimised HLO (weight copies built in the step): {lc['count']}, "
-              f"{lc['mb']:.1f} MB: {lc['shapes']}")
+        print(f"concatenates >= 1 MB in the optimised HLO (weights joined in the step: copies unless inside a gemm "
+              f"fusion): {lc['count']}, {lc['mb']:.1f} MB: {lc['shapes']}")
     if s.get("overlap_by_source"):  # the critical path of a step whose kernels overlap (concurrent regions)
         print("\n| source (top by share of busy time) | kernels/step | kernel us/step | exclusive us/step | "
               "share us/step |")
