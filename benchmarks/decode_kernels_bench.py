@@ -8,9 +8,10 @@ Ops (`--ops`):
   the XLA composite `k3jax.layers.attn_res._composite`, for 1, 4 and all bank rows filled;
 - ``route``: the routing plan: `pallas_kernels.moe.route_plan` (variants: warps) vs `jax.lax.top_k` +
   `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount);
-- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps), chained
-  through its f32 state, beside an XLA pass over the same state (``s * c + 1``: one f32 read + one write, the
-  traffic's streaming ceiling); kernel rows report their max difference from the first variant;
+- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps, `-j` /
+  `-s` for joint reductions / the state loaded first), chained through its f32 state, beside an XLA pass over the
+  same state (``s * c + 1``: one f32 read + one write, the traffic's streaming ceiling); kernel rows report their
+  state's and output's max difference from the first variant's;
 - ``hbm``: how fast the routed experts' weights stream on this GPU: an XLA reduction over a bf16 weight stack, a
   read-only Pallas stream of it (`_stream_sum`, variants ``--stream_tilings``) and our grouped matmuls (`gmm_glu`,
   `gmm`) on ``rows`` x top-k balanced rows.

@@ -38,7 +38,7 @@ def _zero_fused_originals(model) -> int:
               if isinstance(m, nnx.Module) and getattr(m, "fused_inputs", None) is not None]
     zeroed = 0
     for m in owners:
-        for name in m.fused_input_names:
+        for name in m.input_projection_names():
             *path, last = name.split(".")
             owner = functools.reduce(getattr, path, m)
             w = getattr(owner, last)
@@ -106,6 +106,6 @@ def test_fused_inputs_that_do_not_match_the_module_are_an_error():
     layer = _modules(fused, KDA)[0]
     x = jnp.zeros((1, 2, layer.cfg.hidden_size), layer.cfg.jnp_dtype)
     assert set(project_inputs(layer, x, layer.cfg)) == set(layer.input_projection_names())
-    layer.fused_input_names = ("q_proj", "k_proj")
-    with pytest.raises(ValueError, match="fused inputs hold"):
+    layer.fused_inputs = FusedInputs(layer.fused_inputs[...][:, 1:])  # a column short of the weights it fuses
+    with pytest.raises(ValueError, match="fused inputs have .* columns, the weights of"):
         project_inputs(layer, x, layer.cfg)

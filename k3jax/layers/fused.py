@@ -4,8 +4,9 @@ Each layer projects its (normed) input several times: KDA q, k, v, the decay gat
 output gate; MLA the query LoRA, the latent and the output gate; the latent MoE its expert down projection and
 the shared experts' gate and up. XLA's dot merger already turns such siblings into one matmul, but it builds the
 concatenated weight inside the jitted step, so every decode step re-copies those weights in HBM (k3_gpu: ~465 MB
-per step, by our reading of XLA's GPU pipeline and a session-9 trace; not yet confirmed by a timing). `fuse_input_projections` concatenates them once, into a `FusedInputs` variable beside the originals;
-the layers then run one matmul on it (`project_inputs`) and split its columns.
+per step, by our reading of XLA's GPU pipeline and a session-9 trace; not yet confirmed by a timing).
+`fuse_input_projections` concatenates them once, into a `FusedInputs` variable beside the originals; the layers
+then run one matmul on it (`project_inputs`) and split its columns.
 
 Serving only: the fused copy is not a parameter (training, Muon and checkpoints see the original `nnx.Param`s),
 and it is built only without a device mesh (a concatenation of differently sharded weights has no sharding of its
@@ -49,18 +50,16 @@ def project_inputs(module: nnx.Module, x: jax.Array, cfg) -> dict[str, jax.Array
     fused = getattr(module, "fused_inputs", None)
     if fused is None:
         return {n: dense(x, w[...].astype(dt), cfg) for n, w in zip(names, weights)}
-    if tuple(module.fused_input_names) != names:
-        raise ValueError(f"{type(module).__name__}: fused inputs hold {module.fused_input_names}, the module "
-                         f"projects {names}")
+    out_shapes = [tuple(w.shape[1:]) for w in weights]
+    widths = [math.prod(shape) for shape in out_shapes]
+    if sum(widths) != fused.shape[-1]:
+        raise ValueError(f"{type(module).__name__}: fused inputs have {fused.shape[-1]} columns, the weights of "
+                         f"{names} {sum(widths)}")
     y = dense(x, fused[...].astype(dt), cfg)
     outs, start = {}, 0
-    for n, w in zip(names, weights):
-        out_shape = tuple(w.shape[1:])
-        width = math.prod(out_shape)
-        outs[n] = y[..., start:start + width].reshape(x.shape[:-1] + out_shape)
+    for n, shape, width in zip(names, out_shapes, widths):
+        outs[n] = y[..., start:start + width].reshape(x.shape[:-1] + shape)
         start += width
-    if start != y.shape[-1]:
-        raise ValueError(f"{type(module).__name__}: fused inputs have {y.shape[-1]} columns, the weights {start}")
     return outs
 
 
@@ -96,7 +95,6 @@ def fuse_input_projections(model: nnx.Module) -> int:
         value = jnp.concatenate([w.get_value().reshape(head + (-1,)) for w in weights], axis=-1)
         axes = tuple((weights[0].get_metadata().get("out_sharding") or (None,) * (lead + 1))[:lead + 1])
         m.fused_inputs = FusedInputs(value, out_sharding=axes + (None,), eager_sharding=False)
-        m.fused_input_names = names
         count += 1
     return count
 
