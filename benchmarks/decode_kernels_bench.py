@@ -155,10 +155,9 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     states = tuple(jnp.asarray(rng.standard_normal((rows, heads, kd, kd)) / 8, jnp.float32) for _ in range(rotate))
     state_mb = 2 * states[0].size * 4 / 1e6  # one read + one write per call
 
-    def kernel(s, bv=32, w=4, joint=False, first=False):
+    def kernel(s, bv=32, w=4, joint=False):
         return kda_decode_fused(proj, hist, conv, z, a_log, dt_bias, b_raw, valid, s, scale=kd ** -0.5,
-                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w, joint_reductions=joint,
-                                state_first=first)
+                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w, joint_reductions=joint)
 
     def timed(row, call):
         f = _chain(lambda ss: tuple(call(s) for s in ss), chain)
@@ -175,14 +174,14 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     copy_us = out[-1]["us"]
     want = None
     for text in variants:
-        bv, w, *flags = text.split("-")  # block_v-warps[-j][-s]: joint reductions, state loaded first
-        bv, w, joint, first = int(bv), int(w), "j" in flags, "s" in flags
+        bv, w, *joint = text.split("-")  # block_v-warps[-j]: -j = joint reductions
+        bv, w, joint = int(bv), int(w), joint == ["j"]
         row = {"op": "kda", "rows": rows, "impl": f"fused {text}"}
         try:
-            got = [np.asarray(x, np.float64) for x in jax.jit(lambda s: kernel(s, bv, w, joint, first))(states[0])]
+            got = [np.asarray(x, np.float64) for x in jax.jit(lambda s: kernel(s, bv, w, joint))(states[0])]
             want = got if want is None else want  # the first variant's (o, state)
             row["o_err"], row["err"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, want))
-            timed(row, lambda s: kernel(s, bv, w, joint, first)[1])
+            timed(row, lambda s: kernel(s, bv, w, joint)[1])
             row["vs_xla"] = copy_us / row["us"]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -275,8 +274,8 @@ def main(argv=None):
     ap.add_argument("--route_warps", default="1,2,4,8")
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
-    ap.add_argument("--kda_variants", default="32-4,32-4-j,32-4-s,32-4-j-s,128-4,128-4-j,128-4-j-s",
-                    help="fused KDA decode block_v-warps[-j][-s] (-j: joint reductions, -s: state loaded first)")
+    ap.add_argument("--kda_variants", default="32-4,32-4-j,128-4,128-4-j,64-4",
+                    help="fused KDA decode block_v-warps[-j] (-j: joint reductions)")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)

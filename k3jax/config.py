@@ -100,8 +100,6 @@ class ModelConfig:
     # That kernel's output from the decayed state, o = q^T S' + (q.k) delta (pallas_kernels/kda/decode_fused.py):
     # its two K-reductions run side by side instead of one after the state update. Untimed (session 11).
     kda_decode_joint_reductions: bool = False
-    # That kernel loads its state tile before its prologue (conv, L2 norms), overlapping the two. Untimed (session 11).
-    kda_decode_state_first: bool = False
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).

@@ -22,7 +22,7 @@ def test_stream_probe_sums_every_weight_once():
 
 def test_kda_and_hbm_ops_run_on_the_interpreter(capsys):
     bench.main(["--config=tiny", "--rows=4", "--backend=interpret", "--chain=1", "--iters=1", "--rotate=2",
-                "--ops=hbm,kda", "--stream_tilings=16-32-2-2", "--kda_variants=32-4,16-2,16-2-j-s"])
+                "--ops=hbm,kda", "--stream_tilings=16-32-2-2", "--kda_variants=32-4,16-2,16-2-j"])
     out = capsys.readouterr().out
     kda_rows = [line for line in out.splitlines() if line.startswith("| kda |")]
     hbm_rows = [line for line in out.splitlines() if line.startswith("| hbm |")]

@@ -253,8 +253,7 @@ class KDA(nnx.Module):
         o_bhv, new_s = kda_decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
-            backend=backend, block_v=cfg.kda_decode_block_v, joint_reductions=cfg.kda_decode_joint_reductions,
-            state_first=cfg.kda_decode_state_first)
+            backend=backend, block_v=cfg.kda_decode_block_v, joint_reductions=cfg.kda_decode_joint_reductions)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)

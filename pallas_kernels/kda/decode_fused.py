@@ -20,10 +20,9 @@ then the delta-rule step of `decode.kda_decode_step` on its [K, block_v] state t
 place). ``joint_reductions=True`` computes the output from the decayed state instead of the updated one,
 ``o = (scale q)^T S' + (scale q . k) delta`` (the same value: ``S'' = S' + k delta^T``), so the tile's two
 K-reductions (``k^T S'`` and ``q^T S'``) are independent and run side by side, and the new state is stored without
-waiting for a second reduction; the scalar ``q . k`` comes from the prologue. ``state_first=True`` issues the
-state tile's load before the prologue (its loads, conv and L2-norm reductions), so their latencies overlap.
-The new conv history is a select in XLA (`k3jax.layers.kda.history_at`); the projections stay XLA matmuls.
-Requires V == K (the stacked conv layout) and power-of-two K.
+waiting for a second reduction; the scalar ``q . k`` comes from the prologue. The new conv history is a select in
+XLA (`k3jax.layers.kda.history_at`); the projections stay XLA matmuls. Requires V == K (the stacked conv
+layout) and power-of-two K.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def _sigmoid(x):
 
 def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
                      scale: float, lower_bound: float, l2_eps: float = 1e-6, backend: str = "gpu",
-                     block_v: int = 32, warps: int = 4, joint_reductions: bool = False,
-                     state_first: bool = False):
+                     block_v: int = 32, warps: int = 4, joint_reductions: bool = False):
     """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it).
     `proj_qkv`: the (q, k, v) projections, each [B, H*K]; `conv_qkv`: their conv kernels, each [W, H*K]."""
     if backend not in _BACKENDS:
@@ -90,13 +88,13 @@ def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, 
                        a_log_h.astype(_F32), dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
                        scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
                        interpret=backend == "interpret", block_v=block_v, warps=warps,
-                       joint_reductions=bool(joint_reductions), state_first=bool(state_first))
+                       joint_reductions=bool(joint_reductions))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "interpret", "block_v", "warps",
-                                             "joint_reductions", "state_first"))
+                                             "joint_reductions"))
 def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, scale, lower_bound, l2_eps,
-                interpret, block_v, warps, joint_reductions, state_first):
+                interpret, block_v, warps, joint_reductions):
     b, h, kd = z.shape
     wm1 = hist.shape[1]
     act = proj[0].dtype
@@ -108,9 +106,6 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         bi, hi = bh // h, bh % h
         head = pl.ds(pl.multiple_of(hi * kd, kd), kd)
         vblock = pl.ds(pl.multiple_of(hi * kd + j * block_v, block_v), block_v)
-        vcols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
-        # the state tile's load issued before the prologue's loads and reductions (else after them)
-        s_first = s_ref[bi, hi, :, vcols] if state_first else None
 
         def conv_silu(c, cols):  # the short conv of channel c (0 q, 1 k, 2 v) on columns cols, SiLU, rounded
             acc = jnp.zeros((cols.size,), _F32)
@@ -128,7 +123,8 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         gate = lower_bound * _sigmoid(jnp.exp(a_log_ref[hi]) * (z_ref[bi, hi, :].astype(_F32) + dt_bias_ref[hi, :]))
         g = jnp.where(ok, gate, 0.0)
         beta = jnp.where(ok, _sigmoid(b_raw_ref[bi, hi].astype(_F32)), 0.0)
-        s_kv = jnp.exp(g)[:, None] * (s_first if state_first else s_ref[bi, hi, :, vcols])
+        vcols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
+        s_kv = jnp.exp(g)[:, None] * s_ref[bi, hi, :, vcols]
         pred_v = jnp.sum(k[:, None] * s_kv, axis=0)
         if joint_reductions:  # q^T S' beside k^T S'; o = q^T S' + (q.k) delta, no reduction after the update
             qs_v = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
