@@ -70,7 +70,6 @@ import configs  # noqa: E402
 from trace_summary import (load_profile, overlap_by_group, scope_group, short_source, summarize_xplane,  # noqa: E402
                            trace_xplane)
 from k3jax.inference import scheduler as sched_lib  # noqa: E402
-from k3jax.layers.fused import serving_model  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -99,18 +98,6 @@ def build_params(cfg, init_on: str = "cpu"):
           f"copy to {jax.devices()[0].platform} {time.perf_counter() - t3:.1f}s", flush=True)
     leaves, treedef = jax.tree.flatten(state)
     return sched_lib._intern((graphdef, treedef)), tuple(leaves), abstract
-
-
-def serving_params(cfg, spec, params):
-    """(spec, flat params) as the serving engines run them: with `fuse_input_projections` the model's fused copy
-    (`k3jax.layers.fused.serving_model`: the fused weights added beside the originals), else unchanged."""
-    if not cfg.fuse_input_projections:
-        return spec, params
-    graphdef, treedef = spec.value
-    model = serving_model(nnx.merge(graphdef, jax.tree.unflatten(treedef, params)))
-    graphdef_f, state_f = nnx.split(model)
-    leaves, treedef_f = jax.tree.flatten(state_f)
-    return sched_lib._intern((graphdef_f, treedef_f)), tuple(leaves)
 
 
 def weight_bytes(abstract, cfg) -> dict:
@@ -227,28 +214,28 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
             continue
         cfg_v = configs.get_config(config_name, base_sets + sets)
         graphdef_v, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg_v, rngs=nnx.Rngs(0))))
-        spec_v, params_v = serving_params(cfg_v, sched_lib._intern((graphdef_v, treedef)), params)
+        spec_v = sched_lib._intern((graphdef_v, treedef))
         max_len = context + steps * (rounds + 2)
         cache = jax.tree.map(lambda x: jnp.array(x, copy=True), init_cache(cfg_v, batch, max_len))._replace(
             lengths=jnp.full((batch,), context, jnp.int32))
         state = slot_state(batch, 1 << 30)
         t0 = time.perf_counter()
         try:
-            logits = _two_step_logits(params_v, cache, spec_v, cfg_v.vocab_size)
-            cache, state, tok, _, _ = _decode(params_v, cache, state, spec_v, steps)
+            logits = _two_step_logits(params, cache, spec_v, cfg_v.vocab_size)
+            cache, state, tok, _, _ = _decode(params, cache, state, spec_v, steps)
             tok.block_until_ready()
         except Exception as e:  # a variant that fails to compile or run must not lose the others
             traceback.print_exc()
             record({"kind": "variant", "name": name, "sets": sets, "error": repr(e)[:500]})
             continue
-        runs.append({"name": name, "sets": sets, "spec": spec_v, "params": params_v, "cache": cache, "state": state,
+        runs.append({"name": name, "sets": sets, "spec": spec_v, "cache": cache, "state": state,
                      "compile_s": time.perf_counter() - t0, "times": [], "tokens": np.asarray(tok),
                      "logits": logits})
         print(f"variant {name}: compiled + first call {runs[-1]['compile_s']:.1f}s", flush=True)
     for _ in range(rounds):
         for r in runs:
             t0 = time.perf_counter()
-            r["cache"], r["state"], tok, _, _ = _decode(r["params"], r["cache"], r["state"], r["spec"], steps)
+            r["cache"], r["state"], tok, _, _ = _decode(params, r["cache"], r["state"], r["spec"], steps)
             tok.block_until_ready()
             r["times"].append((time.perf_counter() - t0) / steps * 1e3)
     rows = []
@@ -379,11 +366,11 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 
 
 def large_concatenates(hlo_text: str, min_bytes: int = 1 << 20) -> dict:
-    """Concatenates of at least `min_bytes` in an optimised HLO module (fused or not): at decode sizes only
-    weights are that large, so these are weights joined in the step (e.g. by XLA's dot merger, which joins the
-    weights of matmuls that share an input): a copy when the concatenate is its own kernel or a loop fusion's
-    root, read in place when XLA put it inside a gemm fusion (check the HLO). {"count", "mb", "shapes":
-    {"bf16[1536,6284]": n, ...}}."""
+    """Concatenates of at least `min_bytes` in an optimised HLO module (fused or not): at decode sizes mostly
+    weights joined in the step by XLA's dot merger (matmuls that share an input run as one over their concatenated
+    weights): a copy when the concatenate is its own kernel or a loop fusion's root, read in place when it sits
+    inside a gemm fusion (k3_gpu on an H200: in place, benchmarks/RESULTS.md session 12; check the HLO and the
+    profile's kernels). {"count", "mb", "shapes": {"bf16[1536,6144]": n, ...}}."""
     shapes: dict[str, int] = {}
     total = 0
     for dtype, dims in _HLO_CONCAT.findall(hlo_text):
@@ -569,9 +556,8 @@ def main():
         t0 = time.perf_counter()
         if args.init_prng:
             jax.config.update("jax_default_prng_impl", args.init_prng)
-        spec, params, abstract = build_params(cfg, args.init_on)  # unfused: the variants fuse their own
+        spec, params, abstract = build_params(cfg, args.init_on)
         jax.block_until_ready(params)
-        run_spec, run_params = serving_params(cfg, spec, params)  # what the profile and the sweep run
         wb = weight_bytes(abstract, cfg)
         print(f"init {time.perf_counter() - t0:.1f}s; weight bytes: {json.dumps(wb)}", flush=True)
 
@@ -609,15 +595,15 @@ def main():
                                args.decode_steps, args.variant_rounds, floor_ms, record,
                                deadline=start + args.budget_s)
             elif kind == "profile":
-                summary = profile_decode(cfg, run_spec, run_params, b, args.context, args.decode_steps,
-                                         args.profile_calls, args.out_dir)
+                summary = profile_decode(cfg, spec, params, b, args.context, args.decode_steps, args.profile_calls,
+                                         args.out_dir)
                 record({"kind": "profile", **summary})
                 print_profile(summary)
                 if args.out_dir:
                     with open(os.path.join(args.out_dir, f"decode_profile_b{b}.json"), "w") as f:
                         json.dump(summary, f, indent=1)
             elif kind == "decode":
-                r = bench_decode(cfg, run_spec, run_params, b, args.context, args.decode_steps, args.iters)
+                r = bench_decode(cfg, spec, params, b, args.context, args.decode_steps, args.iters)
                 fb = floor_bytes(cfg, wb, b, args.context)
                 floor_ms = fb["total"] / HBM_BYTES_PER_S * 1e3
                 sweep.append({"kind": kind, "batch": b, "context": args.context, **r, "floor_ms": floor_ms,
@@ -625,7 +611,7 @@ def main():
                 record(sweep[-1])
             else:
                 sweep.append({"kind": kind, "batch": b, "context": args.context,
-                              **bench_prefill(cfg, run_spec, run_params, b, args.context, args.prefill_iters)})
+                              **bench_prefill(cfg, spec, params, b, args.context, args.prefill_iters)})
                 record(sweep[-1])
         except Exception as e:  # keep going: one OOM must not lose the other rows
             sweep.append({"kind": kind, "batch": b, "error": repr(e)[:500]})

@@ -8,10 +8,10 @@ Ops (`--ops`):
   the XLA composite `k3jax.layers.attn_res._composite`, for 1, 4 and all bank rows filled;
 - ``route``: the routing plan: `pallas_kernels.moe.route_plan` (variants: warps) vs `jax.lax.top_k` +
   `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount);
-- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps, `-j` /
-  `-s` for joint reductions / the state loaded first), chained through its f32 state, beside an XLA pass over the
-  same state (``s * c + 1``: one f32 read + one write, the traffic's streaming ceiling); kernel rows report their
-  state's and output's max difference from the first variant's;
+- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps), chained
+  through its f32 state, beside an XLA pass over the same state (``s * c + 1``: one f32 read + one write, the
+  traffic's streaming ceiling); kernel rows report their state's and output's max difference from the first
+  variant's;
 - ``hbm``: how fast the routed experts' weights stream on this GPU: an XLA reduction over a bf16 weight stack, a
   read-only Pallas stream of it (`_stream_sum`, variants ``--stream_tilings``) and our grouped matmuls (`gmm_glu`,
   `gmm`) on ``rows`` x top-k balanced rows.
@@ -155,9 +155,9 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     states = tuple(jnp.asarray(rng.standard_normal((rows, heads, kd, kd)) / 8, jnp.float32) for _ in range(rotate))
     state_mb = 2 * states[0].size * 4 / 1e6  # one read + one write per call
 
-    def kernel(s, bv=32, w=4, joint=False):
+    def kernel(s, bv=32, w=4):
         return kda_decode_fused(proj, hist, conv, z, a_log, dt_bias, b_raw, valid, s, scale=kd ** -0.5,
-                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w, joint_reductions=joint)
+                                lower_bound=-5.0, backend=backend, block_v=bv, warps=w)
 
     def timed(row, call):
         f = _chain(lambda ss: tuple(call(s) for s in ss), chain)
@@ -174,14 +174,13 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     copy_us = out[-1]["us"]
     want = None
     for text in variants:
-        bv, w, *joint = text.split("-")  # block_v-warps[-j]: -j = joint reductions
-        bv, w, joint = int(bv), int(w), joint == ["j"]
+        bv, w = (int(x) for x in text.split("-"))
         row = {"op": "kda", "rows": rows, "impl": f"fused {text}"}
         try:
-            got = [np.asarray(x, np.float64) for x in jax.jit(lambda s: kernel(s, bv, w, joint))(states[0])]
+            got = [np.asarray(x, np.float64) for x in jax.jit(lambda s: kernel(s, bv, w))(states[0])]
             want = got if want is None else want  # the first variant's (o, state)
             row["o_err"], row["err"] = (float(np.max(np.abs(a - b)) / np.max(np.abs(b))) for a, b in zip(got, want))
-            timed(row, lambda s: kernel(s, bv, w, joint)[1])
+            timed(row, lambda s: kernel(s, bv, w)[1])
             row["vs_xla"] = copy_us / row["us"]
         except Exception as e:  # noqa: BLE001
             row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -274,8 +273,7 @@ def main(argv=None):
     ap.add_argument("--route_warps", default="1,2,4,8")
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
-    ap.add_argument("--kda_variants", default="32-4,32-4-j,128-4,128-4-j,64-4",
-                    help="fused KDA decode block_v-warps[-j] (-j: joint reductions)")
+    ap.add_argument("--kda_variants", default="32-4,128-4,64-4,16-2", help="fused KDA decode block_v-warps")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)

@@ -97,18 +97,10 @@ class ModelConfig:
     # the session-3 sweep's best; 128 was 7% faster alone in session 10 (decode_kernels_bench --ops=kda), not yet
     # timed in the model.
     kda_decode_block_v: int = 32
-    # That kernel's output from the decayed state, o = q^T S' + (q.k) delta (pallas_kernels/kda/decode_fused.py):
-    # its two K-reductions run side by side instead of one after the state update. Untimed (session 11).
-    kda_decode_joint_reductions: bool = False
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"
-    # Serving engines (k3jax.inference) concatenate each layer's projections of the same input (KDA q/k/v/gates/β,
-    # MLA q LoRA/latent/gate, MoE latent down + shared gate/up) once at load, so a step runs one matmul on them
-    # instead of XLA's dot merger re-concatenating the weights inside every step (k3jax/layers/fused.py). Costs that
-    # copy of those weights in memory; single device only (skipped on a mesh).
-    fuse_input_projections: bool = False
     # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
     # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
     # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests). Off by default:

@@ -67,14 +67,11 @@ def _inputs(b, h, kd, wm1, dtype, seed):
     return proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state
 
 
-@pytest.mark.parametrize("joint", [False, True], ids=["sequential", "joint_reductions"])
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
-def test_fused_decode_equals_float64_oracle(dtype, tol, joint):
-    """Both output forms: o from the updated state, and (joint) o = q^T S' + (q.k) delta from the decayed one."""
+def test_fused_decode_equals_float64_oracle(dtype, tol):
     args = _inputs(b=3, h=2, kd=32, wm1=3, dtype=dtype, seed=5)
     scale = 32 ** -0.5
-    o, s = kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret", block_v=16,
-                            joint_reductions=joint)
+    o, s = kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret", block_v=16)
     want_o, want_s = _oracle(*args, scale, -5.0, dtype)
     assert o.dtype == jnp.float32 and s.dtype == jnp.float32
     assert _rel_err(o, want_o) < tol and _rel_err(s, want_s) < tol
@@ -110,21 +107,18 @@ def test_bad_shapes_are_refused_by_name():
         kda_decode_fused(*bad, scale=1.0, lower_bound=-5.0, backend="interpret")
 
 
-@pytest.mark.parametrize("joint", [False, True], ids=["sequential", "joint_reductions"])
-def test_kernel_lowers_for_cuda(joint):
+def test_kernel_lowers_for_cuda():
     s, bf, f32 = jax.ShapeDtypeStruct, jnp.bfloat16, jnp.float32
     b, h, k, w = 64, 12, 128, 4
     args = ((s((b, h * k), bf),) * 3, s((b, w - 1, 3, h * k), bf), (s((w, h * k), f32),) * 3, s((b, h, k), bf),
             s((h,), f32), s((h, k), f32), s((b, h), bf), s((b,), jnp.int32), s((b, h, k, k), f32))
-    count, names = triton_kernels(lambda *a: kda_decode_fused(*a, scale=k ** -0.5, lower_bound=-5.0,
-                                                              joint_reductions=joint), *args,
+    count, names = triton_kernels(lambda *a: kda_decode_fused(*a, scale=k ** -0.5, lower_bound=-5.0), *args,
                                   name_pattern=r"kda_[a-z_]+")
     assert count == 1 and names == ["kda_decode_fused"]
 
 
-@pytest.mark.parametrize("block_v,joint", [(32, False), (16, False), (16, True)],
-                         ids=["whole_head", "two_value_blocks", "two_value_blocks_joint"])
-def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch, block_v, joint):
+@pytest.mark.parametrize("block_v", [32, 16], ids=["whole_head", "two_value_blocks"])
+def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch, block_v):
     import pallas_kernels.kda.decode_fused as fused_mod
     from tests.conftest import KDALayerDecode
 
@@ -133,13 +127,12 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
     decode = setup.decode
     calls = []
     real = fused_mod.kda_decode_fused
-    monkeypatch.setattr(fused_mod, "kda_decode_fused",
-                        lambda *a, **kw: calls.append((kw["block_v"], kw["joint_reductions"])) or real(*a, **kw))
+    monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(kw["block_v"]) or real(*a, **kw))
     y_ref, st_ref = jax.jit(decode(kda_impl="chunked"))(params, x, state, valid)
     monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue", kda_decode_block_v=block_v,
-                           kda_decode_joint_reductions=joint))(params, x, state, valid)
-    assert calls == [(block_v, joint)]
+    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue", kda_decode_block_v=block_v))(
+        params, x, state, valid)
+    assert calls == [block_v]
     rows = np.asarray(valid) == 1
     assert _rel_err(np.asarray(y)[rows], np.asarray(y_ref)[rows]) < 2e-5
     assert _rel_err(st.state_bhkv, st_ref.state_bhkv) < 2e-5

@@ -38,7 +38,6 @@ from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
 from k3jax.inference import sharded
-from k3jax.layers.fused import serving_model
 from k3jax.model import DecodeCache, K3Model, init_cache
 
 MIN_PROMPT_BUCKET = 16
@@ -99,7 +98,7 @@ class Engine:
     def __init__(self, model: K3Model, *, max_len: int | None = None, steps_per_sync: int = 8, mesh=None):
         self.cfg = model.cfg
         self.mesh = None if mesh is None else sharded.check_mesh(mesh)
-        self.graphdef, self.params = nnx.split(serving_model(model, self.mesh))
+        self.graphdef, self.params = nnx.split(model)
         if self.mesh is not None:
             self.params = sharded.place_params(self.params, self.mesh)
         self.max_len = max_len

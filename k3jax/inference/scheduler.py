@@ -51,7 +51,6 @@ from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
 from k3jax.inference import sharded
-from k3jax.layers.fused import serving_model
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, pages_per_sequence
@@ -262,7 +261,7 @@ class Scheduler:
         self.decode_steps = decode_steps
         pad = self.cfg.pad_token_id if pad_id is None else pad_id
         self.pad_id = 0 if pad is None else int(pad)
-        graphdef, params = nnx.split(serving_model(model, self.mesh))
+        graphdef, params = nnx.split(model)
         if self.mesh is not None:
             params = sharded.place_params(params, self.mesh)
         leaves, treedef = jax.tree.flatten(params)

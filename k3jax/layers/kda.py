@@ -17,7 +17,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.fused import project_inputs
+from k3jax.layers.projections import project_inputs
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.linear import project as dense
@@ -104,8 +104,7 @@ class KDA(nnx.Module):
         return init_kda_state(self.cfg, batch_size)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the layer input (`k3jax.layers.fused.project_inputs`: one matmul in all when fused
-        for serving)."""
+        """The weights applied to the layer input (`k3jax.layers.projections.project_inputs`)."""
         gate = ("g_proj",) if self.cfg.kda_output_gate == "full_rank" else ("g_a_proj",)
         return ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj") + gate
 
@@ -253,7 +252,7 @@ class KDA(nnx.Module):
         o_bhv, new_s = kda_decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
-            backend=backend, block_v=cfg.kda_decode_block_v, joint_reductions=cfg.kda_decode_joint_reductions)
+            backend=backend, block_v=cfg.kda_decode_block_v)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)

@@ -14,7 +14,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.fused import project_inputs
+from k3jax.layers.projections import project_inputs
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.linear import project as dense, unless_single_row
@@ -42,8 +42,7 @@ class MLA(nnx.Module):
         self.o_proj = params.normal(rngs, (h, vd, d), ("heads", "head_dim", "embed"), pd, fan_in=h * vd)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the layer input (`k3jax.layers.fused.project_inputs`: one matmul in all when fused
-        for serving)."""
+        """The weights applied to the layer input (`k3jax.layers.projections.project_inputs`)."""
         cfg = self.cfg
         names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
         names += ("kv_a_proj_with_mqa",)

@@ -10,7 +10,7 @@ from k3jax.numerics import upcast
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.fused import project_inputs
+from k3jax.layers.projections import project_inputs
 from k3jax.ops import gmm as gmm_ops
 from k3jax.ops.linear import project as dense
 
@@ -59,7 +59,7 @@ class GatedMLP(nnx.Module):
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
     def input_projection_names(self) -> tuple[str, ...]:
-        """The projections of the input (`k3jax.layers.fused.project_inputs`: one matmul when fused for serving)."""
+        """The weights applied to the input (`k3jax.layers.projections.project_inputs`)."""
         return ("gate_proj", "up_proj")
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:

@@ -14,7 +14,7 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.fused import project_inputs
+from k3jax.layers.projections import project_inputs
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.linear import project as dense, unless_single_row
@@ -204,8 +204,7 @@ class LatentMoE(nnx.Module):
 
     def input_projection_names(self) -> tuple[str, ...]:
         """The dense projections of the layer input: the latent down projection and the shared experts' gate and up
-        (`k3jax.layers.fused.project_inputs`: one matmul in all when fused for serving). The router stays apart
-        (f32)."""
+        (`k3jax.layers.projections.project_inputs`). The router stays apart (f32)."""
         cfg = self.cfg
         names = ("routed_expert_down_proj",) if cfg.routed_expert_hidden_size is not None else ()
         if cfg.num_shared_experts:

@@ -17,12 +17,8 @@ path in `k3jax.layers.kda`):
     q, k   = round(l2_normalize(q)), round(l2_normalize(k))            (round: to the activation dtype)
     g      = lower_bound · sigmoid(exp(A_log) · (z + dt_bias))         β = sigmoid(b_raw)   (0 where not valid)
 then the delta-rule step of `decode.kda_decode_step` on its [K, block_v] state tile (read once, written once, in
-place). ``joint_reductions=True`` computes the output from the decayed state instead of the updated one,
-``o = (scale q)^T S' + (scale q . k) delta`` (the same value: ``S'' = S' + k delta^T``), so the tile's two
-K-reductions (``k^T S'`` and ``q^T S'``) are independent and run side by side, and the new state is stored without
-waiting for a second reduction; the scalar ``q . k`` comes from the prologue. The new conv history is a select in
-XLA (`k3jax.layers.kda.history_at`); the projections stay XLA matmuls. Requires V == K (the stacked conv
-layout) and power-of-two K.
+place). The new conv history is a select in XLA (`k3jax.layers.kda.history_at`); the projections stay XLA
+matmuls. Requires V == K (the stacked conv layout) and power-of-two K.
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ def _sigmoid(x):
 
 def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
                      scale: float, lower_bound: float, l2_eps: float = 1e-6, backend: str = "gpu",
-                     block_v: int = 32, warps: int = 4, joint_reductions: bool = False):
+                     block_v: int = 32, warps: int = 4):
     """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it).
     `proj_qkv`: the (q, k, v) projections, each [B, H*K]; `conv_qkv`: their conv kernels, each [W, H*K]."""
     if backend not in _BACKENDS:
@@ -87,14 +83,12 @@ def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, 
     return _fused_call(tuple(proj_qkv), hist_bw3p, tuple(w.astype(_F32) for w in conv_qkv), z_bhk,
                        a_log_h.astype(_F32), dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
                        scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
-                       interpret=backend == "interpret", block_v=block_v, warps=warps,
-                       joint_reductions=bool(joint_reductions))
+                       interpret=backend == "interpret", block_v=block_v, warps=warps)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "interpret", "block_v", "warps",
-                                             "joint_reductions"))
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "interpret", "block_v", "warps"))
 def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, scale, lower_bound, l2_eps,
-                interpret, block_v, warps, joint_reductions):
+                interpret, block_v, warps):
     b, h, kd = z.shape
     wm1 = hist.shape[1]
     act = proj[0].dtype
@@ -126,12 +120,6 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         vcols = pl.ds(pl.multiple_of(j * block_v, block_v), block_v)
         s_kv = jnp.exp(g)[:, None] * s_ref[bi, hi, :, vcols]
         pred_v = jnp.sum(k[:, None] * s_kv, axis=0)
-        if joint_reductions:  # q^T S' beside k^T S'; o = q^T S' + (q.k) delta, no reduction after the update
-            qs_v = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
-            delta_v = beta * (v - pred_v)
-            s_out_ref[bi, hi, :, vcols] = s_kv + k[:, None] * delta_v[None, :]
-            o_ref[bi, hi, vcols] = qs_v + jnp.sum(q * scale * k) * delta_v
-            return
         s_kv = s_kv + k[:, None] * (beta * (v - pred_v))[None, :]
         o_ref[bi, hi, vcols] = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
         s_out_ref[bi, hi, :, vcols] = s_kv
