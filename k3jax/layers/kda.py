@@ -17,7 +17,6 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.projections import project_inputs
 from k3jax.layers.norms import l2_normalize, rms_normalize
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.linear import project as dense
@@ -103,10 +102,12 @@ class KDA(nnx.Module):
     def init_state(self, batch_size: int) -> KDAState:
         return init_kda_state(self.cfg, batch_size)
 
-    def input_projection_names(self) -> tuple[str, ...]:
-        """The weights applied to the layer input (`k3jax.layers.projections.project_inputs`)."""
-        gate = ("g_proj",) if self.cfg.kda_output_gate == "full_rank" else ("g_a_proj",)
-        return ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj") + gate
+    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
+        """Every projection of the layer input by weight name: q, k, v, the decay gate's f_a, β's b and the output
+        gate's g (full rank) or g_a (low rank), in x's dtype."""
+        gate = "g_proj" if self.cfg.kda_output_gate == "full_rank" else "g_a_proj"
+        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
+        return {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
         """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""
@@ -166,7 +167,7 @@ class KDA(nnx.Module):
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         x = x_btd.astype(dt)
 
-        proj_in = project_inputs(self, x, cfg)
+        proj_in = self._project_inputs(x)
 
         def project(name):
             return proj_in[f"{name}_proj"].reshape(b, t, h * k)

@@ -14,7 +14,6 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.projections import project_inputs
 from k3jax.layers.norms import RMSNorm
 from k3jax.ops.attention import causal_attention
 from k3jax.ops.linear import project as dense, unless_single_row
@@ -41,12 +40,14 @@ class MLA(nnx.Module):
             self.g_proj = params.normal(rngs, (d, h, vd), ("embed", "heads", "head_dim"), pd)
         self.o_proj = params.normal(rngs, (h, vd, d), ("heads", "head_dim", "embed"), pd, fan_in=h * vd)
 
-    def input_projection_names(self) -> tuple[str, ...]:
-        """The weights applied to the layer input (`k3jax.layers.projections.project_inputs`)."""
-        cfg = self.cfg
+    def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
+        """Every projection of the layer input by weight name, in the compute dtype: the query (q_proj, or q_a_proj
+        with the q LoRA), the latent (kv_a_proj_with_mqa) and the output gate (g_proj, when K3's)."""
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
         names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
-        names += ("kv_a_proj_with_mqa",)
-        return names + (("g_proj",) if cfg.mla_use_output_gate else ())
+        names += ("kv_a_proj_with_mqa",) + (("g_proj",) if cfg.mla_use_output_gate else ())
+        x = x_btd.astype(dt)
+        return {n: dense(x, getattr(self, n)[...].astype(dt), cfg) for n in names}
 
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""
@@ -71,7 +72,7 @@ class MLA(nnx.Module):
         (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
-        proj = project_inputs(self, x_btd.astype(cfg.jnp_dtype), cfg)
+        proj = self._project_inputs(x_btd)
         q_bthk = self._queries(proj)
         cache_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         cp_mesh = context_parallel.context_mesh(x_btd.shape[1])
@@ -129,7 +130,7 @@ class MLA(nnx.Module):
         array. Returns (y [B,T,D], new pages).
         """
         t = x_btd.shape[1]
-        proj = project_inputs(self, x_btd.astype(self.cfg.jnp_dtype), self.cfg)
+        proj = self._project_inputs(x_btd)
         rows_btc = self._latent_rows(proj["kv_a_proj_with_mqa"])
         pages_npc = write_latent_rows(pages_npc, page_table_bp, start_b, rows_btc, valid_len_b)
         q_bthk = self._queries(proj)

@@ -10,7 +10,6 @@ from k3jax.numerics import upcast
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.projections import project_inputs
 from k3jax.ops import gmm as gmm_ops
 from k3jax.ops.linear import project as dense
 
@@ -58,16 +57,8 @@ class GatedMLP(nnx.Module):
         self.up_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
-    def input_projection_names(self) -> tuple[str, ...]:
-        """The weights applied to the input (`k3jax.layers.projections.project_inputs`)."""
-        return ("gate_proj", "up_proj")
-
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        cfg = self.cfg
-        proj = project_inputs(self, x_btd.astype(cfg.jnp_dtype), cfg)
-        return self.down(proj["gate_proj"], proj["up_proj"])
-
-    def down(self, gate: jax.Array, up: jax.Array) -> jax.Array:
-        """down(act(gate, up)) from the gate and up projections (compute dtype)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
-        return dense(glu(gate, up, cfg), self.down_proj[...].astype(dt), cfg)
+        x = x_btd.astype(dt)
+        h = glu(dense(x, self.gate_proj[...].astype(dt), cfg), dense(x, self.up_proj[...].astype(dt), cfg), cfg)
+        return dense(h, self.down_proj[...].astype(dt), cfg)

@@ -14,7 +14,6 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.projections import project_inputs
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.linear import project as dense, unless_single_row
@@ -184,8 +183,7 @@ class LatentMoE(nnx.Module):
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
             if cfg.record_routing_stats:
                 self._record_routing(scores_ne, experts_nk)
-        proj = project_inputs(self, x_nd, cfg)
-        z_nl = proj["routed_expert_down_proj"] if latent else x_nd
+        z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         if plan_backend is not None:
             w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
             u_nl = experts_planned(z_nl, weights_nk, plan, w1, w3, w2, cfg,
@@ -198,18 +196,8 @@ class LatentMoE(nnx.Module):
             u_nl = dense(u_nl, self.routed_expert_up_proj[...].astype(dt), cfg)
         y_btd = u_nl.reshape(b, t, d)
         if cfg.num_shared_experts:
-            shared_nd = self.shared_experts.down(proj["shared_experts.gate_proj"], proj["shared_experts.up_proj"])
-            y_btd = y_btd + shared_nd.reshape(b, t, d)
+            y_btd = y_btd + self.shared_experts(x_btd)
         return y_btd
-
-    def input_projection_names(self) -> tuple[str, ...]:
-        """The dense projections of the layer input: the latent down projection and the shared experts' gate and up
-        (`k3jax.layers.projections.project_inputs`). The router stays apart (f32)."""
-        cfg = self.cfg
-        names = ("routed_expert_down_proj",) if cfg.routed_expert_hidden_size is not None else ()
-        if cfg.num_shared_experts:
-            names += ("shared_experts.gate_proj", "shared_experts.up_proj")
-        return names
 
     def _plan_backend(self, b: int, t: int) -> str | None:
         """The `route_plan` kernel backend when `cfg.moe_route_impl == "pallas"` applies here (decode-sized,
