@@ -18,6 +18,7 @@ from safetensors import safe_open
 import configs
 import k3jax
 from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from tests.conftest import jit_call
 from tests.test_convert_fixtures import write_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -120,4 +121,5 @@ def test_checkpoint_saved_with_a_layer_scan_loads_unrolled_with_the_same_logits(
     cfg2, unrolled = k3jax.load_checkpoint(str(tmp_path / "ckpt"), overrides=["scan_layers=False"])
     assert not cfg2.scan_layers
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
-    np.testing.assert_allclose(np.asarray(unrolled(ids)), np.asarray(model(ids)), rtol=1e-3, atol=1e-3)  # f32 op order
+    np.testing.assert_allclose(np.asarray(jit_call(unrolled, ids)), np.asarray(jit_call(model, ids)), rtol=1e-3,
+                               atol=1e-3)  # f32 op order

@@ -55,6 +55,7 @@ def test_kernel_lowers_for_cuda():
     assert count == 1 and names == ["k3_decode_matmul"]
 
 
+@pytest.mark.slow  # the default suite decodes a whole model with it in test_decode_fusions.py (with the others)
 def test_model_decode_with_the_kernel_projections_equals_the_xla_products(monkeypatch):
     """A 4-layer tiny model (dense layer 0, KDA, MLA, MoE with shared and latent experts, LM head) decoding with
     decode_matmul_impl="pallas" runs its projections through the split-K kernel (interpreter; a spy counts the calls)

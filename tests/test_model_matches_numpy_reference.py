@@ -58,6 +58,8 @@ def test_unscanned_equals_scanned(x64):
     np.testing.assert_allclose(np.asarray(jit_call(scanned, ids)), np.asarray(jit_call(flat, ids)), rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.slow  # implied in the default suite: the chunked model matches the float64 reference, and the KDA
+# cores agree op by op (test_kda_core.py::test_dispatch_impls_agree)
 def test_chunked_and_recurrent_kda_give_same_model(x64):
     cfg = configs.get_config("tiny", ["param_dtype=float64", "dtype=float64", "kda_chunk_size=16"])
     chunked, weights = build_model(cfg)
@@ -66,6 +68,8 @@ def test_chunked_and_recurrent_kda_give_same_model(x64):
     np.testing.assert_allclose(np.asarray(jit_call(chunked, ids)), np.asarray(jit_call(recurrent, ids)), rtol=0, atol=1e-9)
 
 
+@pytest.mark.slow  # implied in the default suite: the dropless model matches the float64 reference, and the
+# dropless experts equal every expert on every token (test_moe_combine.py)
 def test_dense_and_dropless_moe_give_same_model(x64):
     cfg = configs.get_config("tiny", ["param_dtype=float64", "dtype=float64"])
     dropless, weights = build_model(cfg)

@@ -86,6 +86,7 @@ def test_kernel_lowers_for_cuda():
         assert count == 1 and names == ["k3_moe_route_plan"]
 
 
+@pytest.mark.slow  # the default suite decodes a whole model with it in test_decode_fusions.py (with the others)
 def test_model_decode_with_the_routing_plan_equals_xla(monkeypatch):
     import configs
 
