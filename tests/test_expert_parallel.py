@@ -225,10 +225,10 @@ def test_active_mode_follows_the_context_mesh():
 # ------------------------------------------------------------------------------------------------- whole model
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MODEL_BATCH, MODEL_SEQ = 8, 16
-# capacity:8 gives every (source, rank) pair as many slots as the source has rows: nothing can be dropped
 # Whole-model EP loss + gradients: the default suite has them through test_sharding_equivalence.py's (2, 4, 1, 1)
 # mesh (EP 'auto' = dropless); capacity mode is checked at the layer level above. These compile two tiny models
 # each (~100 s on 2 CPU cores): slow suite.
+# capacity:8 gives every (source, rank) pair as many slots as the source has rows: nothing can be dropped
 MODEL_CASES = [
     pytest.param((2, 4, 1, 1), "capacity:8", marks=pytest.mark.slow),
     pytest.param((1, 8, 1, 1), "capacity:8", marks=pytest.mark.slow),  # ~25 s of compile each
