@@ -67,8 +67,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
-from trace_summary import (load_profile, overlap_by_group, scope_group, short_source, summarize_xplane,  # noqa: E402
-                           trace_xplane)
+from trace_summary import (load_profile, overlap_by_group, scope_group, short_source, step_idle,  # noqa: E402
+                           summarize_xplane, trace_xplane)
 from k3jax.inference import scheduler as sched_lib  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
@@ -336,6 +336,7 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
         print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
     if summary.get("backend") == "gpu":
         summary["overlap_by_source"] = overlap_by_group(trace, steps * calls, kernel_group(sources))
+        summary["step_idle"] = step_idle(trace, steps * calls)
     summary.update(batch=batch, context=context, steps_per_call=steps, calls=calls,
                    untraced_step_ms=untraced_step_ms, xplane_bytes=os.path.getsize(xplane))
     if out_dir and os.path.getsize(xplane) < 15 << 20:
@@ -464,6 +465,12 @@ def print_profile(s: dict) -> None:
             print(f"| `{r['name']}` | {r['count_per_step']:.1f} | {r['kernel_us']:.1f} | {r['exclusive_us']:.1f} | "
                   f"{r['share_us']:.1f} |")
         print("(exclusive: while the only kernel running; share: each instant split over the kernels running)")
+    idle = s.get("step_idle")
+    if idle:  # the loop-iteration boundary showed up as idle at each step's start (RESULTS.md, session 13)
+        bins = ", ".join(f"{i * idle['bin_us']}-{(i + 1) * idle['bin_us']}: {t:.1f}"
+                         for i, t in enumerate(idle["idle_us_per_bin"][:-1]))
+        print(f"\nidle per step (median of {idle['steps']} steps, each from the end of `{idle['anchor'][:60]}`): "
+              f"{idle['idle_us_per_step']:.1f} us; by offset in us: {bins}, rest: {idle['idle_us_per_bin'][-1]:.1f}")
     for title, key in sections:
         if not s.get(key):
             continue

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source", "scope_group",
-           "trace_xplane", "traced_summary"]
+__all__ = ["idle_by_offset", "load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source",
+           "scope_group", "step_idle", "trace_xplane", "traced_summary"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.
@@ -131,6 +131,54 @@ def overlap_times(events) -> dict[str, tuple[int, int, int, int]]:
             active.discard(i)
         last = t
     return {g: (total[g], exclusive.get(g, 0), round(share.get(g, 0)), count[g]) for g in total}
+
+
+def idle_by_offset(events, anchor: str, bin_ns: int, bins: int) -> dict:
+    """Where a step's idle time sits: kernel events ``(start_ns, end_ns, name)`` that may overlap, and `anchor`, a
+    kernel that runs once per step (decode: the LM head). A step runs from one anchor's end to the next's; its idle
+    time (the gaps in the union of its kernels) is counted in bins of `bin_ns` from the step's start, the last bin
+    taking the rest. Returns {"steps", "idle_ns_per_step", "idle_ns_per_bin"}: medians over the steps, so the one
+    step that spans two traced calls (and their host gap) does not count."""
+    import statistics
+
+    events = sorted(events)
+    ends = [e for _, e, name in events if name == anchor]
+    rows = []
+    for lo, hi in zip(ends, ends[1:]):
+        row, covered = [0] * bins, lo
+        for start, end, _ in events:
+            if end <= lo or start >= hi:
+                continue
+            if start > covered:
+                row[min(int((covered - lo) // bin_ns), bins - 1)] += start - covered
+            covered = max(covered, min(end, hi))
+        rows.append(row)
+    if not rows:
+        return {"steps": 0, "idle_ns_per_step": 0.0, "idle_ns_per_bin": [0.0] * bins}
+    return {"steps": len(rows), "idle_ns_per_step": statistics.median(sum(r) for r in rows),
+            "idle_ns_per_bin": [statistics.median(r[b] for r in rows) for b in range(bins)]}
+
+
+def step_idle(path, steps: int, bin_us: int = 200, bins: int = 8) -> dict | None:
+    """`idle_by_offset` of a GPU trace (medians per step, in µs), anchored on the longest kernel that runs exactly
+    once per step (`steps` traced); None without a device plane or such a kernel."""
+    plane = _device_plane(load_profile(path))
+    if plane is None:
+        return None
+    events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for line in plane.lines
+              if line.name.startswith("Stream") for e in line.events]
+    counts, longest = {}, {}
+    for start, end, name in events:
+        counts[name] = counts.get(name, 0) + 1
+        longest[name] = max(longest.get(name, 0), end - start)
+    once = [name for name, c in counts.items() if c == steps]
+    if not once:
+        return None
+    anchor = max(once, key=longest.get)
+    got = idle_by_offset(events, anchor, bin_us * 1000, bins)
+    return {"anchor": anchor, "steps": got["steps"], "bin_us": bin_us,
+            "idle_us_per_step": got["idle_ns_per_step"] / 1e3,
+            "idle_us_per_bin": [t / 1e3 for t in got["idle_ns_per_bin"]]}
 
 
 def load_profile(path):
