@@ -29,7 +29,8 @@ then the sweep.
 kernels per step, per model source line (from the optimised HLO) its kernel time, exclusive time (while it is the
 only kernel running: what it adds to the critical path when the CUDA graph runs kernels concurrently) and share of
 busy time, kernel categories, top kernels by total time, device copies and time by JAX name stack (jax 0.11 puts it
-on every kernel), host CUDA-API calls (graph launches). The raw .xplane.pb and the HLO are copied to --out_dir.
+on every kernel), host CUDA-API calls (graph launches), and the median idle time per step by offset from the step's
+start (`trace_summary.step_idle`). The raw .xplane.pb and the HLO are copied to --out_dir.
 
 --variants: a same-process A/B of runtime choices on the same weights, e.g.
     --variants="base:;attn:attn_res_impl=pallas;all:attn_res_impl=pallas,moe_route_impl=pallas"
