@@ -161,12 +161,10 @@ def idle_by_offset(events, anchor: str, bin_ns: int, bins: int) -> dict:
 
 def step_idle(path, steps: int, bin_us: int = 200, bins: int = 8) -> dict | None:
     """`idle_by_offset` of a GPU trace (medians per step, in µs), anchored on the longest kernel that runs exactly
-    once per step (`steps` traced); None without a device plane or such a kernel."""
-    plane = _device_plane(load_profile(path))
-    if plane is None:
+    once per step (`steps` traced); None without GPU kernels or such a kernel. `path`: as `overlap_by_group`."""
+    events = _kernel_events(path, lambda name: name)
+    if not events:
         return None
-    events = [(e.start_ns, e.start_ns + e.duration_ns, e.name) for line in plane.lines
-              if line.name.startswith("Stream") for e in line.events]
     counts, longest = {}, {}
     for start, end, name in events:
         counts[name] = counts.get(name, 0) + 1
@@ -193,14 +191,20 @@ def _device_plane(pd):
     return next((p for p in pd.planes if p.name.startswith("/device:")), None)
 
 
+def _kernel_events(path, group_of) -> list[tuple]:
+    """A GPU trace's kernels and copies (its device plane's "Stream" lines) as ``(start_ns, end_ns,
+    group_of(name))``; empty without a device plane. `path`: an .xplane.pb or the `load_profile` of one."""
+    plane = _device_plane(load_profile(path))
+    return [(e.start_ns, e.start_ns + e.duration_ns, group_of(e.name))
+            for line in (plane.lines if plane is not None else ()) if line.name.startswith("Stream")
+            for e in line.events]
+
+
 def overlap_by_group(path, steps: int, group_of, top: int = 25) -> list[dict]:
     """`overlap_times` of a GPU trace's kernels grouped by ``group_of(kernel name)`` (e.g. the model source line
     from the optimised HLO), per step, the `top` groups by share of busy time first. `path`: an .xplane.pb or the
     `load_profile` of one."""
-    plane = _device_plane(load_profile(path))
-    events = [(e.start_ns, e.start_ns + e.duration_ns, group_of(e.name))
-              for line in (plane.lines if plane is not None else ()) if line.name.startswith("Stream")
-              for e in line.events]
+    events = _kernel_events(path, group_of)
     rows = sorted(overlap_times(events).items(), key=lambda kv: -kv[1][2])[:top]
     return [{"name": g[:140], "kernel_us": t / 1e3 / steps, "exclusive_us": x / 1e3 / steps,
              "share_us": sh / 1e3 / steps, "count_per_step": c / steps} for g, (t, x, sh, c) in rows]
