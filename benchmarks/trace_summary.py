@@ -142,16 +142,19 @@ def idle_by_offset(events, anchor: str, bin_ns: int, bins: int) -> dict:
     import statistics
 
     events = sorted(events)
-    ends = [e for _, e, name in events if name == anchor]
-    rows = []
+    ends = sorted(e for _, e, name in events if name == anchor)
+    rows, first, reach = [], 0, float("-inf")  # first: the first event starting at or after this step's start
     for lo, hi in zip(ends, ends[1:]):
-        row, covered = [0] * bins, lo
-        for start, end, _ in events:
-            if end <= lo or start >= hi:
-                continue
+        while first < len(events) and events[first][0] < lo:  # earlier kernels may run into this step
+            reach = max(reach, events[first][1])
+            first += 1
+        row, covered, i = [0] * bins, max(lo, min(reach, hi)), first
+        while i < len(events) and events[i][0] < hi:
+            start, end, _ = events[i]
             if start > covered:
                 row[min(int((covered - lo) // bin_ns), bins - 1)] += start - covered
             covered = max(covered, min(end, hi))
+            i += 1
         rows.append(row)
     if not rows:
         return {"steps": 0, "idle_ns_per_step": 0.0, "idle_ns_per_bin": [0.0] * bins}
