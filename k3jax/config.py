@@ -119,6 +119,13 @@ class ModelConfig:
     # Rows per tile of those decode-sized grouped matmuls (a power of two >= 16): an expert with more rows than one
     # tile streams its weights once per tile; 32 trades that for MMA rows wasted on emptier experts. GPU only.
     moe_decode_row_tile: int = 16
+    # Routed experts of decode steps on the GPU kernels (one token per sequence, <= 256 tokens, bf16/f32 weights,
+    # one program): "planned" (default: the expert-sorted row plan, then the grouped GLU and down matmuls) or
+    # "assigned" (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row
+    # gather). TPU and XLA paths ignore it.
+    moe_decode_experts: Literal["planned", "assigned"] = "planned"
+    # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
+    moe_assigned_splits: int = 2
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -193,6 +200,8 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
+        if self.moe_assigned_splits < 1:
+            raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("kda_decode_block_v", "moe_decode_row_tile"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

@@ -17,8 +17,8 @@ from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.linear import project as dense, unless_single_row
-from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernels_here,
-                           inference_only)
+from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernel_backend_here,
+                           gpu_kernels_here, inference_only)
 from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
@@ -105,6 +105,25 @@ def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelCo
     hidden = grouped_glu(z_nl[plan.token_of_row_a], w1_elm, w3_elm, sizes, cfg, tiling=tiling)
     out_rows = gmm(hidden, w2_eml, sizes, preferred_element_type=wide(hidden.dtype), tiling=tiling)
     return (out_rows[plan.rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+
+
+def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str):
+    """The routed experts of a decode step without the expert-sorted plan (`pallas_kernels.moe.assigned`): the
+    fused GLU and the down kernels take the top-k ids as they are and write each assignment's row at n * k + j;
+    each token sums its k rows weighted (f32, in j order, as `experts_planned`). Inference only; GPU kernels
+    (or their interpreter)."""
+    from pallas_kernels.gmm import DECODE_TILING  # lazy: pallas_kernels imports k3jax modules
+    from pallas_kernels.moe import assigned
+
+    n, k = experts_nk.shape
+    situ = cfg.hidden_act == "situ"
+    walk = dict(tiling=DECODE_TILING._replace(tm=cfg.moe_decode_row_tile), splits=cfg.moe_assigned_splits,
+                backend=backend)
+    hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
+                                   beta1=cfg.activation_situ_beta if situ else None,
+                                   beta2=cfg.activation_situ_linear_beta if situ else None, **walk)
+    out = assigned.assigned_down(hidden, experts_nk, w2_eml, out_dtype=wide(hidden.dtype), **walk)
+    return (out[:n * k].reshape(n, k, -1) * weights_nk[..., None].astype(out.dtype)).sum(axis=1)
 
 
 def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
@@ -226,6 +245,22 @@ class LatentMoE(nnx.Module):
         tiling = DECODE_TILING._replace(tm=cfg.moe_decode_row_tile, walk=cfg.moe_gmm_walk)
         return tiling if tiling != DECODE_TILING and t == 1 and gpu_kernels_here() else None
 
+    def _assigned_backend(self, z_shape, b: int, t: int) -> str | None:
+        """The GPU kernel backend ('gpu', or 'interpret' in tests) when `cfg.moe_decode_experts == "assigned"`
+        applies: a decode step (t == 1) of the dropless single-program path with array weights on the GPU kernel
+        family, at sizes `pallas_kernels.moe.assigned` takes; else None (the planned path)."""
+        cfg = self.cfg
+        if cfg.moe_decode_experts != "assigned" or cfg.moe_impl != "dropless" or t != 1:
+            return None
+        backend = gpu_kernel_backend_here()
+        if cfg.expert_weights == "mxfp4" or backend is None:
+            return None
+        from pallas_kernels.moe import assigned  # lazy: pallas_kernels imports k3jax modules
+
+        n, lat = z_shape
+        m = cfg.moe_intermediate_size
+        return backend if assigned.applies(n, lat, m) and assigned.applies(n, m, lat) else None
+
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
         under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
@@ -233,7 +268,11 @@ class LatentMoE(nnx.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
         ep = expert_parallel.active_mode(cfg, b, t)
-        if ep is None:
+        assigned_backend = self._assigned_backend(z_nl.shape, b, t) if ep is None else None
+        if assigned_backend is not None:
+            u_nl = experts_assigned(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg, assigned_backend).astype(dt)
+            stats = expert_parallel.single_program_stats(experts_nk.size)
+        elif ep is None:
             if cfg.moe_impl == "dense":
                 u_nl = experts_dense(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
             else:

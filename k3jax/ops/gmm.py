@@ -124,10 +124,17 @@ def _kernel_backend_here() -> str | None:
     return backend if jax.device_count() == 1 else None
 
 
+def gpu_kernel_backend_here() -> str | None:
+    """'gpu' or 'interpret' when ``impl="auto"`` runs the GPU kernel family (`pallas_kernels.gmm` on Triton, or
+    its interpreter in tests) in the current trace, else None."""
+    backend = _kernel_backend_here()
+    return backend if backend in ("gpu", "interpret") else None
+
+
 def gpu_kernels_here() -> bool:
-    """Whether ``impl="auto"`` runs the GPU kernel family (`pallas_kernels.gmm` on Triton, or its interpreter in
-    tests) in the current trace: where a GPU `Tiling` such as the decode group walk applies."""
-    return _kernel_backend_here() in ("gpu", "interpret")
+    """Whether ``impl="auto"`` runs the GPU kernel family in the current trace: where a GPU `Tiling` such as the
+    decode group walk applies."""
+    return gpu_kernel_backend_here() is not None
 
 
 def _backend(impl: str) -> str:

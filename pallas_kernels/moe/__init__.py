@@ -1,4 +1,5 @@
-"""MoE decode kernels: `route_plan` (top-k expert selection + the expert-sorted row plan in one launch)."""
+"""MoE decode kernels: `route_plan` (top-k expert selection + the expert-sorted row plan in one launch) and
+`assigned` (the routed experts' GLU and down kernels reading the top-k ids directly, no plan)."""
 
 from pallas_kernels.moe.route_plan import BACKENDS, MAX_EXPERTS, MAX_TOKENS, RoutePlan, route_plan
 
