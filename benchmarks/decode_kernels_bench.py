@@ -12,6 +12,8 @@ Ops (`--ops`):
   through its f32 state, beside an XLA pass over the same state (``s * c + 1``: one f32 read + one write, the
   traffic's streaming ceiling); kernel rows report their state's and output's max difference from the first
   variant's;
+- ``experts``: one decode MoE layer's routed experts on random routing: the planned path (plan + `gmm_glu` +
+  `gmm`) vs the plan-free `pallas_kernels.moe.assigned` kernels per ``--experts_tilings``;
 - ``hbm``: how fast the routed experts' weights stream on this GPU: an XLA reduction over a bf16 weight stack, a
   read-only Pallas stream of it (`_stream_sum`, variants ``--stream_tilings``) and our grouped matmuls (`gmm_glu`,
   `gmm`) on ``rows`` x top-k balanced rows.
@@ -264,6 +266,68 @@ def bench_hbm(cfg, rows, chain, iters, backend, stream_tilings, rotate):
     return out
 
 
+def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
+    """The routed experts of one decode MoE layer on `rows` tokens with a random top-k routing: the planned path
+    (`moe.experts_dropless`: argsort plan, row gather, `gmm_glu`, `gmm`, combine) vs the plan-free kernels
+    (`moe.experts_assigned`'s `assigned_glu` + `assigned_down` + combine) per tiling tm-tk-tn-warps-stages-splits;
+    each chained call feeds its output back as the next z and goes through `rotate` weight copies."""
+    from k3jax.layers import moe
+    from pallas_kernels.gmm import Tiling
+    from pallas_kernels.moe import assigned
+
+    e, lat, inter, k = (cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size,
+                        cfg.moe_intermediate_size, cfg.num_experts_per_token)
+    rng = np.random.default_rng(4)
+    experts = jnp.asarray(np.stack([rng.choice(e, size=k, replace=False) for _ in range(rows)]), jnp.int32)
+    weights = jnp.asarray(rng.random((rows, k)) / k, jnp.float32)
+    z = jnp.asarray(rng.standard_normal((rows, lat)), jnp.bfloat16)
+    ws = [tuple(jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[1]), jnp.bfloat16)
+                for shape in ((e, lat, inter), (e, lat, inter), (e, inter, lat))) for _ in range(rotate)]
+    interpret = backend == "interpret"
+    kb = "interpret" if interpret else "gpu"
+    out, ref = [], {}
+
+    def planned(zz, w):
+        return moe.experts_dropless(zz, weights, experts, *w, cfg)
+
+    def assigned_call(zz, w, t: Tiling, splits: int):
+        walk = dict(tiling=t, splits=splits, backend=kb)
+        h = assigned.assigned_glu(zz, experts, w[0], w[1], activation=cfg.hidden_act, beta1=cfg.activation_situ_beta,
+                                  beta2=cfg.activation_situ_linear_beta, **walk)
+        o = assigned.assigned_down(h, experts, w[2], **walk)
+        return (o[:rows * k].reshape(rows, k, -1) * weights[..., None]).sum(axis=1)
+
+    def emit(name, fn):
+        def one(c):
+            for i in range(rotate):
+                c = (fn(c, ws[i]) * 4.0).astype(c.dtype)
+            return c
+        f = _chain(one, chain)
+        row = {"op": "experts", "rows": rows, "impl": name,
+               "wall_us": median_ms(lambda: f(z), iters) / chain / rotate * 1e3}
+        dev = _device_us(f, z, iters, chain)
+        row.update(dev)
+        row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+        got = np.asarray(jax.jit(lambda zz: fn(zz, ws[0]))(z), np.float32)
+        if "planned" in ref:
+            row["err"] = float(np.max(np.abs(got - ref["planned"])) / (np.max(np.abs(ref["planned"])) + 1e-30))
+        else:
+            ref["planned"] = got
+        _emit(out, row)
+
+    if interpret:  # the planned path's kernels through the interpreter as well
+        from k3jax.ops import gmm as gmm_ops
+        gmm_ops._kernel_backend_here = lambda: "interpret"
+    emit("planned (plan + gmm_glu + gmm)", planned)
+    for text in tilings:
+        tm, tk, tn, wp, st, sp = (int(v) for v in text.split("-"))
+        try:
+            emit(f"assigned {text}", functools.partial(assigned_call, t=Tiling(tm, tk, tn, wp, st), splits=sp))
+        except Exception as ex:  # noqa: BLE001
+            _emit(out, {"op": "experts", "rows": rows, "impl": f"assigned {text}", "error": str(ex)[:200]})
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_gpu")
@@ -274,6 +338,8 @@ def main(argv=None):
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
     ap.add_argument("--kda_variants", default="32-4,128-4,64-4,16-2", help="fused KDA decode block_v-warps")
+    ap.add_argument("--experts_tilings", default="16-64-128-4-4-4,16-64-128-4-4-2,16-128-128-4-3-4,16-64-64-4-4-4,"
+                    "16-64-256-8-3-4,32-64-128-4-4-2", help="experts op: assigned tm-tk-tn-warps-stages-splits")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)
@@ -291,6 +357,9 @@ def main(argv=None):
         if "hbm" in args.ops:
             rows_out += bench_hbm(cfg, rows, args.chain, args.iters, args.backend, args.stream_tilings.split(","),
                                   args.rotate)
+        if "experts" in args.ops:
+            rows_out += bench_experts(cfg, rows, args.chain, args.iters, args.backend,
+                                      args.experts_tilings.split(","), args.rotate)
         if "attn_res" in args.ops:
             rows_out += bench_attn_res(rows, cfg.hidden_size, bank_rows, cfg.jnp_dtype, args.mix_variants.split(","),
                                        args.backend, args.chain, args.iters)
@@ -306,7 +375,8 @@ def main(argv=None):
     for r in rows_out:
         case = {"attn_res": lambda: f"{r['num_filled']} filled", "route": lambda: f"E={r['experts']} k={r['k']}",
                 "kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
-                "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else ""}[r["op"]]()
+                "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
+                "experts": lambda: "E={} k={}".format(cfg.num_experts, cfg.num_experts_per_token)}[r["op"]]()
         check = (f"err {r['err']:.1e}" if "err" in r else f"{r['mismatches']} mismatches" if "mismatches" in r
                  else r.get("error", "(peer)"))
         if "o_err" in r:

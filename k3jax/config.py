@@ -125,7 +125,7 @@ class ModelConfig:
     # gather). TPU and XLA paths ignore it.
     moe_decode_experts: Literal["planned", "assigned"] = "planned"
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
-    moe_assigned_splits: int = 2
+    moe_assigned_splits: int = 4
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

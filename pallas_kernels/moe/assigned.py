@@ -38,7 +38,7 @@ __all__ = ["BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
 
 BACKENDS = ("gpu", "interpret")
 MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes only
-DEFAULT_SPLITS = 2  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
+DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
 
 
 def fit_tiling(tiling: Tiling, k_in: int, n_out: int) -> Tiling:
