@@ -120,11 +120,14 @@ class ModelConfig:
     # tile streams its weights once per tile; 32 trades that for MMA rows wasted on emptier experts. GPU only.
     moe_decode_row_tile: int = 16
     # Routed experts of decode steps on the GPU kernels (one token per sequence, <= 256 tokens, bf16/f32 weights,
-    # one program): "planned" (default: the expert-sorted row plan, then the grouped GLU and down matmuls) or
-    # "assigned" (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row
-    # gather). TPU and XLA paths ignore it.
-    moe_decode_experts: Literal["planned", "assigned"] = "planned"
+    # one program): "planned" (the expert-sorted row plan, then the grouped GLU and down matmuls), "assigned"
+    # (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row gather) or
+    # "auto" (default: "assigned" up to `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, i.e. k3_gpu
+    # B <= 64: 0.94x the step time at B = 16, 0.96x at 64, but 1.15x at 256; RESULTS.md, session 14). TPU and XLA
+    # paths ignore it.
+    moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
+    # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
     # --- MLA
     num_attention_heads: int = 96

@@ -125,11 +125,33 @@ def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch)
     real = moe.experts_assigned
     monkeypatch.setattr(moe, "experts_assigned", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
     ids, cache, valid = model.ids(3, 1), model.cache(3, 16), jnp.asarray([1, 1, 1])
-    want, _ = model.step()(model.params, ids, cache, valid)
+    want, _ = model.step(moe_decode_experts="planned")(model.params, ids, cache, valid)
     assert not calls
-    got, _ = model.step(moe_decode_experts="assigned")(model.params, ids, cache, valid)
-    assert len(calls) == base.num_hidden_layers - base.first_k_dense_replace
-    assert max_rel_err(got, want) < 1e-5
-    calls.clear()
+    moe_layers = base.num_hidden_layers - base.first_k_dense_replace
+    for mode in ("assigned", "auto"):  # auto: 3 tokens x top-2 = 6 rows <= 8 per expert x 8 experts
+        got, _ = model.step(moe_decode_experts=mode)(model.params, ids, cache, valid)
+        assert len(calls) == moe_layers, mode
+        assert max_rel_err(got, want) < 1e-5
+        calls.clear()
     model.step(moe_decode_experts="assigned")(model.params, model.ids(3, 4), cache, jnp.asarray([4, 4, 4]))
     assert not calls  # prefill (4 tokens per sequence): the planned path
+
+
+def test_auto_takes_the_assigned_kernels_up_to_eight_rows_per_expert(monkeypatch):
+    import flax.nnx as nnx
+
+    import configs
+    from k3jax.layers import moe
+    from k3jax.ops import gmm as gmm_ops
+
+    cfg = configs.get_config("tiny")  # 8 experts, top-2, latent 32 and expert width 32
+    layer = nnx.eval_shape(lambda: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
+    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "gpu")
+    assert layer._assigned_backend((32, 32), 32, 1) == "gpu"  # 64 rows = 8 per expert
+    assert layer._assigned_backend((33, 32), 33, 1) is None  # 66 rows: the planned path
+    assert layer._assigned_backend((4, 32), 1, 4) is None  # not a decode step
+    for mode, want in (("assigned", "gpu"), ("planned", None)):
+        forced = nnx.eval_shape(lambda m=mode: moe.LatentMoE(cfg.replace(moe_decode_experts=m), rngs=nnx.Rngs(0)))
+        assert forced._assigned_backend((33, 32), 33, 1) == want
+    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "tpu")
+    assert layer._assigned_backend((32, 32), 32, 1) is None

@@ -246,11 +246,12 @@ class LatentMoE(nnx.Module):
         return tiling if tiling != DECODE_TILING and t == 1 and gpu_kernels_here() else None
 
     def _assigned_backend(self, z_shape, b: int, t: int) -> str | None:
-        """The GPU kernel backend ('gpu', or 'interpret' in tests) when `cfg.moe_decode_experts == "assigned"`
-        applies: a decode step (t == 1) of the dropless single-program path with array weights on the GPU kernel
-        family, at sizes `pallas_kernels.moe.assigned` takes; else None (the planned path)."""
+        """The GPU kernel backend ('gpu', or 'interpret' in tests) when the plan-free expert kernels apply: a decode
+        step (t == 1) of the dropless single-program path with array weights on the GPU kernel family, at sizes
+        `pallas_kernels.moe.assigned` takes, and `cfg.moe_decode_experts` "assigned" (or "auto" with at most
+        `AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average); else None (the planned path)."""
         cfg = self.cfg
-        if cfg.moe_decode_experts != "assigned" or cfg.moe_impl != "dropless" or t != 1:
+        if cfg.moe_decode_experts == "planned" or cfg.moe_impl != "dropless" or t != 1:
             return None
         backend = gpu_kernel_backend_here()
         if cfg.expert_weights == "mxfp4" or backend is None:
@@ -259,7 +260,12 @@ class LatentMoE(nnx.Module):
 
         n, lat = z_shape
         m = cfg.moe_intermediate_size
-        return backend if assigned.applies(n, lat, m) and assigned.applies(n, m, lat) else None
+        if not (assigned.applies(n, lat, m) and assigned.applies(n, m, lat)):
+            return None
+        if cfg.moe_decode_experts == "auto" and \
+                n * cfg.num_experts_per_token > assigned.AUTO_MAX_ROWS_PER_EXPERT * cfg.num_experts:
+            return None
+        return backend
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
