@@ -34,13 +34,15 @@ from pallas_kernels.gmm import epilogue
 from pallas_kernels.gmm.api import DECODE_TILING, Tiling
 from pallas_kernels.tiling import next_pow2
 
-__all__ = ["AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu", "fit_tiling"]
+__all__ = ["AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
+           "fit_tiling"]
 
 BACKENDS = ("gpu", "interpret")
 MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes only
 # "auto" takes these kernels up to this many assignment rows per expert on average (N·k <= 8·E): k3_gpu decode on an
-# H200 was 0.94x / 0.96x the planned path's step time at B = 16 / 64 (1 / 8 rows per expert) and 1.15x at B = 256
-# (32 rows per expert: each 16-row tile streams the expert's weights again, without the planned walk's L2 bands).
+# H200 was 0.94x / 0.94-0.96x the planned path's step time at B = 16 / 64 (2 / 8 rows per expert), 1.03x at B = 128
+# and 1.15x at B = 256 (32 rows per expert: each 16-row tile streams the expert's weights again, without the planned
+# walk's L2 bands).
 AUTO_MAX_ROWS_PER_EXPERT = 8
 DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
 
