@@ -129,8 +129,6 @@ class ModelConfig:
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
-    # Their tiles as "tm-tk-tn-warps-stages" ("" = the decode tiling with `moe_decode_row_tile` rows).
-    moe_assigned_tiling: str = ""
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -205,12 +203,6 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
-        if self.moe_assigned_tiling:
-            parts = self.moe_assigned_tiling.split("-")
-            pow2 = lambda p: p.isdigit() and int(p) > 0 and not int(p) & (int(p) - 1)  # noqa: E731
-            if len(parts) != 5 or not all(map(pow2, parts[:4])) or not parts[4].isdigit() or int(parts[4]) < 1:
-                raise ConfigError(f"moe_assigned_tiling must be 'tm-tk-tn-warps-stages' (the first four powers of "
-                                  f"two), got {self.moe_assigned_tiling!r}")
         if self.moe_assigned_splits < 1:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("kda_decode_block_v", "moe_decode_row_tile"):

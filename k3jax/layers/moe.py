@@ -117,11 +117,8 @@ def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
 
     n, k = experts_nk.shape
     situ = cfg.hidden_act == "situ"
-    tiling = DECODE_TILING._replace(tm=cfg.moe_decode_row_tile)
-    if cfg.moe_assigned_tiling:
-        tiling = DECODE_TILING._replace(**dict(zip(("tm", "tk", "tn", "num_warps", "num_stages"),
-                                                   map(int, cfg.moe_assigned_tiling.split("-")))))
-    walk = dict(tiling=tiling, splits=cfg.moe_assigned_splits, backend=backend)
+    walk = dict(tiling=DECODE_TILING._replace(tm=cfg.moe_decode_row_tile), splits=cfg.moe_assigned_splits,
+                backend=backend)
     hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
                                    beta1=cfg.activation_situ_beta if situ else None,
                                    beta2=cfg.activation_situ_linear_beta if situ else None, **walk)
