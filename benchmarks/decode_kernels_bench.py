@@ -315,10 +315,15 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
             ref["planned"] = got
         _emit(out, row)
 
-    if interpret:  # the planned path's kernels through the interpreter as well
-        from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import gmm as gmm_ops
+
+    real_backend = gmm_ops._kernel_backend_here
+    if interpret:  # the planned path's kernels through the interpreter as well (restored below)
         gmm_ops._kernel_backend_here = lambda: "interpret"
-    emit("planned (plan + gmm_glu + gmm)", planned)
+    try:
+        emit("planned (plan + gmm_glu + gmm)", planned)
+    finally:
+        gmm_ops._kernel_backend_here = real_backend
     for text in tilings:
         tm, tk, tn, wp, st, sp = (int(v) for v in text.split("-"))
         try:

@@ -1,6 +1,7 @@
 """benchmarks/decode_kernels_bench.py on CPU (Pallas interpreter, tiny config): the read-only stream probe sums
-what a float64 NumPy sum gives, and the `kda` / `hbm` ops run end to end with every fused-KDA variant equal to the
-first (the script's own check), so a GPU session does not spend device time on a broken script."""
+what a float64 NumPy sum gives, the `kda` / `hbm` ops run end to end with every fused-KDA variant equal to the
+first (the script's own check), and the `experts` op's plan-free kernels equal the planned path, so a GPU session
+does not spend device time on a broken script."""
 
 import os
 import sys
@@ -29,3 +30,16 @@ def test_kda_and_hbm_ops_run_on_the_interpreter(capsys):
     assert len(kda_rows) == 3 and len(hbm_rows) == 6, out
     errors = [float(x.split()[0].rstrip(",")) for line in kda_rows[1:] for x in line.split("err ")[1:]]
     assert len(errors) == 4 and all(e < 1e-6 for e in errors), kda_rows  # state and output of each variant
+
+
+def test_experts_op_runs_on_the_interpreter_and_matches_the_planned_path(capsys):
+    from k3jax.ops import gmm as gmm_ops
+
+    before = gmm_ops._kernel_backend_here
+    bench.main(["--config=tiny", "--rows=6", "--backend=interpret", "--chain=1", "--iters=1", "--rotate=2",
+                "--ops=experts", "--experts_tilings=16-32-32-4-4-1,16-32-32-4-4-2"])
+    assert gmm_ops._kernel_backend_here is before  # the interpreter override does not leak
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| experts |")]
+    assert len(rows) == 3 and "planned" in rows[0], rows
+    errors = [float(line.split("err ")[1].split()[0]) for line in rows[1:]]
+    assert all(e < 1e-5 for e in errors), rows

@@ -155,3 +155,9 @@ def test_auto_takes_the_assigned_kernels_up_to_eight_rows_per_expert(monkeypatch
         assert forced._assigned_backend((33, 32), 33, 1) == want
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "tpu")
     assert layer._assigned_backend((32, 32), 32, 1) is None
+    from k3jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="moe_assigned_splits"):
+        configs.get_config("tiny", ["moe_assigned_splits=0"])
+    with pytest.raises(ConfigError, match="moe_decode_experts"):
+        configs.get_config("tiny", ["moe_decode_experts=sorted"])
