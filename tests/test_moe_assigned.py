@@ -82,6 +82,17 @@ def test_layer_combine_equals_every_expert_on_every_token():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
 
+def test_differentiating_through_the_assigned_kernels_is_refused_by_name():
+    from k3jax.layers import moe
+    from k3jax.ops.gmm import InferenceOnlyError
+    from tests.conftest import moe_problem
+
+    p = moe_problem(4, seed=1)
+    loss = lambda z: moe.experts_assigned(z, p.weights, p.experts, p.w1, p.w3, p.w2, p.cfg, "interpret").sum()
+    with pytest.raises(InferenceOnlyError, match="moe_decode_experts='planned'"):
+        jax.grad(loss)(p.z)
+
+
 def test_bad_inputs_are_refused_by_name():
     z, ids = jnp.zeros((4, 64), jnp.float32), jnp.zeros((4, 2), jnp.int32)
     w = jnp.zeros((8, 64, 128), jnp.float32)

@@ -31,7 +31,8 @@ MXFP4_GROUP = mxfp4_codec.GROUP  # k columns sharing one E8M0 scale
 
 
 class InferenceOnlyError(ValueError):
-    """Gradients were requested through MXFP4 (packed, inference-only) expert weights."""
+    """Gradients were requested through an inference-only path (MXFP4 packed expert weights, or the plan-free decode
+    expert kernels)."""
 
 
 class MXFP4Experts(NamedTuple):
