@@ -17,8 +17,8 @@ from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
 from k3jax.ops.linear import project as dense, unless_single_row
-from k3jax.ops.gmm import (InferenceOnlyError, MXFP4Experts, dense_expert_weights, expert_weights, gmm,
-                           gpu_kernel_backend_here, gpu_kernels_here, inference_only)
+from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernel_backend_here,
+                           gpu_kernels_here, inference_only, refuse_gradients)
 from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
@@ -107,16 +107,10 @@ def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelCo
     return (out_rows[plan.rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 
-@jax.custom_jvp
-def _no_grad_through_assigned(x: jax.Array) -> jax.Array:
-    """Identity that refuses differentiation: the plan-free expert kernels have no VJP."""
-    return x
-
-
-@_no_grad_through_assigned.defjvp
-def _no_grad_through_assigned_jvp(primals, tangents):
-    raise InferenceOnlyError("the plan-free decode expert kernels (moe_decode_experts='assigned' / 'auto' on a "
-                             "one-token step) are inference-only; set moe_decode_experts='planned' to differentiate")
+# the plan-free expert kernels have no VJP
+_no_grad_through_assigned = refuse_gradients(
+    "the plan-free decode expert kernels (moe_decode_experts='assigned' / 'auto' on a one-token step) are "
+    "inference-only; set moe_decode_experts='planned' to differentiate")
 
 
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str):

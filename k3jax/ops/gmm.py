@@ -91,16 +91,25 @@ def dense_expert_weights(w, dtype) -> jax.Array:
     return w.dequantize(dtype) if isinstance(w, MXFP4Experts) else w.astype(dtype)
 
 
-@jax.custom_jvp
-def inference_only(x: jax.Array) -> jax.Array:
-    """Identity that refuses differentiation: marks activations entering a computation with packed weights."""
-    return x
+def refuse_gradients(message: str):
+    """An identity that raises `InferenceOnlyError(message)` when differentiated: marks the inputs of an
+    inference-only computation."""
+
+    @jax.custom_jvp
+    def identity(x: jax.Array) -> jax.Array:
+        return x
+
+    @identity.defjvp
+    def _jvp(primals, tangents):
+        raise InferenceOnlyError(message)
+
+    return identity
 
 
-@inference_only.defjvp
-def _inference_only_jvp(primals, tangents):
-    raise InferenceOnlyError("the routed experts are held as MXFP4 (expert_weights='mxfp4'), which is inference-only "
-                             "(no gradients through packed weights); train with expert_weights='bf16'")
+# marks activations entering a computation with packed weights
+inference_only = refuse_gradients("the routed experts are held as MXFP4 (expert_weights='mxfp4'), which is "
+                                  "inference-only (no gradients through packed weights); train with "
+                                  "expert_weights='bf16'")
 
 
 def _platform_backend() -> str:
