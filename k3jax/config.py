@@ -124,7 +124,7 @@ class ModelConfig:
     # (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row gather) or
     # "auto" (default: "assigned" up to `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, i.e. k3_gpu
     # B <= 64: 0.94x the step time at B = 16, 0.94-0.96x at 64, but 1.03x at 128 and 1.15x at 256; RESULTS.md,
-    # session 14). TPU and XLA paths ignore it.
+    # session 14). TPU and XLA paths ignore it; `moe_route_impl="pallas"` keeps its own planned path.
     moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
