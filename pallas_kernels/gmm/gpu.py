@@ -29,7 +29,8 @@ from pallas_kernels.gmm import epilogue, mxfp4
 _BAND = 8  # row tiles per L2 band
 
 
-def _precision(dtype):
+def dot_precision(dtype):
+    """In-kernel dot precision: f32 operands at HIGHEST (no TF32 rounding), 16-bit ones at DEFAULT."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
@@ -140,7 +141,7 @@ def gmm(lhs_mk, rhs, tile_group, tile_row_start, ends_v, *, tm, tk, tn, transpos
     m, k = lhs_mk.shape
     g = rhs.shape[0]
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
     rhs_contract = 1 if transpose_rhs else 0
 
     def tile_body(gid, w, n0, lhs_ref, rhs_ref):
@@ -171,7 +172,7 @@ def gmm_mxfp4(lhs_mk, packed, scales, tile_group, tile_row_start, ends_v, *, tm,
     n % tn == 0."""
     m, k = lhs_mk.shape
     g, n, _ = packed.shape
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
     half, groups = tk // 2, tk // mxfp4.GROUP
 
     def tile_body(gid, w, n0, lhs_ref, packed_ref, scales_ref):
@@ -199,7 +200,7 @@ def gmm_glu(lhs_mk, w_gate, w_up, tile_group, tile_row_start, ends_v, *, activat
     pre-activations never reach HBM. Needs m >= tm, k % tk == 0, n % tn == 0."""
     m, k = lhs_mk.shape
     g, _, n = w_gate.shape
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
 
     def tile_body(gid, w, n0, lhs_ref, gate_ref, up_ref):
         def body(kk, accs):
@@ -227,7 +228,7 @@ def tgmm(lhs_mk, grad_mn, starts_v, ends_v, *, num_groups, tm, tk, tn, out_dtype
     m, k = lhs_mk.shape
     n = grad_mn.shape[1]
     k_tiles, n_tiles = k // tk, n // tn
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
 
     def kernel(starts_ref, ends_ref, lhs_ref, grad_ref, out_ref):
         pid = pl.program_id(0)

@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.gmm import epilogue, mxfp4
+from pallas_kernels.gmm.gpu import dot_precision
 
 
 def _interpret_arg(interpret: bool):
@@ -31,10 +32,6 @@ def _interpret_arg(interpret: bool):
 
 def _compiler_params(semantics):
     return pltpu.CompilerParams(dimension_semantics=semantics)
-
-
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "tk", "tn", "transpose_rhs", "out_dtype", "interpret"))
@@ -46,7 +43,7 @@ def gmm(lhs_mk, rhs, item_group, item_tile, item_valid, starts_v, ends_v, *, tm,
     n = rhs.shape[1] if transpose_rhs else rhs.shape[2]
     items = item_group.shape[0]
     k_tiles = k // tk
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
     rhs_contract = 1 if transpose_rhs else 0
 
     def lhs_map(j, i, kk, grp, tile, valid, starts, ends):
@@ -112,7 +109,7 @@ def gmm_glu(lhs_mk, w_gate, w_up, item_group, item_tile, item_valid, starts_v, e
     g, _, n = w_gate.shape
     items = item_group.shape[0]
     k_tiles = k // tk
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
 
     def lhs_map(j, i, kk, grp, tile, valid, starts, ends):
         return tile[i], kk
@@ -185,7 +182,7 @@ def gmm_mxfp4(lhs_eo, packed, scales, item_group, item_tile, item_valid, starts_
     items = item_group.shape[0]
     half = tk // 2
     k_tiles = 2 * half_k // tk
-    prec = _precision(lhs_eo.dtype)
+    prec = dot_precision(lhs_eo.dtype)
 
     def lhs_map(j, i, kk, grp, tile, valid, starts, ends):
         return 0, tile[i], kk
@@ -256,7 +253,7 @@ def tgmm(lhs_mk, grad_mn, item_group, item_tile, item_valid, starts_v, ends_v, *
     m, k = lhs_mk.shape
     n = grad_mn.shape[1]
     items = item_group.shape[0]
-    prec = _precision(lhs_mk.dtype)
+    prec = dot_precision(lhs_mk.dtype)
 
     def lhs_map(kt, j, i, grp, tile, valid, starts, ends):
         return tile[i], kt

@@ -18,7 +18,8 @@ no zero fill and no atomics; the caller's combine is ``Σ_j w_nj · out[n * k + 
 products are the same f32 tile sums as the planned kernels' (same tk), only the row order differs.
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). Inference only
-(no VJP): the MoE layer uses it for decode steps (`cfg.moe_decode_experts == "assigned"`).
+(no VJP): the MoE layer uses it in decode steps (`cfg.moe_decode_experts`: "auto" up to `AUTO_MAX_ROWS_PER_EXPERT`
+rows per expert on average, or "assigned"; `k3jax.layers.moe.experts_assigned`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels.gmm import epilogue
 from pallas_kernels.gmm.api import DECODE_TILING, Tiling
+from pallas_kernels.gmm.gpu import dot_precision
 from pallas_kernels.tiling import next_pow2
 
 __all__ = ["AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
@@ -135,10 +137,6 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
     )(ids, lhs, *weights)
 
 
-def _precision(dtype):
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else jax.lax.Precision.DEFAULT
-
-
 @functools.partial(jax.jit, static_argnames=("activation", "beta1", "beta2", "tiling", "splits", "backend"))
 def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, w_up_elm: jax.Array, *,
                  activation: str = "situ", beta1: float | None = None, beta2: float | None = None,
@@ -151,7 +149,7 @@ def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, 
         raise ValueError(f"assigned_glu: gate {w_gate_elm.shape} and up {w_up_elm.shape} weights differ")
     tiling = fit_tiling(tiling, *w_gate_elm.shape[1:])
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    prec = _precision(z_nl.dtype)
+    prec = dot_precision(z_nl.dtype)
     steps = z_nl.shape[1] // tk
     dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())), precision=prec,
                             preferred_element_type=jnp.float32)
@@ -181,7 +179,7 @@ def assigned_down(h_pm: jax.Array, experts_nk: jax.Array, w_down_eml: jax.Array,
     _check("assigned_down", h_pm, experts_nk, w_down_eml, lambda n, k: n * k, backend, tiling, splits)
     tiling = fit_tiling(tiling, *w_down_eml.shape[1:])
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
-    prec = _precision(h_pm.dtype)
+    prec = dot_precision(h_pm.dtype)
     steps = h_pm.shape[1] // tk
 
     def tile_body(e, rows, n0, h_ref, w_ref):
