@@ -273,7 +273,6 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
     each chained call feeds its output back as the next z and goes through `rotate` weight copies."""
     from k3jax.layers import moe
     from pallas_kernels.gmm import Tiling
-    from pallas_kernels.moe import assigned
 
     e, lat, inter, k = (cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size,
                         cfg.moe_intermediate_size, cfg.num_experts_per_token)
@@ -291,11 +290,7 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
         return moe.experts_dropless(zz, weights, experts, *w, cfg)
 
     def assigned_call(zz, w, t: Tiling, splits: int):
-        walk = dict(tiling=t, splits=splits, backend=kb)
-        h = assigned.assigned_glu(zz, experts, w[0], w[1], activation=cfg.hidden_act, beta1=cfg.activation_situ_beta,
-                                  beta2=cfg.activation_situ_linear_beta, **walk)
-        o = assigned.assigned_down(h, experts, w[2], **walk)
-        return (o[:rows * k].reshape(rows, k, -1) * weights[..., None]).sum(axis=1)
+        return moe.experts_assigned(zz, weights, experts, *w, cfg, kb, tiling=t, splits=splits)
 
     def emit(name, fn):
         def one(c):
