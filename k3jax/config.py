@@ -129,6 +129,9 @@ class ModelConfig:
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
+    # Launch order of those programs: "split" (the splits of one (expert, column tile) side by side, sharing its
+    # weight tile through L2) or "expert" (every expert's first split launches before any second one).
+    moe_assigned_order: Literal["split", "expert"] = "split"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
