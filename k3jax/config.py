@@ -132,6 +132,8 @@ class ModelConfig:
     # Launch order of those programs: "split" (the splits of one (expert, column tile) side by side, sharing its
     # weight tile through L2) or "expert" (every expert's first split launches before any second one).
     moe_assigned_order: Literal["split", "expert"] = "split"
+    attn_res_mask_static: bool = False  # TEMPORARY A/B (session 15)
+    kda_join_gate_proj: bool = True  # TEMPORARY A/B (session 15)
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

@@ -23,21 +23,24 @@ from k3jax.layers.norms import RMSNorm, rms_norm, rms_normalize
 from k3jax.ops.linear import DECODE_MAX_ROWS
 
 
-def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
+def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float,
+                 mask_static: bool = False) -> jax.Array:
     """Mixes sources [bank[:num_filled]..., live] with softmax(rmsnorm_nogain(V) · query); values stay raw.
 
     `query_d` is the effective pseudo-query (norm gain ⊙ proj weight). Computed in f32, cast back to live's dtype.
     """
-    if isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_)):
+    static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
+    if static:
         bank_nbtd = bank_nbtd[:max(0, min(int(num_filled), bank_nbtd.shape[0]))]  # static: only the filled rows
         num_filled = bank_nbtd.shape[0]
     num_rows = bank_nbtd.shape[0]
     sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0) if num_rows else live_btd[None]
     sources = upcast(sources)  # [N+1, B, T, D]
     scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sources, eps), query_d.astype(sources.dtype))
-    valid = jnp.arange(num_rows + 1) < num_filled
-    valid = valid.at[num_rows].set(True)  # the live partial sum is always a source
-    scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
+    if not static or mask_static:  # every sliced row is filled: no mask (a decode step ran its ops as kernels)
+        valid = jnp.arange(num_rows + 1) < num_filled
+        valid = valid.at[num_rows].set(True)  # the live partial sum is always a source
+        scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=0)
     return jnp.einsum("sbt,sbtd->btd", probs, sources).astype(live_btd.dtype)
 
@@ -48,13 +51,14 @@ class AttnResRead(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         del rngs
         self.eps = cfg.rms_norm_eps
+        self.mask_static = cfg.attn_res_mask_static  # TEMPORARY A/B (session 15)
         pd = cfg.jnp_param_dtype
         self.norm_weight = params.constant(1.0, (cfg.hidden_size,), ("norm",), pd)
         self.query = params.constant(0.0, (cfg.hidden_size,), ("norm",), pd)  # report: init w = 0
 
     def __call__(self, live_btd: jax.Array, bank_nbtd: jax.Array, num_filled) -> jax.Array:
         query = upcast(self.norm_weight[...]) * upcast(self.query[...])
-        return attn_res_mix(live_btd, bank_nbtd, num_filled, query, self.eps)
+        return attn_res_mix(live_btd, bank_nbtd, num_filled, query, self.eps, self.mask_static)
 
 
 def snapshots_before(layer_index, block_size: int):

@@ -106,8 +106,17 @@ class KDA(nnx.Module):
         """Every projection of the layer input by weight name: q, k, v, the decay gate's f_a, β's b and the output
         gate's g (full rank) or g_a (low rank), in x's dtype."""
         gate = "g_proj" if self.cfg.kda_output_gate == "full_rank" else "g_a_proj"
-        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
-        return {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
+        if not self.cfg.kda_join_gate_proj:  # TEMPORARY A/B (session 15)
+            names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
+            return {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
+        out = {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg)
+               for n in ("q_proj", "k_proj", "v_proj", gate)}
+        # f_a and b in one product over their joined weight: written here, the join is loop-invariant in a decode
+        # loop (XLA hoists it); left to XLA's dot merger it was re-built in every step (RESULTS.md, session 13)
+        f_a, b = self.f_a_proj[...].astype(x_btd.dtype), self.b_proj[...].astype(x_btd.dtype)
+        fb = dense(x_btd, jnp.concatenate([f_a, b], axis=1), self.cfg)
+        out["f_a_proj"], out["b_proj"] = fb[..., :f_a.shape[1]], fb[..., f_a.shape[1]:]
+        return out
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
         """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""
