@@ -123,8 +123,8 @@ class ModelConfig:
     # one program): "planned" (the expert-sorted row plan, then the grouped GLU and down matmuls), "assigned"
     # (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row gather) or
     # "auto" (default: "assigned" up to `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, i.e. k3_gpu
-    # B <= 64: 0.94x the step time at B = 16, 0.94-0.96x at 64, but 1.03x at 128 and 1.15x at 256; RESULTS.md,
-    # session 14). TPU and XLA paths ignore it; `moe_route_impl="pallas"` keeps its own planned path.
+    # B <= 128: 0.94x the step time at B = 16, 0.96x at 64, 0.98x at 128, but 1.07x at 256; RESULTS.md, sessions
+    # 14-15). TPU and XLA paths ignore it; `moe_route_impl="pallas"` keeps its own planned path.
     moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
@@ -133,7 +133,7 @@ class ModelConfig:
     # weight tile through L2) or "expert" (every expert's first split launches before any second one).
     moe_assigned_order: Literal["split", "expert"] = "split"
     attn_res_mask_static: bool = False  # TEMPORARY A/B (session 15)
-    kda_join_gate_proj: bool = True  # TEMPORARY A/B (session 15)
+    kda_gate_proj_form: Literal["merged", "joined", "apart"] = "apart"  # TEMPORARY A/B (session 15)
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

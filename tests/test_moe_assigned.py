@@ -167,7 +167,7 @@ def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch)
     assert not calls  # prefill (4 tokens per sequence): the planned path
 
 
-def test_auto_takes_the_assigned_kernels_up_to_eight_rows_per_expert(monkeypatch):
+def test_auto_takes_the_assigned_kernels_up_to_sixteen_rows_per_expert(monkeypatch):
     import flax.nnx as nnx
 
     import configs
@@ -177,12 +177,12 @@ def test_auto_takes_the_assigned_kernels_up_to_eight_rows_per_expert(monkeypatch
     cfg = configs.get_config("tiny")  # 8 experts, top-2, latent 32 and expert width 32
     layer = nnx.eval_shape(lambda: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "gpu")
-    assert layer._assigned_backend((32, 32), 32, 1) == "gpu"  # 64 rows = 8 per expert
-    assert layer._assigned_backend((33, 32), 33, 1) is None  # 66 rows: the planned path
+    assert layer._assigned_backend((64, 32), 64, 1) == "gpu"  # 128 rows = 16 per expert
+    assert layer._assigned_backend((65, 32), 65, 1) is None  # 130 rows: the planned path
     assert layer._assigned_backend((4, 32), 1, 4) is None  # not a decode step
     for mode, want in (("assigned", "gpu"), ("planned", None)):
         forced = nnx.eval_shape(lambda m=mode: moe.LatentMoE(cfg.replace(moe_decode_experts=m), rngs=nnx.Rngs(0)))
-        assert forced._assigned_backend((33, 32), 33, 1) == want
+        assert forced._assigned_backend((65, 32), 65, 1) == want
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "tpu")
     assert layer._assigned_backend((32, 32), 32, 1) is None
     from k3jax.config import ConfigError

@@ -106,14 +106,17 @@ class KDA(nnx.Module):
         """Every projection of the layer input by weight name: q, k, v, the decay gate's f_a, β's b and the output
         gate's g (full rank) or g_a (low rank), in x's dtype."""
         gate = "g_proj" if self.cfg.kda_output_gate == "full_rank" else "g_a_proj"
-        if not self.cfg.kda_join_gate_proj:  # TEMPORARY A/B (session 15)
+        form = self.cfg.kda_gate_proj_form  # TEMPORARY A/B (session 15)
+        if form == "merged" or (form == "apart" and x_btd.shape[1] != 1):
             names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
             return {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
         out = {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg)
                for n in ("q_proj", "k_proj", "v_proj", gate)}
-        # f_a and b in one product over their joined weight: written here, the join is loop-invariant in a decode
-        # loop (XLA hoists it); left to XLA's dot merger it was re-built in every step (RESULTS.md, session 13)
         f_a, b = self.f_a_proj[...].astype(x_btd.dtype), self.b_proj[...].astype(x_btd.dtype)
+        if form == "apart":
+            x_fa, x_b = jax.lax.optimization_barrier((x_btd, x_btd))
+            out["f_a_proj"], out["b_proj"] = dense(x_fa, f_a, self.cfg), dense(x_b, b, self.cfg)
+            return out
         fb = dense(x_btd, jnp.concatenate([f_a, b], axis=1), self.cfg)
         out["f_a_proj"], out["b_proj"] = fb[..., :f_a.shape[1]], fb[..., f_a.shape[1]:]
         return out

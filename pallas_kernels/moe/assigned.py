@@ -41,11 +41,11 @@ __all__ = ["AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "ORDERS", "appl
 
 BACKENDS = ("gpu", "interpret")
 MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes only
-# "auto" takes these kernels up to this many assignment rows per expert on average (N·k <= 8·E): k3_gpu decode on an
-# H200 was 0.94x / 0.94-0.96x the planned path's step time at B = 16 / 64 (2 / 8 rows per expert), 1.03x at B = 128
-# and 1.15x at B = 256 (32 rows per expert: each 16-row tile streams the expert's weights again, without the planned
-# walk's L2 bands).
-AUTO_MAX_ROWS_PER_EXPERT = 8
+# "auto" takes these kernels up to this many assignment rows per expert on average (N·k <= 16·E): k3_gpu decode on an
+# H200, split launch order, against the planned path's step time: 0.96x at B = 64 (8 rows per expert), 0.98x at
+# B = 128 (16), 1.07x at B = 256 (32: each 16-row tile streams its expert's weights once more, without the planned
+# walk's L2 bands). RESULTS.md, sessions 14-15.
+AUTO_MAX_ROWS_PER_EXPERT = 16
 DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
 ORDERS = ("split", "expert")  # launch orders (`_assigned_call`)
 
