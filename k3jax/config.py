@@ -133,6 +133,9 @@ class ModelConfig:
     # weight tile through L2) or "expert" (every expert's first split launches before any second one).
     moe_assigned_order: Literal["split", "expert"] = "split"
     attn_res_mask_static: bool = False  # TEMPORARY A/B (session 15)
+    # Expert selection of those plan-free decode steps: "kernel" (pallas_kernels/moe/select.py: biased top-k,
+    # weights and renormalisation in one launch) or "xla" (`route`'s top-k, gather and division).
+    moe_decode_select: Literal["xla", "kernel"] = "kernel"
     kda_gate_proj_form: Literal["merged", "joined", "apart"] = "apart"  # TEMPORARY A/B (session 15)
     # --- MLA
     num_attention_heads: int = 96

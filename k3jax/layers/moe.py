@@ -46,6 +46,19 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
     return weights * cfg.routed_scaling_factor, experts.astype(jnp.int32), scores
 
 
+def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
+    """`route` with the selection (biased top-k, weights, renormalisation) in one kernel
+    (`pallas_kernels.moe.select`): decode steps of the plan-free experts, ungrouped routing. Inference only."""
+    from pallas_kernels.moe.select import select_experts  # lazy: pallas_kernels imports k3jax modules
+
+    x_wide = upcast(x_nd)
+    scores = jax.nn.sigmoid(unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1))
+    weights, experts = select_experts(_no_grad_through_select(scores), bias_e, cfg.num_experts_per_token,
+                                      scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize,
+                                      backend=backend)
+    return weights, experts, scores
+
+
 def plan_from_experts(experts_nk: jax.Array, num_experts: int):
     """The expert-sorted row plan (`pallas_kernels.moe.RoutePlan`) of a routing, in XLA: a stable argsort of the
     assignments, its inverse (a scatter with distinct indices) and the group sizes. (Counting instead of sorting,
@@ -111,6 +124,9 @@ def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelCo
 _no_grad_through_assigned = refuse_gradients(
     "the plan-free decode expert kernels (moe_decode_experts='assigned' / 'auto' on a one-token step) are "
     "inference-only; set moe_decode_experts='planned' to differentiate")
+_no_grad_through_select = refuse_gradients(
+    "the decode expert-selection kernel (moe_decode_select='kernel' on a one-token step) is inference-only; set "
+    "moe_decode_select='xla' to differentiate")
 
 
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str, *,
@@ -205,8 +221,12 @@ class LatentMoE(nnx.Module):
         x_nd = x_btd.reshape(b * t, d).astype(dt)
         latent = cfg.routed_expert_hidden_size is not None
         plan_backend = self._plan_backend(b, t)
+        select_backend = self._select_backend(b, t) if plan_backend is None else None
         if plan_backend is not None:  # decode-sized: the routing-plan kernel
             weights_nk, plan = route_planned(x_nd, self.router[...], self.router_bias[...], cfg, plan_backend)
+        elif select_backend is not None:  # decode step of the plan-free experts: the selection kernel
+            weights_nk, experts_nk, _ = route_selected(x_nd, self.router[...], self.router_bias[...], cfg,
+                                                       select_backend)
         else:
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
             if cfg.record_routing_stats:
@@ -226,6 +246,21 @@ class LatentMoE(nnx.Module):
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
         return y_btd
+
+    def _select_backend(self, b: int, t: int) -> str | None:
+        """The selection kernel's backend (`route_selected`) when `cfg.moe_decode_select == "kernel"` and the step
+        takes the plan-free expert kernels (`_assigned_backend`), with ungrouped routing, no routing statistics and
+        no expert parallelism; else None (the XLA `route`)."""
+        cfg = self.cfg
+        if cfg.moe_decode_select != "kernel" or cfg.num_expert_group > 1 or cfg.record_routing_stats:
+            return None
+        from pallas_kernels.moe import select  # lazy: pallas_kernels imports k3jax modules
+
+        if b * t > select.MAX_TOKENS or cfg.num_experts > select.MAX_EXPERTS:
+            return None
+        if expert_parallel.active_mode(cfg, b, t) is not None:
+            return None
+        return self._assigned_backend((b * t, cfg.expert_input_size), b, t)
 
     def _plan_backend(self, b: int, t: int) -> str | None:
         """The `route_plan` kernel backend when `cfg.moe_route_impl == "pallas"` applies here (decode-sized,
