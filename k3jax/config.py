@@ -136,6 +136,7 @@ class ModelConfig:
     # Expert selection of those plan-free decode steps: "kernel" (pallas_kernels/moe/select.py: biased top-k,
     # weights and renormalisation in one launch) or "xla" (`route`'s top-k, gather and division).
     moe_decode_select: Literal["xla", "kernel"] = "kernel"
+    moe_select_warps: int = 1  # TEMPORARY A/B (session 15)
     kda_gate_proj_form: Literal["merged", "joined", "apart"] = "apart"  # TEMPORARY A/B (session 15)
     # --- MLA
     num_attention_heads: int = 96

@@ -50,6 +50,11 @@ def test_selection_equals_a_numpy_ranking_and_the_xla_route(n, e, k, renormalize
     xla_w, xla_e, _ = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), cfg)
     np.testing.assert_array_equal(np.asarray(ex), np.asarray(xla_e))
     np.testing.assert_allclose(np.asarray(w), np.asarray(xla_w), rtol=1e-6)
+    logits = jnp.asarray(x) @ jnp.asarray(router)  # the sigmoid taken in the kernel
+    w2, ex2 = select.select_experts(logits, jnp.asarray(bias), k, scale=scale, renormalize=renormalize,
+                                    from_logits=True, backend="interpret")
+    np.testing.assert_array_equal(np.asarray(ex2), want_e)
+    np.testing.assert_allclose(np.asarray(w2), want_w, rtol=1e-6)
 
 
 def test_ties_go_to_the_lower_expert_and_nan_ranks_last():

@@ -47,16 +47,16 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
 
 
 def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
-    """`route` with the selection (biased top-k, weights, renormalisation) in one kernel
-    (`pallas_kernels.moe.select`): decode steps of the plan-free experts, ungrouped routing. Inference only."""
+    """`route`'s (weights, experts) with the sigmoid and the selection (biased top-k, weights, renormalisation) in
+    one kernel (`pallas_kernels.moe.select`) after XLA's router matmul: decode steps of the plan-free experts,
+    ungrouped routing. Inference only."""
     from pallas_kernels.moe.select import select_experts  # lazy: pallas_kernels imports k3jax modules
 
     x_wide = upcast(x_nd)
-    scores = jax.nn.sigmoid(unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1))
-    weights, experts = select_experts(_no_grad_through_select(scores), bias_e, cfg.num_experts_per_token,
-                                      scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize,
-                                      backend=backend)
-    return weights, experts, scores
+    logits = unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1)
+    return select_experts(_no_grad_through_select(logits), bias_e, cfg.num_experts_per_token,
+                          scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize, from_logits=True,
+                          warps=cfg.moe_select_warps, backend=backend)
 
 
 def plan_from_experts(experts_nk: jax.Array, num_experts: int):
@@ -225,8 +225,8 @@ class LatentMoE(nnx.Module):
         if plan_backend is not None:  # decode-sized: the routing-plan kernel
             weights_nk, plan = route_planned(x_nd, self.router[...], self.router_bias[...], cfg, plan_backend)
         elif select_backend is not None:  # decode step of the plan-free experts: the selection kernel
-            weights_nk, experts_nk, _ = route_selected(x_nd, self.router[...], self.router_bias[...], cfg,
-                                                       select_backend)
+            weights_nk, experts_nk = route_selected(x_nd, self.router[...], self.router_bias[...], cfg,
+                                                    select_backend)
         else:
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
             if cfg.record_routing_stats:
