@@ -132,12 +132,10 @@ class ModelConfig:
     # Launch order of those programs: "split" (the splits of one (expert, column tile) side by side, sharing its
     # weight tile through L2) or "expert" (every expert's first split launches before any second one).
     moe_assigned_order: Literal["split", "expert"] = "split"
-    attn_res_mask_static: bool = False  # TEMPORARY A/B (session 15)
-    # Expert selection of those plan-free decode steps: "kernel" (pallas_kernels/moe/select.py: biased top-k,
-    # weights and renormalisation in one launch) or "xla" (`route`'s top-k, gather and division).
+    # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
+    # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 64 0.988x the step time)
+    # or "xla" (`route`'s sigmoid, top-k sort, gather and division).
     moe_decode_select: Literal["xla", "kernel"] = "kernel"
-    moe_select_warps: int = 1  # TEMPORARY A/B (session 15)
-    kda_gate_proj_form: Literal["merged", "joined", "apart"] = "apart"  # TEMPORARY A/B (session 15)
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

@@ -23,8 +23,7 @@ from k3jax.layers.norms import RMSNorm, rms_norm, rms_normalize
 from k3jax.ops.linear import DECODE_MAX_ROWS
 
 
-def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float,
-                 mask_static: bool = False) -> jax.Array:
+def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
     """Mixes sources [bank[:num_filled]..., live] with softmax(rmsnorm_nogain(V) · query); values stay raw.
 
     `query_d` is the effective pseudo-query (norm gain ⊙ proj weight). Computed in f32, cast back to live's dtype.
@@ -37,7 +36,7 @@ def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d:
     sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0) if num_rows else live_btd[None]
     sources = upcast(sources)  # [N+1, B, T, D]
     scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sources, eps), query_d.astype(sources.dtype))
-    if not static or mask_static:  # every sliced row is filled: no mask (a decode step ran its ops as kernels)
+    if not static:  # a static count sliced the filled rows above: no mask (its ops ran as kernels in every step)
         valid = jnp.arange(num_rows + 1) < num_filled
         valid = valid.at[num_rows].set(True)  # the live partial sum is always a source
         scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
@@ -51,14 +50,13 @@ class AttnResRead(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         del rngs
         self.eps = cfg.rms_norm_eps
-        self.mask_static = cfg.attn_res_mask_static  # TEMPORARY A/B (session 15)
         pd = cfg.jnp_param_dtype
         self.norm_weight = params.constant(1.0, (cfg.hidden_size,), ("norm",), pd)
         self.query = params.constant(0.0, (cfg.hidden_size,), ("norm",), pd)  # report: init w = 0
 
     def __call__(self, live_btd: jax.Array, bank_nbtd: jax.Array, num_filled) -> jax.Array:
         query = upcast(self.norm_weight[...]) * upcast(self.query[...])
-        return attn_res_mix(live_btd, bank_nbtd, num_filled, query, self.eps, self.mask_static)
+        return attn_res_mix(live_btd, bank_nbtd, num_filled, query, self.eps)
 
 
 def snapshots_before(layer_index, block_size: int):

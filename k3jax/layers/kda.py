@@ -106,20 +106,14 @@ class KDA(nnx.Module):
         """Every projection of the layer input by weight name: q, k, v, the decay gate's f_a, β's b and the output
         gate's g (full rank) or g_a (low rank), in x's dtype."""
         gate = "g_proj" if self.cfg.kda_output_gate == "full_rank" else "g_a_proj"
-        form = self.cfg.kda_gate_proj_form  # TEMPORARY A/B (session 15)
-        if form == "merged" or (form == "apart" and x_btd.shape[1] != 1):
-            names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
-            return {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
-        out = {n: dense(x_btd, getattr(self, n)[...].astype(x_btd.dtype), self.cfg)
-               for n in ("q_proj", "k_proj", "v_proj", gate)}
-        f_a, b = self.f_a_proj[...].astype(x_btd.dtype), self.b_proj[...].astype(x_btd.dtype)
-        if form == "apart":
-            x_fa, x_b = jax.lax.optimization_barrier((x_btd, x_btd))
-            out["f_a_proj"], out["b_proj"] = dense(x_fa, f_a, self.cfg), dense(x_b, b, self.cfg)
-            return out
-        fb = dense(x_btd, jnp.concatenate([f_a, b], axis=1), self.cfg)
-        out["f_a_proj"], out["b_proj"] = fb[..., :f_a.shape[1]], fb[..., f_a.shape[1]:]
-        return out
+        names = ("q_proj", "k_proj", "v_proj", "f_a_proj", "b_proj", gate)
+        xs = {n: x_btd for n in names}
+        if x_btd.shape[1] == 1:
+            # decode: f_a and b each from their own copy of x, so XLA's dot merger cannot join their weights; it did,
+            # and re-built the joined [D, K + H] weight in every step (a loop-invariant concatenate XLA does not
+            # hoist after merging; k3_gpu B = 64 1.4% of the step with the AttnRes change: RESULTS.md session 15)
+            xs["f_a_proj"], xs["b_proj"] = jax.lax.optimization_barrier((x_btd, x_btd))
+        return {n: dense(xs[n], getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
         """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""

@@ -56,7 +56,7 @@ def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg
     logits = unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1)
     return select_experts(_no_grad_through_select(logits), bias_e, cfg.num_experts_per_token,
                           scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize, from_logits=True,
-                          warps=cfg.moe_select_warps, backend=backend)
+                          backend=backend)
 
 
 def plan_from_experts(experts_nk: jax.Array, num_experts: int):

@@ -35,7 +35,7 @@ _F32 = jnp.float32
 
 
 def select_experts(scores_ne: jax.Array, bias_e: jax.Array, k: int, *, scale: float = 1.0, renormalize: bool = True,
-                   from_logits: bool = False, tokens_per_program: int = 16, warps: int = 1,
+                   from_logits: bool = False, tokens_per_program: int = 16, warps: int = 4,
                    backend: str = "gpu") -> tuple[jax.Array, jax.Array]:
     """(weights [N, k] f32, experts [N, k] int32) from scores [N, E] and the selection-only bias [E] (module doc).
     `from_logits`: the first argument is the router's f32 logits; the kernel takes their sigmoid itself."""
