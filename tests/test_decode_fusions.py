@@ -5,10 +5,12 @@ logits and caches of the plain XLA decode, over several steps with a padded slot
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax.ops import gmm as gmm_ops
 from k3jax.ops import kda as kda_ops
 
+@pytest.mark.slow  # ~60 s on 2 cores; these fusions are off by default and each has its own test in the default suite
 def test_all_decode_fusions_together_equal_the_xla_decode(monkeypatch):
     import configs
 

@@ -235,6 +235,7 @@ def greedy_by_full_forward(model, prompts, steps: int, eos_id: int) -> list[list
     return out
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: the CLI end to end; the packed-expert logits are checked in the default suite
 def test_serve_cli_with_mxfp4_experts_matches_dequantized_model(hf_dir, tmp_path):
     """`serve.py --hf_dir --expert_weights=mxfp4` batch mode (cached prefill + decode), greedy, equals greedy
     decoding by full forwards of the NumPy-dequantized model."""
