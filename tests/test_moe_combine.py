@@ -49,6 +49,7 @@ def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monke
 
     cfg, z, weights, experts, w1, w3, w2 = _inputs(n=6, seed=3)
     monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+    jax.clear_caches()  # an earlier test's traced group walk (same shapes) would bypass the counting wrapper
     walks = []
     real = gmm_gpu._group_walk_call
     monkeypatch.setattr(gmm_gpu, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or real(*a, **kw))

@@ -33,13 +33,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.moe.topk import MAX_EXPERTS, MAX_TOKENS, check_scores, top_k_rounds
 from pallas_kernels.tiling import next_pow2
 
 __all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "RoutePlan", "route_plan"]
 
 BACKENDS = ("gpu", "interpret")
-MAX_TOKENS = 256  # one program holds a few [N, E] tiles: decode sizes only
-MAX_EXPERTS = 256
 _F32 = jnp.float32
 
 
@@ -57,14 +56,7 @@ def route_plan(scores_ne: jax.Array, k: int, *, backend: str = "gpu", warps: int
     kernel went from 1.095× the XLA routing's step time to 1.001×; RESULTS.md, session 9); 8 above (session 7)."""
     if backend not in BACKENDS:
         raise ValueError(f"route_plan: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if scores_ne.ndim != 2:
-        raise ValueError(f"route_plan: expected selection scores [N, E], got shape {scores_ne.shape}")
-    n, e = scores_ne.shape
-    if not 1 <= k <= e:
-        raise ValueError(f"route_plan: k={k} must be in [1, E={e}]")
-    if n > MAX_TOKENS or e > MAX_EXPERTS:
-        raise ValueError(f"route_plan: decode sizes only (N <= {MAX_TOKENS}, E <= {MAX_EXPERTS}), got N={n}, "
-                         f"E={e}")
+    n, e = check_scores("route_plan", scores_ne, k)
     if warps is not None and (warps < 1 or warps & (warps - 1)):
         raise ValueError(f"route_plan: warps must be a power of two, got {warps!r}")
     np_, ep = next_pow2(n, 16), next_pow2(e, 16)
@@ -85,20 +77,12 @@ def _plan_call(scores_ne, *, n: int, e: int, k: int, interpret: bool, warps: int
         tok = jax.lax.broadcasted_iota(jnp.int32, (np_, ep), 0)
         x = scores_ref[...]
         x = jnp.where(x != x, -jnp.inf, x)  # NaN ranks last (and never breaks the argmax below)
-        free = col < e  # experts this token may still take (padding columns never)
         real = tok < n
         chosen = []
         choice = jnp.zeros((np_, ep), jnp.int32)  # 1 where token n chose expert e (real tokens only)
-        for _ in range(k):
-            masked = jnp.where(free, x, -jnp.inf)
-            top = jnp.max(masked, axis=1)
-            # first free expert holding the max (with only -inf left: the first free expert), so a token's k
-            # experts are always distinct and the rows below a permutation
-            idx = jnp.min(jnp.where(free & (masked == top[:, None]), col, ep), axis=1)
-            hit = col == idx[:, None]
+        for _, idx, hit in top_k_rounds(x, col < e, k):  # padding columns are never chosen
             chosen.append(idx)
             choice = choice + jnp.where(hit & real, 1, 0)
-            free = free & ~hit
         sizes = jnp.sum(choice, axis=0)  # [ep]
         offsets = jnp.cumsum(sizes) - sizes  # exclusive: first row of each expert
         start = offsets[None, :] + jnp.cumsum(choice, axis=0) - choice  # [np, ep]: row if token n chose e

@@ -24,13 +24,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.moe.topk import MAX_EXPERTS, MAX_TOKENS, check_scores, top_k_rounds
 from pallas_kernels.tiling import next_pow2
 
 __all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "select_experts"]
 
 BACKENDS = ("gpu", "interpret")
-MAX_TOKENS = 256
-MAX_EXPERTS = 256
 _F32 = jnp.float32
 
 
@@ -41,15 +40,9 @@ def select_experts(scores_ne: jax.Array, bias_e: jax.Array, k: int, *, scale: fl
     `from_logits`: the first argument is the router's f32 logits; the kernel takes their sigmoid itself."""
     if backend not in BACKENDS:
         raise ValueError(f"select_experts: unknown backend {backend!r}; expected one of {BACKENDS}")
-    if scores_ne.ndim != 2 or bias_e.shape != scores_ne.shape[1:]:
-        raise ValueError(f"select_experts: expected scores [N, E] and bias [E], got {scores_ne.shape} and "
-                         f"{bias_e.shape}")
-    n, e = scores_ne.shape
-    if not 1 <= k <= e:
-        raise ValueError(f"select_experts: k={k} must be in [1, E={e}]")
-    if n > MAX_TOKENS or e > MAX_EXPERTS:
-        raise ValueError(f"select_experts: decode sizes only (N <= {MAX_TOKENS}, E <= {MAX_EXPERTS}), got N={n}, "
-                         f"E={e}")
+    n, e = check_scores("select_experts", scores_ne, k)
+    if bias_e.shape != (e,):
+        raise ValueError(f"select_experts: expected the bias [E={e}], got shape {bias_e.shape}")
     tt = next_pow2(tokens_per_program, 16)
     np_, ep = -(-n // tt) * tt, next_pow2(e, 16)
     scores = jnp.pad(scores_ne.astype(_F32), ((0, np_ - n), (0, ep - e)))
@@ -75,20 +68,14 @@ def _select_call(scores_ne, bias_e, *, e: int, k: int, tt: int, scale: float, re
             scores = 1.0 / (1.0 + jnp.exp(-scores))  # sigmoid (exp(-x) -> inf gives 0)
         biased = scores + bias_ref[...][None, :]
         biased = jnp.where(biased != biased, -jnp.inf, biased)  # NaN ranks last (and never breaks the argmax)
-        free = col < e  # padding columns are never chosen
         weights = jnp.zeros((tt, kp), _F32)
         experts = jnp.zeros((tt, kp), jnp.int32)
         total = jnp.zeros((tt,), _F32)
-        for j in range(k):
-            masked = jnp.where(free, biased, -jnp.inf)
-            top = jnp.max(masked, axis=1)
-            idx = jnp.min(jnp.where(free & (masked == top[:, None]), col, ep), axis=1)  # first free expert at max
-            hit = col == idx[:, None]
+        for j, idx, hit in top_k_rounds(biased, col < e, k):  # padding columns are never chosen
             w = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)  # the unbiased score of the chosen expert
             total = total + w
             weights = jnp.where(slot == j, w[:, None], weights)
             experts = jnp.where(slot == j, idx[:, None], experts)
-            free = free & ~hit
         if renormalize:
             weights = weights / (total[:, None] + 1e-20)
         weights_ref[...] = weights * scale
