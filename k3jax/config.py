@@ -129,10 +129,6 @@ class ModelConfig:
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
-    # Launch order of those programs: "split" (the splits of one (expert, column tile) side by side, sharing its
-    # weight tile through L2) or "expert" (every expert's first split launches before any second one; k3_gpu:
-    # 1.006-1.044x the split order's step time at B = 64, 1.05x at 128; RESULTS.md, session 15).
-    moe_assigned_order: Literal["split", "expert"] = "split"
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
     # step time, RESULTS.md session 15)

@@ -51,25 +51,6 @@ def test_kernels_equal_a_float64_walk_of_the_assignments(n, k, e, lat, m, hot_to
     np.testing.assert_allclose(np.asarray(out[:n * k]), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def test_launch_orders_give_the_same_bits():
-    """Every program computes the same rows in either launch order ("split": an expert's splits side by side)."""
-    rng = np.random.default_rng(11)
-    n, k, e, lat, m = 37, 4, 8, 64, 128
-    z = jnp.asarray(rng.standard_normal((n, lat)), jnp.float32)
-    ids = jnp.asarray(_routing(rng, n, k, e, hot=3, hot_tokens=20))
-    w1, w3 = (jnp.asarray(rng.standard_normal((e, lat, m)) / 8, jnp.float32) for _ in range(2))
-    w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / 8, jnp.float32)
-    outs = []
-    for order in assigned.ORDERS:
-        h = assigned.assigned_glu(z, ids, w1, w3, activation="silu", splits=2, order=order, backend="interpret")
-        outs.append((h[:n * k], assigned.assigned_down(h, ids, w2, splits=2, order=order,
-                                                       backend="interpret")[:n * k]))
-    for a, b in zip(*outs):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    with pytest.raises(ValueError, match="unknown order"):
-        assigned.assigned_glu(z, ids, w1, w3, activation="silu", order="tokens", backend="interpret")
-
-
 def test_bf16_rows_match_the_planned_kernels_rounding():
     """bf16 z and weights: f32 products, the activation in f32, bf16 hidden rows, as `gmm_glu`'s decode call."""
     from pallas_kernels.gmm import gmm_glu

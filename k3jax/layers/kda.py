@@ -111,7 +111,8 @@ class KDA(nnx.Module):
         if x_btd.shape[1] == 1:
             # decode: f_a and b each from their own copy of x, so XLA's dot merger cannot join their weights; it did,
             # and re-built the joined [D, K + H] weight in every step (a loop-invariant concatenate XLA does not
-            # hoist after merging; k3_gpu B = 64 1.4% of the step with the AttnRes change: RESULTS.md session 15)
+            # hoist after merging; k3_gpu B = 64: 0.996x the step time, 0.986x with the static AttnRes reads' mask
+            # removed; RESULTS.md session 15)
             xs["f_a_proj"], xs["b_proj"] = jax.lax.optimization_barrier((x_btd, x_btd))
         return {n: dense(xs[n], getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
 

@@ -130,19 +130,19 @@ _no_grad_through_select = refuse_gradients(
 
 
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str, *,
-                     tiling=None, splits: int | None = None, order: str | None = None):
+                     tiling=None, splits: int | None = None):
     """The routed experts of a decode step without the expert-sorted plan (`pallas_kernels.moe.assigned`): the
     fused GLU and the down kernels take the top-k ids as they are and write each assignment's row at n * k + j;
     each token sums its k rows weighted (f32, in j order, as `experts_planned`). Inference only; GPU kernels
     (or their interpreter). `tiling` / `splits`: the kernels' (default: the decode tiling with
-    `cfg.moe_decode_row_tile` rows, `cfg.moe_assigned_splits`, `cfg.moe_assigned_order`), e.g. for benchmarks."""
+    `cfg.moe_decode_row_tile` rows, `cfg.moe_assigned_splits`), e.g. for benchmarks."""
     from pallas_kernels.gmm import DECODE_TILING  # lazy: pallas_kernels imports k3jax modules
     from pallas_kernels.moe import assigned
 
     n, k = experts_nk.shape
     situ = cfg.hidden_act == "situ"
     walk = dict(tiling=tiling or DECODE_TILING._replace(tm=cfg.moe_decode_row_tile),
-                splits=splits or cfg.moe_assigned_splits, order=order or cfg.moe_assigned_order, backend=backend)
+                splits=splits or cfg.moe_assigned_splits, backend=backend)
     z_nl, w1_elm, w3_elm, w2_eml = (_no_grad_through_assigned(a) for a in (z_nl, w1_elm, w3_elm, w2_eml))
     hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
                                    beta1=cfg.activation_situ_beta if situ else None,
