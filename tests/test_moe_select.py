@@ -1,6 +1,7 @@
 """The decode expert-selection kernel (`pallas_kernels.moe.select`, the Pallas interpreter standing in for the GPU)
-picks the same experts as a NumPy ranking and as the XLA `route`, with the same combine weights (ties to the lower
-expert, NaN last, renormalised and scaled); the MoE layer uses it only in decode steps of the plan-free experts."""
+picks from the router's logits the same experts as a NumPy ranking and as the XLA `route`, with the same combine
+weights (ties to the lower expert, NaN last, renormalised and scaled); the MoE layer uses it only in decode steps of
+the plan-free experts."""
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,9 @@ def test_selection_equals_a_numpy_ranking_and_the_xla_route(n, e, k, renormalize
     x = rng.standard_normal((n, d)).astype(np.float32)
     router = rng.standard_normal((d, e)).astype(np.float32) / 4
     bias = (rng.standard_normal(e) / 10).astype(np.float32)
-    scores = np.asarray(jax.nn.sigmoid(jnp.asarray(x) @ jnp.asarray(router)))
-    w, ex = select.select_experts(jnp.asarray(scores), jnp.asarray(bias), k, scale=scale, renormalize=renormalize,
+    logits = jnp.asarray(x) @ jnp.asarray(router)
+    scores = np.asarray(jax.nn.sigmoid(logits))
+    w, ex = select.select_experts(logits, jnp.asarray(bias), k, scale=scale, renormalize=renormalize,
                                   backend="interpret")
     assert w.shape == (n, k) and w.dtype == jnp.float32 and ex.dtype == jnp.int32
     want_w, want_e = _numpy_selection(scores, bias, k, scale, renormalize)
@@ -50,20 +52,15 @@ def test_selection_equals_a_numpy_ranking_and_the_xla_route(n, e, k, renormalize
     xla_w, xla_e, _ = moe.route(jnp.asarray(x), jnp.asarray(router), jnp.asarray(bias), cfg)
     np.testing.assert_array_equal(np.asarray(ex), np.asarray(xla_e))
     np.testing.assert_allclose(np.asarray(w), np.asarray(xla_w), rtol=1e-6)
-    logits = jnp.asarray(x) @ jnp.asarray(router)  # the sigmoid taken in the kernel
-    w2, ex2 = select.select_experts(logits, jnp.asarray(bias), k, scale=scale, renormalize=renormalize,
-                                    from_logits=True, backend="interpret")
-    np.testing.assert_array_equal(np.asarray(ex2), want_e)
-    np.testing.assert_allclose(np.asarray(w2), want_w, rtol=1e-6)
 
 
 def test_ties_go_to_the_lower_expert_and_nan_ranks_last():
-    scores = np.full((3, 8), 0.5, np.float32)
-    scores[1, 2] = np.nan  # never chosen ahead of a real score
-    scores[2, :] = np.nan  # all NaN: still k distinct experts, the lowest indices
+    logits = np.zeros((3, 8), np.float32)  # every score sigmoid(0) = 0.5
+    logits[1, 2] = np.nan  # never chosen ahead of a real score
+    logits[2, :] = np.nan  # all NaN: still k distinct experts, the lowest indices
     bias = np.zeros(8, np.float32)
     bias[5] = 0.25  # selection-only: expert 5 first, its weight the unbiased 0.5
-    w, ex = select.select_experts(jnp.asarray(scores), jnp.asarray(bias), 3, backend="interpret")
+    w, ex = select.select_experts(jnp.asarray(logits), jnp.asarray(bias), 3, backend="interpret")
     np.testing.assert_array_equal(np.asarray(ex), [[5, 0, 1], [5, 0, 1], [0, 1, 2]])
     np.testing.assert_allclose(np.asarray(w[:2]), np.full((2, 3), 1 / 3), rtol=1e-6)
     assert np.isnan(np.asarray(w[2])).all()  # NaN scores give NaN weights, as the XLA route

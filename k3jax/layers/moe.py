@@ -23,15 +23,20 @@ from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
 
+def router_logits(x_nd: jax.Array, router_de: jax.Array) -> jax.Array:
+    """x_f32 @ W_f32 [N, E]: the router's logits, before the sigmoid."""
+    x_wide = upcast(x_nd)
+    return unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1)
+
+
 def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig):
     """Returns (weights_nk f32, experts_nk int32, scores_ne f32).
 
     Scores are sigmoid(x_f32 @ W_f32); the bias only selects (group-limited top-k as in DeepSeek-V3 when
     num_expert_group > 1); combine weights are the unbiased scores, renormalised, times routed_scaling_factor.
     """
-    x_wide = upcast(x_nd)
-    scores = jax.nn.sigmoid(unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1))
-    biased = scores + bias_e.astype(x_wide.dtype)
+    scores = jax.nn.sigmoid(router_logits(x_nd, router_de))
+    biased = scores + bias_e.astype(scores.dtype)
     if cfg.num_expert_group > 1:
         n, e = biased.shape
         grouped = biased.reshape(n, cfg.num_expert_group, e // cfg.num_expert_group)
@@ -52,11 +57,9 @@ def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg
     ungrouped routing. Inference only."""
     from pallas_kernels.moe.select import select_experts  # lazy: pallas_kernels imports k3jax modules
 
-    x_wide = upcast(x_nd)
-    logits = unless_single_row(lambda x: x @ router_de.astype(x_wide.dtype), x_wide, 1)
-    return select_experts(_no_grad_through_select(logits), bias_e, cfg.num_experts_per_token,
-                          scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize, from_logits=True,
-                          backend=backend)
+    logits = _no_grad_through_select(router_logits(x_nd, router_de))
+    return select_experts(logits, bias_e, cfg.num_experts_per_token, scale=cfg.routed_scaling_factor,
+                          renormalize=cfg.moe_renormalize, backend=backend)
 
 
 def plan_from_experts(experts_nk: jax.Array, num_experts: int):

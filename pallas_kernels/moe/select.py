@@ -2,9 +2,9 @@
 
 XLA runs `k3jax.layers.moe.route`'s selection as about four kernels on the critical path between the router matmul
 and the first expert kernel (the bias add, a top-k sort, the weights' gather and the renormalisation; ~8 µs of a
-decode step's MoE layer in k3_gpu at B = 64, RESULTS.md session 15). Given the router's ``scores [N, E]``
-(``sigmoid(x @ W)`` in f32, from XLA as in `route`; or the logits ``x @ W``, `from_logits`, with the sigmoid taken
-here), this kernel computes per token, ``tokens_per_program`` tokens per program:
+decode step's MoE layer in k3_gpu at B = 64, RESULTS.md session 15). Given the router's f32 ``logits [N, E]``
+(``x @ W``, from XLA as in `route`), this kernel computes per token, ``tokens_per_program`` tokens per program,
+with ``scores = sigmoid(logits)``:
 - ``experts [N, k]``: the top-k of ``scores + bias`` by k rounds of max / first-argmax over the experts not taken
   yet (ties go to the lower expert index, as `jax.lax.top_k`; NaN ranks as -inf; k distinct experts always);
 - ``weights [N, k]`` f32: the unbiased scores of those experts, divided by their sum (+ 1e-20, in j order) when
@@ -33,39 +33,35 @@ BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
 
 
-def select_experts(scores_ne: jax.Array, bias_e: jax.Array, k: int, *, scale: float = 1.0, renormalize: bool = True,
-                   from_logits: bool = False, tokens_per_program: int = 16, warps: int = 4,
-                   backend: str = "gpu") -> tuple[jax.Array, jax.Array]:
-    """(weights [N, k] f32, experts [N, k] int32) from scores [N, E] and the selection-only bias [E] (module doc).
-    `from_logits`: the first argument is the router's f32 logits; the kernel takes their sigmoid itself."""
+def select_experts(logits_ne: jax.Array, bias_e: jax.Array, k: int, *, scale: float = 1.0, renormalize: bool = True,
+                   tokens_per_program: int = 16, warps: int = 4, backend: str = "gpu") -> tuple[jax.Array, jax.Array]:
+    """(weights [N, k] f32, experts [N, k] int32) from the router's logits [N, E] and the selection-only bias [E]
+    (module doc)."""
     if backend not in BACKENDS:
         raise ValueError(f"select_experts: unknown backend {backend!r}; expected one of {BACKENDS}")
-    n, e = check_scores("select_experts", scores_ne, k)
+    n, e = check_scores("select_experts", logits_ne, k)
     if bias_e.shape != (e,):
         raise ValueError(f"select_experts: expected the bias [E={e}], got shape {bias_e.shape}")
     tt = next_pow2(tokens_per_program, 16)
     np_, ep = -(-n // tt) * tt, next_pow2(e, 16)
-    scores = jnp.pad(scores_ne.astype(_F32), ((0, np_ - n), (0, ep - e)))
+    logits = jnp.pad(logits_ne.astype(_F32), ((0, np_ - n), (0, ep - e)))
     bias = jnp.pad(bias_e.astype(_F32), (0, ep - e))
-    weights, experts = _select_call(scores, bias, e=e, k=int(k), tt=tt, scale=float(scale),
-                                    renormalize=bool(renormalize), from_logits=bool(from_logits),
-                                    interpret=backend == "interpret", warps=int(warps))
+    weights, experts = _select_call(logits, bias, e=e, k=int(k), tt=tt, scale=float(scale),
+                                    renormalize=bool(renormalize), interpret=backend == "interpret",
+                                    warps=int(warps))
     return weights[:n, :k], experts[:n, :k]
 
 
-@functools.partial(jax.jit, static_argnames=("e", "k", "tt", "scale", "renormalize", "from_logits", "interpret",
-                                             "warps"))
-def _select_call(scores_ne, bias_e, *, e: int, k: int, tt: int, scale: float, renormalize: bool, from_logits: bool,
-                 interpret: bool, warps: int):
-    np_, ep = scores_ne.shape
+@functools.partial(jax.jit, static_argnames=("e", "k", "tt", "scale", "renormalize", "interpret", "warps"))
+def _select_call(logits_ne, bias_e, *, e: int, k: int, tt: int, scale: float, renormalize: bool, interpret: bool,
+                 warps: int):
+    np_, ep = logits_ne.shape
     kp = next_pow2(k, 1)
 
-    def kernel(scores_ref, bias_ref, weights_ref, experts_ref):
+    def kernel(logits_ref, bias_ref, weights_ref, experts_ref):
         col = jax.lax.broadcasted_iota(jnp.int32, (tt, ep), 1)
         slot = jax.lax.broadcasted_iota(jnp.int32, (tt, kp), 1)
-        scores = scores_ref[...]
-        if from_logits:
-            scores = 1.0 / (1.0 + jnp.exp(-scores))  # sigmoid (exp(-x) -> inf gives 0)
+        scores = 1.0 / (1.0 + jnp.exp(-logits_ref[...]))  # sigmoid (exp(-x) -> inf gives 0)
         biased = scores + bias_ref[...][None, :]
         biased = jnp.where(biased != biased, -jnp.inf, biased)  # NaN ranks last (and never breaks the argmax)
         weights = jnp.zeros((tt, kp), _F32)
@@ -90,4 +86,4 @@ def _select_call(scores_ne, bias_e, *, e: int, k: int, tt: int, scale: float, re
         interpret=interpret,
         compiler_params=triton_params(interpret, warps, 1),
         name="k3_moe_select",
-    )(scores_ne, bias_e)
+    )(logits_ne, bias_e)
