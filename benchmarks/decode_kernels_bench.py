@@ -24,7 +24,8 @@ from a profiler trace instead (``wall_us`` keeps the chain's wall clock, which a
 per-iteration predicate copy to the host), and each chained call goes through ``--rotate`` distinct states / weight
 copies so that none is still in the L2 when it comes round again. ``attn_res`` / ``route`` kernel rows report their
 max error against the XLA result.
-A smoke run on CPU (``--backend=interpret``) checks the script, not the timings.
+A smoke run on CPU (``--backend=interpret``) checks the script, not the timings. ``K3_BENCH_NO_TRACE=1`` skips the
+profiler traces (wall clock only): under Nsight Compute (`benchmarks/ncu_decode_kernels.sh`), which owns CUPTI.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ def _device_us(f, arg, iters: int, chain: int) -> dict:
     of a `fori_loop` chain also counts the loop's per-iteration predicate copy back to the host (~10 µs on an H200)."""
     from trace_summary import traced_summary
 
-    if jax.default_backend() != "gpu":
+    if jax.default_backend() != "gpu" or os.environ.get("K3_BENCH_NO_TRACE"):
         return {}
     jax.block_until_ready(f(arg))
     summary = traced_summary(lambda: jax.block_until_ready(f(arg)), iters, iters * chain)

@@ -132,8 +132,12 @@ class ModelConfig:
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
     # step time, RESULTS.md session 15)
-    # or "xla" (`route`'s sigmoid, top-k sort, gather and division).
-    moe_decode_select: Literal["xla", "kernel"] = "kernel"
+    # or "xla" (`route`'s sigmoid, top-k sort, gather and division), or "fused" (the router matmul in that kernel
+    # too: `select_experts_routed`, one launch instead of XLA's router gemm, split-K reduction and the selection).
+    moe_decode_select: Literal["xla", "kernel", "fused"] = "kernel"
+    # Decode steps per iteration of the serving decode loop (`lax.scan(unroll=)` in the scheduler's `_decode`): >1
+    # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the compile time.
+    decode_loop_unroll: int = 1
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -208,6 +212,8 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
+        if self.decode_loop_unroll < 1:
+            raise ConfigError(f"decode_loop_unroll must be >= 1, got {self.decode_loop_unroll}")
         if self.moe_assigned_splits < 1:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("kda_decode_block_v", "moe_decode_row_tile"):

@@ -773,5 +773,7 @@ def _decode(params, cache, state: SlotState, *, spec, greedy_only, steps, mesh):
         st = st._replace(last_s=jnp.where(run, tok, st.last_s), done_s=done, count_s=count)
         return (params, cache, st), (tok, run, done)
 
-    (_, cache, state), (tok_ks, ran_ks, done_ks) = jax.lax.scan(one, (params, cache, state), None, length=steps)
+    unroll = min(_merge(spec, params).cfg.decode_loop_unroll, steps)
+    (_, cache, state), (tok_ks, ran_ks, done_ks) = jax.lax.scan(one, (params, cache, state), None, length=steps,
+                                                                unroll=unroll)
     return (*_pinned(cache, state, mesh), tok_ks, ran_ks, done_ks)
