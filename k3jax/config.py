@@ -92,7 +92,9 @@ class ModelConfig:
     # also runs the short conv, SiLU, L2 norms and the gate / beta activations inside it
     # (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster,
     # benchmarks/RESULTS.md); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
-    kda_decode_fusion: Literal["step", "prologue"] = "prologue"
+    # "prologue_output" also applies the layer's output RMSNorm and sigmoid gate in the kernel (one program per
+    # head: block_v = the head dim), so only o_proj follows it.
+    kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue"
     # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim). 32:
     # the session-3 sweep's best; 128 was 7% faster alone in session 10 (decode_kernels_bench --ops=kda), not yet
     # timed in the model.

@@ -1,7 +1,8 @@
 """The KDA decode kernel with its prologue fused (`pallas_kernels.kda.decode_fused`: short conv, SiLU, L2 norms,
 gate and β activations, padding masks, delta step) through the Pallas interpreter equals a float64 NumPy oracle of
 the same math (f32 and bf16 activations, a padded slot keeps its state), refuses bad shapes by name and lowers for
-CUDA; the KDA layer's cached one-token decode with kda_decode_fusion="prologue" equals the XLA recurrent path
+CUDA; with the output epilogue (RMSNorm and gate) it equals the oracle's gated output; the KDA layer's cached
+one-token decode with kda_decode_fusion="prologue" / "prologue_output" equals the XLA recurrent path
 (outputs, recurrent state, conv history), and a full tiny model decodes to the same logits as with "step"."""
 
 import jax
@@ -79,6 +80,30 @@ def test_fused_decode_equals_float64_oracle(dtype, tol):
     np.testing.assert_array_equal(np.asarray(s)[0].view(np.uint32), np.asarray(args[-1])[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)], ids=["f32", "bf16"])
+def test_fused_output_epilogue_equals_float64_oracle(dtype, tol):
+    """out_gate / out_norm: the layer's per-head RMSNorm (of o rounded to the activation dtype) times the gain and
+    the sigmoid gate, rounded to the activation dtype; one program per head whatever block_v asked."""
+    args = _inputs(b=3, h=2, kd=32, wm1=3, dtype=dtype, seed=7)
+    rng = np.random.default_rng(8)
+    gate = jnp.asarray(rng.standard_normal((3, 2 * 32)), dtype)
+    gain = jnp.asarray(rng.uniform(0.5, 1.5, 32), jnp.float32)
+    scale = 32 ** -0.5
+    o, s = kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret", block_v=16,
+                            out_gate_bp=gate, out_norm_v=gain, out_eps=1e-5)
+    want_o, want_s = _oracle(*args, scale, -5.0, dtype)
+    o_r = _round(want_o, dtype)
+    normed = o_r / np.sqrt((o_r * o_r).mean(-1, keepdims=True) + 1e-5) * np.asarray(gain, np.float64)
+    sig = 1 / (1 + np.exp(-np.asarray(gate, np.float64).reshape(3, 2, 32)))
+    assert o.dtype == dtype and o.shape == (3, 2, 32)
+    assert _rel_err(o, normed * sig) < tol and _rel_err(s, want_s) < tol
+    with pytest.raises(ValueError, match="needs both"):
+        kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret", out_gate_bp=gate)
+    with pytest.raises(ValueError, match="out_gate_bp must have shape"):
+        kda_decode_fused(*_unstacked(args), scale=scale, lower_bound=-5.0, backend="interpret",
+                         out_gate_bp=gate[:, :32], out_norm_v=gain)
+
+
 def test_bad_shapes_are_refused_by_name():
     args = list(_unstacked(_inputs(b=2, h=2, kd=32, wm1=3, dtype=jnp.float32, seed=0)))
     bad = list(args)
@@ -117,8 +142,9 @@ def test_kernel_lowers_for_cuda():
     assert count == 1 and names == ["kda_decode_fused"]
 
 
-@pytest.mark.parametrize("block_v", [32, 16], ids=["whole_head", "two_value_blocks"])
-def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch, block_v):
+@pytest.mark.parametrize("block_v,fusion", [(32, "prologue"), (16, "prologue"), (16, "prologue_output")],
+                         ids=["whole_head", "two_value_blocks", "output_epilogue"])
+def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypatch, block_v, fusion):
     import pallas_kernels.kda.decode_fused as fused_mod
     from tests.conftest import KDALayerDecode
 
@@ -127,12 +153,13 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
     decode = setup.decode
     calls = []
     real = fused_mod.kda_decode_fused
-    monkeypatch.setattr(fused_mod, "kda_decode_fused", lambda *a, **kw: calls.append(kw["block_v"]) or real(*a, **kw))
+    monkeypatch.setattr(fused_mod, "kda_decode_fused",
+                        lambda *a, **kw: calls.append((kw["block_v"], "out_gate_bp" in kw)) or real(*a, **kw))
     y_ref, st_ref = jax.jit(decode(kda_impl="chunked"))(params, x, state, valid)
     monkeypatch.setattr(kda_ops, "decode_kernel_backend", lambda: "interpret")
-    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion="prologue", kda_decode_block_v=block_v))(
+    y, st = jax.jit(decode(kda_impl="pallas", kda_decode_fusion=fusion, kda_decode_block_v=block_v))(
         params, x, state, valid)
-    assert calls == [block_v]
+    assert calls == [(block_v, fusion == "prologue_output")]
     rows = np.asarray(valid) == 1
     assert _rel_err(np.asarray(y)[rows], np.asarray(y_ref)[rows]) < 2e-5
     assert _rel_err(st.state_bhkv, st_ref.state_bhkv) < 2e-5

@@ -231,13 +231,18 @@ class KDA(nnx.Module):
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(gate_bthv))).astype(dt)
-        return dense(o, self.o_proj[...].astype(dt), cfg, contract=2)
+        return self._o_proj(o)
+
+    def _o_proj(self, o_bthv: jax.Array) -> jax.Array:
+        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
     def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
-        """The decode kernel backend when `kda_decode_fusion == "prologue"` applies (one token with a state on the
+        """The decode kernel backend when `kda_decode_fusion` fuses the prologue ("prologue", "prologue_output")
+        and applies (one token with a state on the
         Pallas decode kernel, K3's lower-bounded gate, V == K), else None."""
         cfg = self.cfg
-        if cfg.kda_decode_fusion != "prologue" or t != 1 or state is None or not with_state or cp_mesh is not None:
+        if cfg.kda_decode_fusion == "step" or t != 1 or state is None or not with_state or cp_mesh is not None:
             return None
         if cfg.kda_gate != "lower_bound" or resolve_kda_impl(cfg) != "pallas" or kda_kernel.kernel_mesh() is not None:
             return None
@@ -257,14 +262,21 @@ class KDA(nnx.Module):
         b_raw_bh = proj_in["b_proj"][:, 0]
         valid_b = jnp.ones((b,), jnp.int32) if valid_len_b is None else (valid_len_b > 0).astype(jnp.int32)
         history = state.conv_bwcp.astype(dt)
+        gate_bp = self._output_gate(proj_in).reshape(b, h * k)
+        epilogue = {}
+        if cfg.kda_decode_fusion == "prologue_output":  # the output RMSNorm and gate in the kernel too
+            epilogue = dict(out_gate_bp=gate_bp, out_norm_v=self.o_norm[...], out_eps=cfg.rms_norm_eps)
         o_bhv, new_s = kda_decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
-            backend=backend, block_v=cfg.kda_decode_block_v)
+            backend=backend, block_v=cfg.kda_decode_block_v, **epilogue)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)
-        y = self._output(self._output_gate(proj_in), o_bhv[:, None].astype(dt))
+        if epilogue:
+            y = self._o_proj(o_bhv[:, None])
+        else:
+            y = self._output(gate_bp.reshape(b, 1, h, k), o_bhv[:, None].astype(dt))
         return y, KDAState(new_history.reshape(b, wm1, 3, h * k), new_s)
 
 

@@ -43,9 +43,15 @@ def _sigmoid(x):
 
 def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, b_raw_bh, valid_b, state_bhkv, *,
                      scale: float, lower_bound: float, l2_eps: float = 1e-6, backend: str = "gpu",
-                     block_v: int = 32, warps: int = 4):
+                     block_v: int = 32, warps: int = 4, out_gate_bp=None, out_norm_v=None,
+                     out_eps: float = 1e-6):
     """Returns ``(o [B, H, V] f32, new_state [B, H, K, V] f32)``; the state's buffer is reused (donate it).
-    `proj_qkv`: the (q, k, v) projections, each [B, H*K]; `conv_qkv`: their conv kernels, each [W, H*K]."""
+    `proj_qkv`: the (q, k, v) projections, each [B, H*K]; `conv_qkv`: their conv kernels, each [W, H*K].
+
+    With `out_gate_bp` (the output gate's logits [B, H*V]) and `out_norm_v` (the per-head RMSNorm gain [V]) the
+    kernel also applies the layer's output epilogue (`k3jax.layers.kda.KDA._output` before o_proj) and returns o
+    in the activation dtype: ``round(rmsnorm(round(o)) * gain * sigmoid(gate))`` (f32 inside, eps `out_eps`).
+    That needs a whole head per program: `block_v` is then taken as V."""
     if backend not in _BACKENDS:
         raise ValueError(f"kda_decode_fused: unknown backend {backend!r}; expected one of {_BACKENDS}")
     if len(proj_qkv) != 3 or len(conv_qkv) != 3:
@@ -79,22 +85,37 @@ def kda_decode_fused(proj_qkv, hist_bw3p, conv_qkv, z_bhk, a_log_h, dt_bias_hk, 
                          f"{[str(x.dtype) for x in proj_qkv]} and {hist_bw3p.dtype}")
     if jnp.dtype(state_bhkv.dtype) != jnp.dtype(_F32):
         raise ValueError(f"kda_decode_fused: state must be float32, got {state_bhkv.dtype}")
+    if (out_gate_bp is None) != (out_norm_v is None):
+        raise ValueError("kda_decode_fused: the output epilogue needs both out_gate_bp and out_norm_v")
+    epilogue = ()
+    if out_gate_bp is not None:
+        if tuple(out_gate_bp.shape) != (b, p) or tuple(out_norm_v.shape) != (kd,):
+            raise ValueError(f"kda_decode_fused: out_gate_bp must have shape {[b, p]} and out_norm_v {[kd]}, got "
+                             f"{list(out_gate_bp.shape)} and {list(out_norm_v.shape)}")
+        epilogue = (out_gate_bp, out_norm_v.astype(_F32))
+        block_v = kd
     block_v = min(block_v, kd)
     return _fused_call(tuple(proj_qkv), hist_bw3p, tuple(w.astype(_F32) for w in conv_qkv), z_bhk,
                        a_log_h.astype(_F32), dt_bias_hk.astype(_F32), b_raw_bh, valid_b.astype(jnp.int32), state_bhkv,
-                       scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
-                       interpret=backend == "interpret", block_v=block_v, warps=warps)
+                       epilogue, scale=float(scale), lower_bound=float(lower_bound), l2_eps=float(l2_eps),
+                       out_eps=float(out_eps), interpret=backend == "interpret", block_v=block_v, warps=warps)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "interpret", "block_v", "warps"))
-def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, scale, lower_bound, l2_eps,
-                interpret, block_v, warps):
+@functools.partial(jax.jit, static_argnames=("scale", "lower_bound", "l2_eps", "out_eps", "interpret", "block_v",
+                                             "warps"))
+def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, epilogue, *, scale, lower_bound, l2_eps,
+                out_eps, interpret, block_v, warps):
     b, h, kd = z.shape
     wm1 = hist.shape[1]
     act = proj[0].dtype
+    gated = bool(epilogue)
 
     def kernel(q_ref, k_ref, v_ref, hist_ref, conv_q_ref, conv_k_ref, conv_v_ref, z_ref, a_log_ref, dt_bias_ref,
-               b_raw_ref, valid_ref, s_ref, o_ref, s_out_ref):
+               b_raw_ref, valid_ref, s_ref, *rest):
+        if gated:
+            gate_ref, norm_ref, o_ref, s_out_ref = rest
+        else:
+            o_ref, s_out_ref = rest
         proj_ref, conv_ref = (q_ref, k_ref, v_ref), (conv_q_ref, conv_k_ref, conv_v_ref)
         bh, j = pl.program_id(0), pl.program_id(1)
         bi, hi = bh // h, bh % h
@@ -121,15 +142,21 @@ def _fused_call(proj, hist, conv_w, z, a_log, dt_bias, b_raw, valid, state, *, s
         s_kv = jnp.exp(g)[:, None] * s_ref[bi, hi, :, vcols]
         pred_v = jnp.sum(k[:, None] * s_kv, axis=0)
         s_kv = s_kv + k[:, None] * (beta * (v - pred_v))[None, :]
-        o_ref[bi, hi, vcols] = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
+        o = jnp.sum((q * scale)[:, None] * s_kv, axis=0)
+        if gated:  # block_v == V: the whole head's output, RMSNorm'd and gated as KDA._output
+            o = o.astype(act).astype(_F32)
+            o = o * jax.lax.rsqrt(jnp.mean(o * o) + out_eps) * norm_ref[...]
+            o = (o * _sigmoid(gate_ref[bi, head].astype(_F32))).astype(act)
+        o_ref[bi, hi, vcols] = o
         s_out_ref[bi, hi, :, vcols] = s_kv
 
+    o_dtype = act if gated else _F32
     return pl.pallas_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((b, h, kd), _F32), jax.ShapeDtypeStruct((b, h, kd, kd), _F32)),
+        out_shape=(jax.ShapeDtypeStruct((b, h, kd), o_dtype), jax.ShapeDtypeStruct((b, h, kd, kd), _F32)),
         grid=(b * h, kd // block_v),
         input_output_aliases={12: 1},
         interpret=interpret,
         compiler_params=triton_params(interpret, warps),
         name="kda_decode_fused",
-    )(*proj, hist, *conv_w, z, a_log, dt_bias, b_raw, valid, state)
+    )(*proj, hist, *conv_w, z, a_log, dt_bias, b_raw, valid, state, *epilogue)
