@@ -140,6 +140,12 @@ class ModelConfig:
     # Decode steps per iteration of the serving decode loop (`lax.scan(unroll=)` in the scheduler's `_decode`): >1
     # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the compile time.
     decode_loop_unroll: int = 1
+    # Decode (T = 1): the KDA and MLA output gates' projections from their own copy of x (an optimization barrier),
+    # so XLA's dot merger leaves them out of the q/k/v (latent) gemm on the critical path. Temporary A/B knob.
+    decode_split_gates: bool = False
+    # Decode (T = 1) on the GPU kernels: the latent MoE's up-projection, the shared experts' add and the residual
+    # add in one kernel ("kernel": pallas_kernels/dense/matmul_add.py) or XLA's gemm + add fusion ("xla").
+    moe_decode_tail: Literal["xla", "kernel"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
