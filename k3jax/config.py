@@ -88,13 +88,13 @@ class ModelConfig:
     # Page ranges per sequence of that kernel (flash-decoding splits; pallas_kernels/mla DecodeConfig.num_splits):
     # 0 = auto (about 128 programs in all: 2 at batch 64), capped at the pages a sequence holds.
     mla_decode_splits: int = 0
-    # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "prologue" (default)
-    # also runs the short conv, SiLU, L2 norms and the gate / beta activations inside it
-    # (pallas_kernels/kda/decode_fused.py: one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster,
-    # benchmarks/RESULTS.md); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
-    # "prologue_output" also applies the layer's output RMSNorm and sigmoid gate in the kernel (one program per
-    # head: block_v = the head dim), so only o_proj follows it.
-    kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue"
+    # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "prologue" also runs
+    # the short conv, SiLU, L2 norms and the gate / beta activations inside it (pallas_kernels/kda/decode_fused.py:
+    # one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster, benchmarks/RESULTS.md);
+    # "prologue_output" (default) also applies the layer's output RMSNorm and sigmoid gate in the kernel (one
+    # program per head: block_v = the head dim), so only o_proj follows it (one kernel less per layer: 0.974-0.993x
+    # the B = 64 step, session 16); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
+    kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue_output"
     # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim). 32:
     # the session-3 sweep's best; 128 was 7% faster alone in session 10 (decode_kernels_bench --ops=kda), not yet
     # timed in the model.
@@ -134,15 +134,12 @@ class ModelConfig:
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
     # step time, RESULTS.md session 15)
-    # or "xla" (`route`'s sigmoid, top-k sort, gather and division), or "fused" (the router matmul in that kernel
-    # too: `select_experts_routed`, one launch instead of XLA's router gemm, split-K reduction and the selection).
-    moe_decode_select: Literal["xla", "kernel", "fused"] = "kernel"
+    # or "xla" (`route`'s sigmoid, top-k sort, gather and division).
+    moe_decode_select: Literal["xla", "kernel"] = "kernel"
     # Decode steps per iteration of the serving decode loop (`lax.scan(unroll=)` in the scheduler's `_decode`): >1
-    # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the compile time.
-    decode_loop_unroll: int = 1
-    # Decode (T = 1): the KDA and MLA output gates' projections from their own copy of x (an optimization barrier),
-    # so XLA's dot merger leaves them out of the q/k/v (latent) gemm on the critical path. Temporary A/B knob.
-    decode_split_gates: bool = False
+    # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the decode compile
+    # time. 2 (default): k3_gpu B = 64 0.964 / 0.969x the step time of 1 (two processes, RESULTS.md session 16).
+    decode_loop_unroll: int = 2
     # Decode (T = 1) on the GPU kernels: the latent MoE's up-projection, the shared experts' add and the residual
     # add in one kernel ("kernel": pallas_kernels/dense/matmul_add.py) or XLA's gemm + add fusion ("xla").
     moe_decode_tail: Literal["xla", "kernel"] = "xla"

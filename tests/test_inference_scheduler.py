@@ -185,3 +185,24 @@ def test_write_slots_uses_the_batch_axis_of_scanned_groups():
             assert np.all(rows[slot] == value)
     dropped = write_slots(cache, new, jnp.array([4, 4]), axes)  # out-of-range slots: no write
     assert all(not np.any(np.asarray(x)) for x, a in zip(jax.tree.leaves(dropped), leaves) if a != SHARED)
+
+
+def test_unrolled_decode_loop_gives_the_same_tokens(monkeypatch):
+    """decode_loop_unroll=2 (two steps per loop iteration; the serving default on GPUs) with 3 decode steps per
+    call (an odd remainder) decodes exactly the greedy reference."""
+    from k3jax.inference import scheduler as sched_mod
+
+    unrolls = []
+    real_scan = jax.lax.scan
+    monkeypatch.setattr(sched_mod.jax.lax, "scan",
+                        lambda *a, **kw: unrolls.append(kw.get("unroll")) or real_scan(*a, **kw))
+    model = tiny_model(NAME)
+    model.cfg = dataclasses.replace(model.cfg, decode_loop_unroll=2)
+    try:
+        s = Scheduler(model, num_slots=2, max_len=MAX_LEN, decode_steps=3)
+        out = s.generate([Request(0, PROMPTS[0], 7, eos_ids=[]), Request(1, PROMPTS[4], 5, eos_ids=[])])
+    finally:
+        model.cfg = dataclasses.replace(model.cfg, decode_loop_unroll=1)
+    assert 2 in unrolls  # the decode loop was traced unrolled
+    assert out[0] == (greedy_alone(PROMPTS[0], 7), "length")
+    assert out[1] == (greedy_alone(PROMPTS[4], 5), "length")

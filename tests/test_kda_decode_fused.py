@@ -185,12 +185,14 @@ def test_model_decode_with_the_fused_prologue_equals_the_step_kernel(monkeypatch
                          if jnp.issubdtype(x.dtype, jnp.floating) else x, model.cache(2, 64))
     ids, valid = model.ids(2, 1), jnp.asarray([1, 1])
     out = {}
-    for fusion in ("step", "prologue"):
+    for fusion in ("step", "prologue", "prologue_output"):
         calls.clear()
         out[fusion] = model.step(kda_decode_fusion=fusion)(model.params, ids, cache, valid)
         kda_layers = base.num_hidden_layers - len(base.full_attn_layers)
-        assert len(calls) == (kda_layers if fusion == "prologue" else 0)
-    (want, want_cache), (got, got_cache) = out["step"], out["prologue"]
-    assert _rel_err(got, want) < 1e-5
-    for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
-        assert _rel_err(a, b) < 1e-5 if jnp.issubdtype(a.dtype, jnp.floating) else np.array_equal(a, b)
+        assert len(calls) == (0 if fusion == "step" else kda_layers)
+    want, want_cache = out["step"]
+    for fusion in ("prologue", "prologue_output"):
+        got, got_cache = out[fusion]
+        assert _rel_err(got, want) < 1e-5
+        for a, b in zip(jax.tree.leaves(got_cache), jax.tree.leaves(want_cache)):
+            assert _rel_err(a, b) < 1e-5 if jnp.issubdtype(a.dtype, jnp.floating) else np.array_equal(a, b)

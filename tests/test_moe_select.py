@@ -54,52 +54,6 @@ def test_selection_equals_a_numpy_ranking_and_the_xla_route(n, e, k, renormalize
     np.testing.assert_allclose(np.asarray(w), np.asarray(xla_w), rtol=1e-6)
 
 
-@pytest.mark.parametrize("n,e,k,d,dtype", [
-    (64, 64, 8, 1536, jnp.bfloat16),  # k3_gpu decode at B = 64: 16-bit x and W multiplied as they are
-    (37, 12, 3, 48, jnp.float32),  # f32 at HIGHEST, N not a multiple of 16, D = 3 * 16 (16-wide steps)
-    (5, 6, 6, 80, jnp.bfloat16),  # every expert chosen
-])
-def test_routed_selection_equals_a_float64_ranking_and_the_xla_route(n, e, k, d, dtype):
-    """The router matmul inside the kernel (`select_experts_routed`): the logits are f32 sums in another order than
-    XLA's, so only rows whose k-th and (k+1)-th float64 scores are apart by more than rounding are compared for
-    identity (almost all of them here); the weights everywhere."""
-    from k3jax.layers import moe
-
-    import configs
-
-    rng = np.random.default_rng(n + e + d)
-    x = jnp.asarray(rng.standard_normal((n, d)), dtype)
-    router = jnp.asarray(rng.standard_normal((d, e)) / np.sqrt(d), dtype)
-    bias = (rng.standard_normal(e) / 10).astype(np.float32)
-    w, ex = select.select_experts_routed(x, router, jnp.asarray(bias), k, scale=1.5, backend="interpret")
-    assert w.shape == (n, k) and w.dtype == jnp.float32 and ex.dtype == jnp.int32
-    logits64 = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
-    scores64 = 1 / (1 + np.exp(-logits64))
-    want_w, want_e = _numpy_selection(scores64, bias, k, 1.5, True)
-    ranked = np.sort(scores64 + bias, axis=1)[:, ::-1]
-    clear = np.ones(n, bool) if k == e else ranked[:, k - 1] - ranked[:, k] > 1e-5
-    assert clear.mean() > 0.9
-    np.testing.assert_array_equal(np.asarray(ex)[clear], want_e[clear])
-    np.testing.assert_allclose(np.asarray(w)[clear], want_w[clear], rtol=1e-5)
-    cfg = configs.get_config("tiny").replace(num_experts=e, num_experts_per_token=k, routed_scaling_factor=1.5)
-    xla_w, xla_e, _ = moe.route(x, router, jnp.asarray(bias), cfg)
-    np.testing.assert_array_equal(np.asarray(ex)[clear], np.asarray(xla_e)[clear])
-    np.testing.assert_allclose(np.asarray(w), np.asarray(xla_w), rtol=1e-5, atol=1e-7)
-
-
-def test_routed_selection_errors_name_the_problem():
-    x, w, b = jnp.zeros((4, 64)), jnp.zeros((64, 8)), jnp.zeros(8)
-    assert select.router_block(1536) == 128 and select.router_block(48) == 16 and select.router_block(40) == 0
-    with pytest.raises(ValueError, match="equal D"):
-        select.select_experts_routed(x, jnp.zeros((32, 8)), b, 2, backend="interpret")
-    with pytest.raises(ValueError, match="D=40"):
-        select.select_experts_routed(jnp.zeros((4, 40)), jnp.zeros((40, 8)), b, 2, backend="interpret")
-    with pytest.raises(ValueError, match="bias"):
-        select.select_experts_routed(x, w, jnp.zeros(7), 2, backend="interpret")
-    with pytest.raises(ValueError, match="unknown backend"):
-        select.select_experts_routed(x, w, b, 2, backend="cuda")
-
-
 def test_ties_go_to_the_lower_expert_and_nan_ranks_last():
     logits = np.zeros((3, 8), np.float32)  # every score sigmoid(0) = 0.5
     logits[1, 2] = np.nan  # never chosen ahead of a real score
@@ -129,9 +83,6 @@ def test_kernel_lowers_for_cuda():
     count, names = triton_kernels(lambda a, b: select.select_experts(a, b, 8), s((64, 64), jnp.float32),
                                   s((64,), jnp.float32), name_pattern=r"k3_[a-z_]+")
     assert count == 1 and names == ["k3_moe_select"]
-    count, names = triton_kernels(lambda x, w, b: select.select_experts_routed(x, w, b, 8), s((64, 1536), jnp.bfloat16),
-                                  s((1536, 64), jnp.bfloat16), s((64,), jnp.float32), name_pattern=r"k3_[a-z_]+")
-    assert count == 1 and names == ["k3_moe_route_select"]
 
 
 def test_layer_selects_with_the_kernel_only_in_plan_free_decode_steps(monkeypatch):
@@ -151,19 +102,12 @@ def test_layer_selects_with_the_kernel_only_in_plan_free_decode_steps(monkeypatc
     x = jax.random.normal(jax.random.key(0), (6, 1, cfg.hidden_size))
     got = layer(x)
     assert len(calls) == 1
-    routed = []
-    real_routed = select.select_experts_routed
-    monkeypatch.setattr(select, "select_experts_routed", lambda *a, **kw: routed.append(1) or real_routed(*a, **kw))
-    layer.cfg = cfg.replace(moe_decode_select="fused")  # the router matmul in the kernel
-    fused = layer(x)
-    assert len(calls) == 2 and len(routed) == 1
     layer.cfg = cfg.replace(moe_decode_select="xla")
     want = layer(x)
-    assert len(calls) == 2
+    assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(np.asarray(fused), np.asarray(want), rtol=1e-5, atol=1e-6)
     layer.cfg = cfg
     layer(jax.random.normal(jax.random.key(1), (2, 4, cfg.hidden_size)))  # prefill: XLA route
-    assert len(calls) == 2
+    assert len(calls) == 1
     with pytest.raises(InferenceOnlyError, match="moe_decode_select='xla'"):
         jax.grad(lambda v: layer(v).sum())(x)

@@ -114,8 +114,6 @@ class KDA(nnx.Module):
             # hoist after merging; k3_gpu B = 64: 0.996x the step time, 0.986x with the static AttnRes reads' mask
             # removed; RESULTS.md session 15)
             xs["f_a_proj"], xs["b_proj"] = jax.lax.optimization_barrier((x_btd, x_btd))
-            if self.cfg.decode_split_gates:  # the output gate apart from q/k/v: off the KDA kernel's critical path
-                xs[gate] = jax.lax.optimization_barrier(x_btd)
         return {n: dense(xs[n], getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:

@@ -47,10 +47,7 @@ class MLA(nnx.Module):
         names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
         names += ("kv_a_proj_with_mqa",) + (("g_proj",) if cfg.mla_use_output_gate else ())
         x = x_btd.astype(dt)
-        xs = {n: x for n in names}
-        if cfg.decode_split_gates and x.shape[1] == 1 and cfg.mla_use_output_gate:
-            xs["g_proj"] = jax.lax.optimization_barrier(x)  # decode: the gate's dot apart (needed only at o_proj)
-        return {n: dense(xs[n], getattr(self, n)[...].astype(dt), cfg) for n in names}
+        return {n: dense(x, getattr(self, n)[...].astype(dt), cfg) for n in names}
 
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""

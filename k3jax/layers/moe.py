@@ -53,15 +53,11 @@ def route(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelCo
 
 def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg: ModelConfig, backend: str):
     """`route`'s (weights, experts) with the sigmoid and the selection (biased top-k, weights, renormalisation) in
-    one kernel (`pallas_kernels.moe.select`) after XLA's router matmul, or with the router matmul in that kernel
-    too (`cfg.moe_decode_select == "fused"`): decode steps of the plan-free experts, ungrouped routing. Inference
-    only."""
-    from pallas_kernels.moe.select import router_block, select_experts, select_experts_routed  # lazy (cycle)
+    one kernel (`pallas_kernels.moe.select`) after XLA's router matmul: decode steps of the plan-free experts,
+    ungrouped routing. Inference only. (The router matmul inside that kernel too, 4 programs streaming the router
+    weights for 16 tokens each, measured 1.029x the k3_gpu B = 64 step: RESULTS.md session 16.)"""
+    from pallas_kernels.moe.select import select_experts  # lazy: pallas_kernels imports k3jax modules
 
-    if cfg.moe_decode_select == "fused" and router_block(x_nd.shape[-1]):
-        return select_experts_routed(_no_grad_through_select(x_nd), router_de, bias_e, cfg.num_experts_per_token,
-                                     scale=cfg.routed_scaling_factor, renormalize=cfg.moe_renormalize,
-                                     backend=backend)
     logits = _no_grad_through_select(router_logits(x_nd, router_de))
     return select_experts(logits, bias_e, cfg.num_experts_per_token, scale=cfg.routed_scaling_factor,
                           renormalize=cfg.moe_renormalize, backend=backend)
@@ -292,7 +288,7 @@ class LatentMoE(nnx.Module):
         takes the plan-free expert kernels (`_assigned_backend`), with ungrouped routing, no routing statistics and
         no expert parallelism; else None (the XLA `route`)."""
         cfg = self.cfg
-        if cfg.moe_decode_select == "xla" or cfg.num_expert_group > 1 or cfg.record_routing_stats:
+        if cfg.moe_decode_select != "kernel" or cfg.num_expert_group > 1 or cfg.record_routing_stats:
             return None
         from pallas_kernels.moe import select  # lazy: pallas_kernels imports k3jax modules
 
