@@ -140,9 +140,6 @@ class ModelConfig:
     # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the decode compile
     # time. 2 (default): k3_gpu B = 64 0.964 / 0.969x the step time of 1 (two processes, RESULTS.md session 16).
     decode_loop_unroll: int = 2
-    # Decode (T = 1) on the GPU kernels: the latent MoE's up-projection, the shared experts' add and the residual
-    # add in one kernel ("kernel": pallas_kernels/dense/matmul_add.py) or XLA's gemm + add fusion ("xla").
-    moe_decode_tail: Literal["xla", "kernel"] = "xla"
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)

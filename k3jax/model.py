@@ -143,10 +143,7 @@ class DecoderLayer(nnx.Module):
         partial = jnp.where(is_snapshot, jnp.zeros_like(h), h)
         partial = partial + attn(x).astype(h.dtype)
         x = read_normed(self.mlp_res, partial, bank, filled + is_snapshot, self.post_attention_layernorm, self.cfg)
-        if isinstance(self.mlp, LatentMoE):  # the MoE adds the residual itself (in its decode tail kernel)
-            partial = self.mlp(x, residual_btd=partial)
-        else:
-            partial = partial + self.mlp(x).astype(h.dtype)
+        partial = partial + self.mlp(x).astype(h.dtype)
         return constrain(partial, ACT_BTD), constrain(bank, ACT_NBTD)
 
 

@@ -128,9 +128,6 @@ def experts_planned(z_nl, weights_nk, plan, w1_elm, w3_elm, w2_eml, cfg: ModelCo
 _no_grad_through_assigned = refuse_gradients(
     "the plan-free decode expert kernels (moe_decode_experts='assigned' / 'auto' on a one-token step) are "
     "inference-only; set moe_decode_experts='planned' to differentiate")
-_no_grad_through_tail = refuse_gradients(
-    "the decode MoE tail kernel (moe_decode_tail='kernel' on a one-token step) is inference-only; set "
-    "moe_decode_tail='xla' to differentiate")
 _no_grad_through_select = refuse_gradients(
     "the decode expert-selection kernel (moe_decode_select='kernel' on a one-token step) is inference-only; set "
     "moe_decode_select='xla' to differentiate")
@@ -222,10 +219,7 @@ class LatentMoE(nnx.Module):
             self.expert_parallel_stats = params.routing_stats((len(expert_parallel.STATS_FIELDS),), (None,),
                                                               jnp.float32)
 
-    def __call__(self, x_btd: jax.Array, residual_btd: jax.Array | None = None) -> jax.Array:
-        """The layer's output [B, T, D]; with `residual_btd`, ``residual + output`` (rounded as the layer's
-        ``residual + output.astype(residual.dtype)``), which a decode step can do in the up-projection's kernel
-        (`_tail_backend`)."""
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d).astype(dt)
@@ -251,37 +245,11 @@ class LatentMoE(nnx.Module):
         if latent:
             if cfg.latent_moe_use_norm:
                 u_nl = rms_norm(u_nl, self.routed_expert_norm[...], cfg.rms_norm_eps).astype(dt)
-            tail_backend = self._tail_backend(u_nl, residual_btd, t)
-            if tail_backend is not None:  # up-projection, shared experts' add and residual add in one kernel
-                from pallas_kernels.dense.matmul_add import matmul_add  # lazy: pallas_kernels imports k3jax
-
-                addends = (self.shared_experts(x_btd).reshape(b * t, d),) if cfg.num_shared_experts else ()
-                addends += (residual_btd.reshape(b * t, d),)
-                out = matmul_add(_no_grad_through_tail(u_nl), self.routed_expert_up_proj[...].astype(dt), addends,
-                                 backend=tail_backend)
-                return out.reshape(b, t, d)
             u_nl = dense(u_nl, self.routed_expert_up_proj[...].astype(dt), cfg)
         y_btd = u_nl.reshape(b, t, d)
         if cfg.num_shared_experts:
             y_btd = y_btd + self.shared_experts(x_btd)
-        if residual_btd is not None:
-            return residual_btd + y_btd.astype(residual_btd.dtype)
         return y_btd
-
-    def _tail_backend(self, u_nl: jax.Array, residual_btd: jax.Array | None, t: int) -> str | None:
-        """The `pallas_kernels.dense.matmul_add` backend for the layer's tail (up-projection + shared add + residual
-        add) when `cfg.moe_decode_tail == "kernel"` and this is a decode step (T = 1) on the GPU kernel family with a
-        residual of the compute dtype; else None (XLA)."""
-        cfg = self.cfg
-        if cfg.moe_decode_tail != "kernel" or residual_btd is None or t != 1:
-            return None
-        if residual_btd.dtype != u_nl.dtype or u_nl.shape[0] > 256:
-            return None
-        d = cfg.hidden_size
-        lat = u_nl.shape[1]
-        if d % 16 or lat % 16:
-            return None
-        return gpu_kernel_backend_here()
 
     def _select_backend(self, b: int, t: int) -> str | None:
         """The selection kernel's backend (`route_selected`) when `cfg.moe_decode_select == "kernel"` and the step
