@@ -6,6 +6,9 @@
 # occupancy, launch statistics, warp stall reasons) to OUT_DIR/ncu_<regex-safe>.txt. Clocks are left as found
 # (--clock-control none). Kernel times under ncu are replayed one kernel at a time: use them for the counters
 # (achieved bandwidth, occupancy, stalls), not as step timings. NCU_LAUNCHES (default 24) caps the kernels profiled.
+# JAX's up-front allocation of 75% of the GPU is turned off: ncu saves and restores the device memory in use around
+# every replay (session 16's run with it on crawled, was cut by its time limit, and the next process of that device
+# command found no CUDA device). Run it last in a device command, with time to finish.
 set -uo pipefail
 out_dir=${1:-${OUT:-/tmp}}
 regex=${2:-"kda_decode_fused|k3_assigned_glu|k3_assigned_down"}
@@ -22,7 +25,7 @@ if [[ -z $ncu_bin ]]; then
   exit 1
 fi
 safe=$(echo "$regex" | tr -c 'A-Za-z0-9_\n' '_' | cut -c1-40)
-K3_BENCH_NO_TRACE=1 "$ncu_bin" --clock-control none --target-processes all -k "regex:${regex}" --launch-count ${NCU_LAUNCHES:-24} \
+K3_BENCH_NO_TRACE=1 XLA_PYTHON_CLIENT_PREALLOCATE=false "$ncu_bin" --clock-control none --target-processes all -k "regex:${regex}" --launch-count ${NCU_LAUNCHES:-24} \
   --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
   --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
   python3 benchmarks/decode_kernels_bench.py "${bench_args[@]}" > "${out_dir}/ncu_${safe}.txt" 2>&1

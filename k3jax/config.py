@@ -95,10 +95,12 @@ class ModelConfig:
     # program per head: block_v = the head dim), so only o_proj follows it (one kernel less per layer: 0.974-0.993x
     # the B = 64 step, session 16); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
     kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue_output"
-    # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim). 32:
-    # the session-3 sweep's best; 128 was 7% faster alone in session 10 (decode_kernels_bench --ops=kda), not yet
-    # timed in the model.
+    # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim; the head
+    # dim under "prologue_output"). 32: the session-3 sweep's best; 128 measured the same in the model (session 12).
     kda_decode_block_v: int = 32
+    # Warps per program of that kernel (a power of two). At block_v 128 with 4 warps it sits at 255 registers per
+    # thread, 2 programs per SM (Nsight Compute, RESULTS.md session 16); 8 is the untimed alternative.
+    kda_decode_warps: int = 4
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).
@@ -222,6 +224,8 @@ class ModelConfig:
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
+        if self.kda_decode_warps < 1 or self.kda_decode_warps & (self.kda_decode_warps - 1):
+            raise ConfigError(f"kda_decode_warps must be a power of two >= 1, got {self.kda_decode_warps}")
         if self.kda_impl == "pallas" and not self.kda_kernel_compatible:
             raise ConfigError(
                 "kda_impl='pallas' needs kda_gate='lower_bound' with kda_gate_lower_bound >= -5 (the kernel's f32 "

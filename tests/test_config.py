@@ -22,6 +22,8 @@ from tests.reference import numpy_k3 as ref
     (dict(routed_expert_hidden_size=None), "latent_moe_use_norm=True needs routed_expert_hidden_size"),
     (dict(num_expert_group=3), "not divisible by num_expert_group=3"),
     (dict(kda_decode_block_v=24), "kda_decode_block_v must be a power of two >= 16"),
+    (dict(kda_decode_warps=3), "kda_decode_warps must be a power of two >= 1"),
+    (dict(decode_loop_unroll=0), "decode_loop_unroll must be >= 1"),
     (dict(mla_decode_splits=-1), "mla_decode_splits must be >= 0"),
     (dict(moe_decode_row_tile=8), "moe_decode_row_tile must be a power of two >= 16"),
 ])

@@ -140,6 +140,12 @@ def test_kernel_lowers_for_cuda():
     count, names = triton_kernels(lambda *a: kda_decode_fused(*a, scale=k ** -0.5, lower_bound=-5.0), *args,
                                   name_pattern=r"kda_[a-z_]+")
     assert count == 1 and names == ["kda_decode_fused"]
+    # the output-epilogue form (one program per head), at 8 warps
+    count, names = triton_kernels(
+        lambda *a: kda_decode_fused(*a[:-2], scale=k ** -0.5, lower_bound=-5.0, warps=8, out_gate_bp=a[-2],
+                                    out_norm_v=a[-1]),
+        *args, s((b, h * k), bf), s((k,), f32), name_pattern=r"kda_[a-z_]+")
+    assert count == 1 and names == ["kda_decode_fused"]
 
 
 @pytest.mark.parametrize("block_v,fusion", [(32, "prologue"), (16, "prologue"), (16, "prologue_output")],

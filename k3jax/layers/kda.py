@@ -269,7 +269,7 @@ class KDA(nnx.Module):
         o_bhv, new_s = kda_decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
-            backend=backend, block_v=cfg.kda_decode_block_v, **epilogue)
+            backend=backend, block_v=cfg.kda_decode_block_v, warps=cfg.kda_decode_warps, **epilogue)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)
