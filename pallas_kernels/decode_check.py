@@ -72,13 +72,18 @@ def check_kda_fused(b: int, h: int, kd: int, wm1: int, dtype, backend: str = "gp
             jnp.asarray(rng.standard_normal((b, h)), dtype),
             jnp.asarray([0] + [1] * (b - 1), jnp.int32))
     state = rng.standard_normal((b, h, kd, kd)).astype(np.float32)
-    res = {}
-    for which in (backend, "interpret"):
-        res[which] = kda_decode_fused(*args, jnp.asarray(state), scale=kd ** -0.5, lower_bound=-5.0,
-                                      backend=which)
-    (o, s), (o_ref, s_ref) = res[backend], res["interpret"]
-    return [{"kernel": "kda.decode_fused", "b": b, "h": h, "k": kd, "err_o": _err(o, o_ref),
-             "err_state": _err(s, s_ref), "err": max(_err(o, o_ref), _err(s, s_ref))}]
+    epilogue = dict(out_gate_bp=jnp.asarray(rng.standard_normal((b, p)), dtype),
+                    out_norm_v=jnp.asarray(rng.uniform(0.5, 1.5, kd), jnp.float32), out_eps=1e-5)
+    rows = []
+    for form, extra in (("prologue", {}), ("prologue_output", epilogue)):  # kda_decode_fusion's two kernel forms
+        res = {}
+        for which in (backend, "interpret"):
+            res[which] = kda_decode_fused(*args, jnp.asarray(state), scale=kd ** -0.5, lower_bound=-5.0,
+                                          backend=which, **extra)
+        (o, s), (o_ref, s_ref) = res[backend], res["interpret"]
+        rows.append({"kernel": "kda.decode_fused", "form": form, "b": b, "h": h, "k": kd, "err_o": _err(o, o_ref),
+                     "err_state": _err(s, s_ref), "err": max(_err(o, o_ref), _err(s, s_ref))})
+    return rows
 
 
 def check_split_k(m: int, k: int, n: int, dtype, backend: str = "gpu") -> list[dict]:
