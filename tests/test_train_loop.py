@@ -43,7 +43,7 @@ def _opts(workdir, **kw):
     return TrainOptions(**base)
 
 
-def test_resume_continues_bit_exactly(tmp_path, compile_cache):
+def test_resume_continues_bit_exactly(tmp_path, compile_cache, monkeypatch):
     """Muon + MTP + Quantile Balancing + packed data: 4 steps straight == 2 steps, stop, resume, 2 more steps."""
     cfg = _short_tiny()
     straight = train(cfg, _opts(tmp_path / "a"), log_fn=lambda m: None)
@@ -62,9 +62,19 @@ def test_resume_continues_bit_exactly(tmp_path, compile_cache):
     ckpts = sorted(os.listdir(tmp_path / "b" / "checkpoints"))
     assert ckpts == ["2", "4"], ckpts
 
-    # resuming with a different setup names what differs instead of loading silently
+    # resuming with a different setup names what differs instead of loading silently, and a finished run says
+    # so; both before any model is built (no init of a large model to learn that)
+    from k3jax.training import trainer
+
+    def no_build(*a, **kw):
+        raise AssertionError("the model was built")
+
+    monkeypatch.setattr(trainer, "build", no_build)
     with pytest.raises(checkpointing.CheckpointMismatchError, match="seq_len"):
         train(cfg, _opts(tmp_path / "b", steps=6, seq_len=16), log_fn=lambda m: None)
+    logs = []
+    assert train(cfg, _opts(tmp_path / "b"), log_fn=logs.append) == []
+    assert any("nothing to do" in line for line in logs)
 
 
 def test_non_finite_update_stops_before_saving(tmp_path):

@@ -130,6 +130,12 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
     return trainable, nnx.Optimizer(trainable, tx, wrt=nnx.Param)
 
 
+def run_config(cfg: ModelConfig) -> ModelConfig:
+    """The config a training run uses: `cfg` with routing statistics recorded (the expert-load metrics always;
+    Quantile Balancing when `opts.quantile_balancing`)."""
+    return cfg if cfg.record_routing_stats else cfg.replace(record_routing_stats=True)
+
+
 def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False):
     """(trainable, optimizer, step function, lr schedule) on `mesh`.
 
@@ -139,8 +145,7 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     """
     from sharding.shard import make_sharded_train_step, plan_shardings
 
-    if not cfg.record_routing_stats:  # load metrics always; Quantile Balancing when opts.quantile_balancing
-        cfg = cfg.replace(record_routing_stats=True)
+    cfg = run_config(cfg)
     abstract_pair = nnx.eval_shape(lambda: make_trainable(cfg, opts))
     if abstract:
         trainable, optimizer = abstract_pair
@@ -229,24 +234,30 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     if data is not None and opts.context_stages:
         raise ValueError("context stages need the trainer to open each stage's data itself (pass data=None)")
     mesh = make_mesh_from_option(opts.mesh)
-    trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
-    cfg = trainable.model.cfg
-    counts = _param_counts(trainable)
-    log_fn(f"model: config={cfg.name} params={counts['total']:,} (mtp {counts['mtp']:,}) "
-           f"mesh={dict(mesh.shape)} optimizer={opts.optimizer} quantile_balancing={opts.quantile_balancing}")
-
+    cfg = run_config(cfg)
+    # the checkpoint's setup is checked before the model is built: a mismatch or a finished run costs no init
     manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
     meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys()}
     start = 0
-    if manager is not None and opts.resume and manager.latest_step() is not None:
-        start = manager.latest_step()
-        path = os.path.join(checkpointing.checkpoint_dir(opts.workdir), str(start))
-        checkpointing.check_meta(checkpointing.read_meta(manager, start), cfg, opts.resume_keys(), path)
+    try:
+        if manager is not None and opts.resume and manager.latest_step() is not None:
+            start = manager.latest_step()
+            path = os.path.join(checkpointing.checkpoint_dir(opts.workdir), str(start))
+            checkpointing.check_meta(checkpointing.read_meta(manager, start), cfg, opts.resume_keys(), path)
+        if start < opts.steps:
+            trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
+    except BaseException:
+        if manager is not None:
+            manager.close()
+        raise
     if start >= opts.steps:
         log_fn(f"nothing to do: checkpoint step {start} >= --steps {opts.steps}")
         if manager is not None:
             manager.close()
         return []
+    counts = _param_counts(trainable)
+    log_fn(f"model: config={cfg.name} params={counts['total']:,} (mtp {counts['mtp']:,}) "
+           f"mesh={dict(mesh.shape)} optimizer={opts.optimizer} quantile_balancing={opts.quantile_balancing}")
     stage, seq_len = stage_at(opts, max(start, 1))
     if data is None:
         data = open_data(cfg, opts, log_fn, seq_len=seq_len, stage=stage)
