@@ -239,8 +239,8 @@ class KDA(nnx.Module):
 
     def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
         """The decode kernel backend when `kda_decode_fusion` fuses the prologue ("prologue", "prologue_output")
-        and applies (one token with a state on the
-        Pallas decode kernel, K3's lower-bounded gate, V == K), else None."""
+        and applies (one token with a state on the Pallas decode kernel, K3's lower-bounded gate, V == K), else
+        None."""
         cfg = self.cfg
         if cfg.kda_decode_fusion == "step" or t != 1 or state is None or not with_state or cp_mesh is not None:
             return None

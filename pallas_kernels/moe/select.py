@@ -52,29 +52,6 @@ def select_experts(logits_ne: jax.Array, bias_e: jax.Array, k: int, *, scale: fl
     return weights[:n, :k], experts[:n, :k]
 
 
-def _select_rows(logits, bias_row, *, e: int, k: int, scale: float, renormalize: bool):
-    """The selection of one program's token rows from their f32 logits [tt, Ep] (in-kernel, traced): returns
-    (weights [tt, Kp] f32, experts [tt, Kp] int32), Kp = k rounded up to a power of two (module doc)."""
-    tt, ep = logits.shape
-    kp = next_pow2(k, 1)
-    col = jax.lax.broadcasted_iota(jnp.int32, (tt, ep), 1)
-    slot = jax.lax.broadcasted_iota(jnp.int32, (tt, kp), 1)
-    scores = 1.0 / (1.0 + jnp.exp(-logits))  # sigmoid (exp(-x) -> inf gives 0)
-    biased = scores + bias_row[None, :]
-    biased = jnp.where(biased != biased, -jnp.inf, biased)  # NaN ranks last (and never breaks the argmax)
-    weights = jnp.zeros((tt, kp), _F32)
-    experts = jnp.zeros((tt, kp), jnp.int32)
-    total = jnp.zeros((tt,), _F32)
-    for j, idx, hit in top_k_rounds(biased, col < e, k):  # padding columns are never chosen
-        w = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)  # the unbiased score of the chosen expert
-        total = total + w
-        weights = jnp.where(slot == j, w[:, None], weights)
-        experts = jnp.where(slot == j, idx[:, None], experts)
-    if renormalize:
-        weights = weights / (total[:, None] + 1e-20)
-    return weights * scale, experts
-
-
 @functools.partial(jax.jit, static_argnames=("e", "k", "tt", "scale", "renormalize", "interpret", "warps"))
 def _select_call(logits_ne, bias_e, *, e: int, k: int, tt: int, scale: float, renormalize: bool, interpret: bool,
                  warps: int):
@@ -82,8 +59,23 @@ def _select_call(logits_ne, bias_e, *, e: int, k: int, tt: int, scale: float, re
     kp = next_pow2(k, 1)
 
     def kernel(logits_ref, bias_ref, weights_ref, experts_ref):
-        weights_ref[...], experts_ref[...] = _select_rows(logits_ref[...], bias_ref[...], e=e, k=k, scale=scale,
-                                                          renormalize=renormalize)
+        col = jax.lax.broadcasted_iota(jnp.int32, (tt, ep), 1)
+        slot = jax.lax.broadcasted_iota(jnp.int32, (tt, kp), 1)
+        scores = 1.0 / (1.0 + jnp.exp(-logits_ref[...]))  # sigmoid (exp(-x) -> inf gives 0)
+        biased = scores + bias_ref[...][None, :]
+        biased = jnp.where(biased != biased, -jnp.inf, biased)  # NaN ranks last (and never breaks the argmax)
+        weights = jnp.zeros((tt, kp), _F32)
+        experts = jnp.zeros((tt, kp), jnp.int32)
+        total = jnp.zeros((tt,), _F32)
+        for j, idx, hit in top_k_rounds(biased, col < e, k):  # padding columns are never chosen
+            w = jnp.sum(jnp.where(hit, scores, 0.0), axis=1)  # the unbiased score of the chosen expert
+            total = total + w
+            weights = jnp.where(slot == j, w[:, None], weights)
+            experts = jnp.where(slot == j, idx[:, None], experts)
+        if renormalize:
+            weights = weights / (total[:, None] + 1e-20)
+        weights_ref[...] = weights * scale
+        experts_ref[...] = experts
 
     return pl.pallas_call(
         kernel,
