@@ -196,13 +196,14 @@ def test_unrolled_decode_loop_gives_the_same_tokens(monkeypatch):
     real_scan = jax.lax.scan
     monkeypatch.setattr(sched_mod.jax.lax, "scan",
                         lambda *a, **kw: unrolls.append(kw.get("unroll")) or real_scan(*a, **kw))
-    model = tiny_model(NAME)
-    model.cfg = dataclasses.replace(model.cfg, decode_loop_unroll=2)
+    model = tiny_model(NAME)  # shared with the other tests: its config is restored as it was
+    original = model.cfg
+    model.cfg = dataclasses.replace(original, decode_loop_unroll=2)
     try:
         s = Scheduler(model, num_slots=2, max_len=MAX_LEN, decode_steps=3)
         out = s.generate([Request(0, PROMPTS[0], 7, eos_ids=[]), Request(1, PROMPTS[4], 5, eos_ids=[])])
     finally:
-        model.cfg = dataclasses.replace(model.cfg, decode_loop_unroll=1)
+        model.cfg = original
     assert 2 in unrolls  # the decode loop was traced unrolled
     assert out[0] == (greedy_alone(PROMPTS[0], 7), "length")
     assert out[1] == (greedy_alone(PROMPTS[4], 5), "length")
