@@ -25,6 +25,21 @@ class ConfigError(ValueError):
     """A config field is missing, unknown or out of range. The message names the field."""
 
 
+def parse_kernel_tiling(name: str, text: str) -> tuple[int, int, int, int] | None:
+    """"tk-tn-warps-stages" -> (tk, tn, warps, stages), "" -> None (the kernel's default); tk, tn and warps
+    powers of two, stages >= 1. `name`: the config field, for the error."""
+    if not text:
+        return None
+    parts = text.split("-")
+    if len(parts) != 4 or not all(p.isdigit() for p in parts):
+        raise ConfigError(f"{name} must be 'tk-tn-warps-stages' (four positive integers) or '', got {text!r}")
+    tk, tn, warps, stages = (int(p) for p in parts)
+    if any(v < 1 or v & (v - 1) for v in (tk, tn, warps)) or tk < 16 or tn < 16 or stages < 1:
+        raise ConfigError(f"{name}: tk and tn must be powers of two >= 16, warps a power of two, stages >= 1; "
+                          f"got {text!r}")
+    return tk, tn, warps, stages
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerSpec:
     """What one decoder layer is made of."""
@@ -133,6 +148,10 @@ class ModelConfig:
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
+    # Load tiles of those two kernels, "tk-tn-warps-stages" each (tk / tn powers of two; "" = the kernels' default,
+    # pallas_kernels.moe.assigned.ASSIGNED_TILING: 32-128-4-4), for the GLU (gate + up) and the down kernel.
+    moe_assigned_glu_tiling: str = ""
+    moe_assigned_down_tiling: str = ""
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
     # step time, RESULTS.md session 15)
@@ -220,6 +239,8 @@ class ModelConfig:
             raise ConfigError(f"decode_loop_unroll must be >= 1, got {self.decode_loop_unroll}")
         if self.moe_assigned_splits < 1:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
+        for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
+            parse_kernel_tiling(name, getattr(self, name))
         for name in ("kda_decode_block_v", "moe_decode_row_tile"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):

@@ -82,6 +82,25 @@ def test_layer_combine_equals_every_expert_on_every_token():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
 
 
+def test_configured_load_tiles_reach_both_kernels_and_keep_the_result():
+    from k3jax.config import ConfigError
+    from k3jax.layers import moe
+    from tests.conftest import moe_problem
+
+    p = moe_problem(9, seed=2)
+    cfg = p.cfg.replace(moe_assigned_glu_tiling="16-16-2-2", moe_assigned_down_tiling="16-32-1-3")
+    glu, down = moe.assigned_tilings(cfg)
+    assert (glu.tk, glu.tn, glu.num_warps, glu.num_stages) == (16, 16, 2, 2)
+    assert (down.tk, down.tn, down.num_warps, down.num_stages, down.tm) == (16, 32, 1, 3, cfg.moe_decode_row_tile)
+    assert moe.assigned_tilings(p.cfg) == (assigned.ASSIGNED_TILING,) * 2
+    got = moe.experts_assigned(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, cfg, "interpret")
+    want = moe.experts_dense(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, p.cfg)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
+    for bad in ("64-128-4", "48-128-4-4", "64-128-4-0", "a-b-c-d"):
+        with pytest.raises(ConfigError, match="moe_assigned_glu_tiling"):
+            p.cfg.replace(moe_assigned_glu_tiling=bad)
+
+
 def test_differentiating_through_the_assigned_kernels_is_refused_by_name():
     from k3jax.layers import moe
     from k3jax.ops.gmm import InferenceOnlyError

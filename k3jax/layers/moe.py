@@ -12,7 +12,7 @@ from flax import nnx
 
 from k3jax.numerics import upcast, wide
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, parse_kernel_tiling
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
@@ -133,6 +133,21 @@ _no_grad_through_select = refuse_gradients(
     "moe_decode_select='xla' to differentiate")
 
 
+def assigned_tilings(cfg: ModelConfig):
+    """The plan-free GLU's and down kernel's tilings: the kernels' default (`assigned.ASSIGNED_TILING`) with
+    `cfg.moe_decode_row_tile` rows and the load tiles of `cfg.moe_assigned_glu_tiling` / `moe_assigned_down_tiling`
+    where set."""
+    from pallas_kernels.moe.assigned import ASSIGNED_TILING  # lazy: pallas_kernels imports k3jax modules
+
+    base = ASSIGNED_TILING._replace(tm=cfg.moe_decode_row_tile)
+    out = []
+    for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
+        loads = parse_kernel_tiling(name, getattr(cfg, name))
+        out.append(base if loads is None else base._replace(**dict(zip(("tk", "tn", "num_warps", "num_stages"),
+                                                                        loads))))
+    return tuple(out)
+
+
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str, *,
                      tiling=None, splits: int | None = None):
     """The routed experts of a decode step without the expert-sorted plan (`pallas_kernels.moe.assigned`): the
@@ -140,18 +155,19 @@ def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     each token sums its k rows weighted (f32, in j order, as `experts_planned`). Inference only; GPU kernels
     (or their interpreter). `tiling` / `splits`: the kernels' (default: the decode tiling with
     `cfg.moe_decode_row_tile` rows, `cfg.moe_assigned_splits`), e.g. for benchmarks."""
-    from pallas_kernels.gmm import DECODE_TILING  # lazy: pallas_kernels imports k3jax modules
-    from pallas_kernels.moe import assigned
+    from pallas_kernels.moe import assigned  # lazy: pallas_kernels imports k3jax modules
 
     n, k = experts_nk.shape
     situ = cfg.hidden_act == "situ"
-    walk = dict(tiling=tiling or DECODE_TILING._replace(tm=cfg.moe_decode_row_tile),
-                splits=splits or cfg.moe_assigned_splits, backend=backend)
+    glu_tiling, down_tiling = (tiling, tiling) if tiling else assigned_tilings(cfg)
+    walk = dict(splits=splits or cfg.moe_assigned_splits, backend=backend)
     z_nl, w1_elm, w3_elm, w2_eml = (_no_grad_through_assigned(a) for a in (z_nl, w1_elm, w3_elm, w2_eml))
     hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
                                    beta1=cfg.activation_situ_beta if situ else None,
-                                   beta2=cfg.activation_situ_linear_beta if situ else None, **walk)
-    out = assigned.assigned_down(hidden, experts_nk, w2_eml, out_dtype=wide(hidden.dtype), **walk)
+                                   beta2=cfg.activation_situ_linear_beta if situ else None, tiling=glu_tiling,
+                                   **walk)
+    out = assigned.assigned_down(hidden, experts_nk, w2_eml, out_dtype=wide(hidden.dtype), tiling=down_tiling,
+                                 **walk)
     return (out[:n * k].reshape(n, k, -1) * weights_nk[..., None].astype(out.dtype)).sum(axis=1)
 
 
@@ -308,7 +324,8 @@ class LatentMoE(nnx.Module):
 
         n, lat = z_shape
         m = cfg.moe_intermediate_size
-        if not (assigned.applies(n, lat, m) and assigned.applies(n, m, lat)):
+        glu_tiling, down_tiling = assigned_tilings(cfg)
+        if not (assigned.applies(n, lat, m, glu_tiling) and assigned.applies(n, m, lat, down_tiling)):
             return None
         if cfg.moe_decode_experts == "auto" and \
                 n * cfg.num_experts_per_token > assigned.AUTO_MAX_ROWS_PER_EXPERT * cfg.num_experts:

@@ -15,7 +15,8 @@ These two kernels take the router's ``experts [N, k]`` as they are:
 
 Every assignment row is written by exactly one program (a token picks an expert at most once), so the result needs
 no zero fill and no atomics; the caller's combine is ``Σ_j w_nj · out[n * k + j]`` over a reshape. Each row's
-products are the same f32 tile sums as the planned kernels' (same tk), only the row order differs.
+products are the same f32 sums in the same contraction order as the planned kernels' (on the GPU the MMA accumulates
+16-deep slices in order, whatever tk), only the row order differs.
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). Inference only
 (no VJP): the MoE layer uses it in decode steps (`cfg.moe_decode_experts`: "auto" up to `AUTO_MAX_ROWS_PER_EXPERT`
@@ -36,7 +37,7 @@ from pallas_kernels.gmm.api import DECODE_TILING, Tiling
 from pallas_kernels.gmm.gpu import dot_precision
 from pallas_kernels.tiling import next_pow2
 
-__all__ = ["AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
+__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
            "fit_tiling"]
 
 BACKENDS = ("gpu", "interpret")
@@ -47,6 +48,10 @@ MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes onl
 # walk's L2 bands). RESULTS.md, sessions 14-15.
 AUTO_MAX_ROWS_PER_EXPERT = 16
 DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
+# The decode tiling with 32-deep contraction steps (tm 16, tn 128, 4 warps, 4 stages): k3_gpu B = 64 on an H200,
+# both kernels, 0.976x the step time of tk 64 (same-process A/B; 0.996x GLU alone, 0.991x down alone in another
+# process; alone 41.9 / 23.6 vs 42.6 / 24.5 µs); the same f32 sums in the same k order. RESULTS.md, session 17.
+ASSIGNED_TILING = DECODE_TILING._replace(tk=32)
 
 
 def fit_tiling(tiling: Tiling, k_in: int, n_out: int) -> Tiling:
@@ -54,7 +59,7 @@ def fit_tiling(tiling: Tiling, k_in: int, n_out: int) -> Tiling:
     return tiling._replace(tk=min(tiling.tk, k_in), tn=min(tiling.tn, n_out))
 
 
-def applies(n_tokens: int, k_in: int, n_out: int, tiling: Tiling = DECODE_TILING) -> bool:
+def applies(n_tokens: int, k_in: int, n_out: int, tiling: Tiling = ASSIGNED_TILING) -> bool:
     """Whether a call on N tokens with contraction `k_in` and `n_out` output columns fits these kernels: decode
     sizes, widths that the (capped, power-of-two) tiles divide."""
     t = fit_tiling(tiling, k_in, n_out)
@@ -142,7 +147,7 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
 @functools.partial(jax.jit, static_argnames=("activation", "beta1", "beta2", "tiling", "splits", "backend"))
 def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, w_up_elm: jax.Array, *,
                  activation: str = "situ", beta1: float | None = None, beta2: float | None = None,
-                 tiling: Tiling = DECODE_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu") -> jax.Array:
+                 tiling: Tiling = ASSIGNED_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu") -> jax.Array:
     """[N·k + tm, M] in z's dtype: row n * k + j = act(z[n] @ w_gate[e], z[n] @ w_up[e]) for e = experts[n, j]
     (f32 products and activation, `epilogue.glu_f32`); the last tm rows are scratch. z [N, L], experts int32
     [N, k] (distinct per token, in [0, E)), weights [E, L, M]."""
@@ -174,7 +179,7 @@ def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "splits", "backend", "out_dtype"))
 def assigned_down(h_pm: jax.Array, experts_nk: jax.Array, w_down_eml: jax.Array, *,
-                  tiling: Tiling = DECODE_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu",
+                  tiling: Tiling = ASSIGNED_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu",
                   out_dtype=jnp.float32) -> jax.Array:
     """[N·k + tm, L] in `out_dtype` (f32 accumulation): row p = n * k + j is h[p] @ w_down[experts[n, j]]; the
     last tm rows are scratch. h [>= N·k, M] (`assigned_glu`'s layout), experts int32 [N, k], w_down [E, M, L]."""
