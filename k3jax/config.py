@@ -149,7 +149,7 @@ class ModelConfig:
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
     moe_assigned_splits: int = 4
     # Load tiles of those two kernels, "tk-tn-warps-stages" each (tk / tn powers of two; "" = the kernels' default,
-    # pallas_kernels.moe.assigned.ASSIGNED_TILING: 32-128-4-4), for the GLU (gate + up) and the down kernel.
+    # pallas_kernels.moe.assigned.ASSIGNED_TILING: 64-128-4-4), for the GLU (gate + up) and the down kernel.
     moe_assigned_glu_tiling: str = ""
     moe_assigned_down_tiling: str = ""
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the

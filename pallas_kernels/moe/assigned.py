@@ -37,8 +37,8 @@ from pallas_kernels.gmm.api import DECODE_TILING, Tiling
 from pallas_kernels.gmm.gpu import dot_precision
 from pallas_kernels.tiling import next_pow2
 
-__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down", "assigned_glu",
-           "fit_tiling"]
+__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down",
+           "assigned_glu", "fit_tiling"]
 
 BACKENDS = ("gpu", "interpret")
 MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes only
@@ -48,10 +48,11 @@ MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes onl
 # walk's L2 bands). RESULTS.md, sessions 14-15.
 AUTO_MAX_ROWS_PER_EXPERT = 16
 DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
-# The decode tiling with 32-deep contraction steps (tm 16, tn 128, 4 warps, 4 stages): k3_gpu B = 64 on an H200,
-# both kernels, 0.976x the step time of tk 64 (same-process A/B; 0.996x GLU alone, 0.991x down alone in another
-# process; alone 41.9 / 23.6 vs 42.6 / 24.5 µs); the same f32 sums in the same k order. RESULTS.md, session 17.
-ASSIGNED_TILING = DECODE_TILING._replace(tk=32)
+# The kernels' default tiling: the decode tiling (tm 16, tk 64, tn 128, 4 warps, 4 stages). 32-deep contraction
+# tiles measured 0.976x, then 1.002-1.014x the step time at k3_gpu B = 64 in two processes on an H200 (alone: GLU
+# 41.9 vs 42.6 µs, down 23.6 vs 24.5): within the noise, not taken (RESULTS.md, session 17;
+# `moe_assigned_glu_tiling` / `moe_assigned_down_tiling` set them per kernel).
+ASSIGNED_TILING = DECODE_TILING
 
 
 def fit_tiling(tiling: Tiling, k_in: int, n_out: int) -> Tiling:
