@@ -275,6 +275,93 @@ def bench_hbm(cfg, rows, chain, iters, backend, stream_tilings, rotate):
     return out
 
 
+def _glu_lhs_variant(z_nl, experts_nk, w_gate, w_up, *, lhs: str, tiling, splits: int, interpret: bool):
+    """Diagnostic twins of `assigned_glu` (same walk, weights and epilogue) that differ only in how a row tile of
+    z is read: ``contiguous`` loads z's first tm rows instead of the gathered ones (wrong result; what the kernel
+    would cost if its activation rows needed no gather), ``onehot`` loads the whole [N, tk] z slice (contiguous)
+    and picks the tile's rows with a one-hot [tm, N] matmul (exact: one nonzero bf16 product per output)."""
+    from jax.experimental import pallas as pl
+
+    from pallas_kernels.gmm import epilogue
+    from pallas_kernels.moe import assigned
+    from pallas_kernels.tiling import next_pow2
+
+    tiling = assigned.fit_tiling(tiling, *w_gate.shape[1:])
+    tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
+    steps = z_nl.shape[1] // tk
+    n = z_nl.shape[0]
+    np_ = next_pow2(n, 16)
+    z_pad = jnp.pad(z_nl, ((0, np_ - n), (0, 0)))
+    dot = functools.partial(jax.lax.dot_general, dimension_numbers=(((1,), (0,)), ((), ())),
+                            preferred_element_type=jnp.float32)
+
+    def tile_body(e, rows, n0, z_ref, gate_ref, up_ref):
+        if lhs == "onehot":
+            pick = (rows[:, None] == jax.lax.broadcasted_iota(jnp.int32, (tm, np_), 1)).astype(z_nl.dtype)
+
+        def body(kk, accs):
+            k0 = pl.multiple_of(kk * tk, tk)
+            if lhs == "contiguous":
+                a = z_ref[pl.ds(0, tm), pl.ds(k0, tk)]
+            else:
+                a = dot(pick, z_ref[:, pl.ds(k0, tk)]).astype(z_nl.dtype)  # [tm, tk]: the tile's rows, exact
+            return (accs[0] + dot(a, gate_ref[e, pl.ds(k0, tk), pl.ds(n0, tn)]),
+                    accs[1] + dot(a, up_ref[e, pl.ds(k0, tk), pl.ds(n0, tn)]))
+
+        zeros = jnp.zeros((tm, tn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, steps, body, (zeros, zeros))
+        return epilogue.glu_f32(gate, up, "situ", 4.0, 25.0)
+
+    return assigned._assigned_call(tile_body, z_pad, (w_gate, w_up), experts_nk, lhs_by_token=True,
+                                   n_out=w_gate.shape[2], out_dtype=z_nl.dtype, tiling=tiling, splits=splits,
+                                   interpret=interpret, name=f"k3_glu_{lhs}")
+
+
+def bench_glu_lhs(cfg, rows, chain, iters, backend, rotate):
+    """The plan-free GLU kernel alone (its default tiling) beside its two diagnostic twins (`_glu_lhs_variant`):
+    how much of its time the gathered activation rows cost."""
+    from pallas_kernels.moe import assigned
+
+    e, lat, inter, k = (cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size,
+                        cfg.moe_intermediate_size, cfg.num_experts_per_token)
+    rng = np.random.default_rng(4)
+    experts = jnp.asarray(np.stack([rng.choice(e, size=k, replace=False) for _ in range(rows)]), jnp.int32)
+    z = jnp.asarray(rng.standard_normal((rows, lat)), jnp.bfloat16)
+    ws = [tuple(jnp.asarray(rng.standard_normal((e, lat, inter)) / np.sqrt(lat), jnp.bfloat16) for _ in range(2))
+          for _ in range(rotate)]
+    interpret = backend == "interpret"
+    t = assigned.ASSIGNED_TILING
+    calls = {"gather (the kernel)": lambda zz, w: assigned.assigned_glu(
+                 zz, experts, *w, activation="situ", beta1=4.0, beta2=25.0, tiling=t,
+                 backend="interpret" if interpret else "gpu"),
+             "contiguous rows (diagnostic, wrong result)": lambda zz, w: _glu_lhs_variant(
+                 zz, experts, *w, lhs="contiguous", tiling=t, splits=4, interpret=interpret),
+             "one-hot row pick": lambda zz, w: _glu_lhs_variant(
+                 zz, experts, *w, lhs="onehot", tiling=t, splits=4, interpret=interpret)}
+    out, want = [], None
+    for name, fn in calls.items():
+        def one(c, fn=fn):
+            for i in range(rotate):
+                c = (fn(c, ws[i])[:rows, :lat] * 4.0).astype(c.dtype)
+            return c
+        row = {"op": "glu_lhs", "rows": rows, "impl": name}
+        try:
+            f = _chain(one, chain)
+            row["wall_us"] = median_ms(lambda: f(z), iters) / chain / rotate * 1e3
+            dev = _device_us(f, z, iters, chain)
+            row.update(dev)
+            row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+            got = np.asarray(jax.jit(lambda zz: fn(zz, ws[0]))(z)[:rows * k], np.float32)
+            if want is None:
+                want = got
+            else:
+                row["err"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+        except Exception as ex:  # noqa: BLE001
+            row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
+        _emit(out, row)
+    return out
+
+
 def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
     """The routed experts of one decode MoE layer on `rows` tokens with a random top-k routing: the planned path
     (`moe.experts_dropless`: argsort plan, row gather, `gmm_glu`, `gmm`, combine) vs the plan-free kernels
@@ -298,8 +385,9 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
     def planned(zz, w):
         return moe.experts_dropless(zz, weights, experts, *w, cfg)
 
-    def assigned_call(zz, w, t: Tiling, splits: int):
-        return moe.experts_assigned(zz, weights, experts, *w, cfg, kb, tiling=t, splits=splits)
+    def assigned_call(zz, w, t: Tiling, splits: int, order: str):
+        return moe.experts_assigned(zz, weights, experts, *w, cfg.replace(moe_assigned_order=order), kb, tiling=t,
+                                    splits=splits)
 
     def emit(name, fn):
         def one(c):
@@ -329,9 +417,12 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
     finally:
         gmm_ops._kernel_backend_here = real_backend
     for text in tilings:
-        tm, tk, tn, wp, st, sp = (int(v) for v in text.split("-"))
+        parts = text.split("-")
+        order = "column" if parts[-1] == "c" else "expert"
+        tm, tk, tn, wp, st, sp = (int(v) for v in parts[:6])
         try:
-            emit(f"assigned {text}", functools.partial(assigned_call, t=Tiling(tm, tk, tn, wp, st), splits=sp))
+            emit(f"assigned {text}", functools.partial(assigned_call, t=Tiling(tm, tk, tn, wp, st), splits=sp,
+                                                       order=order))
         except Exception as ex:  # noqa: BLE001
             _emit(out, {"op": "experts", "rows": rows, "impl": f"assigned {text}", "error": str(ex)[:200]})
     return out
@@ -349,7 +440,7 @@ def main(argv=None):
     ap.add_argument("--kda_variants", default="128-4o,32-4,128-4,128-8o",
                     help="fused KDA decode block_v-warps; suffix 'o': with the output epilogue (the model's default)")
     ap.add_argument("--experts_tilings", default="16-64-128-4-4-4,16-64-128-4-4-2,16-128-128-4-3-4,16-64-64-4-4-4,"
-                    "16-64-256-8-3-4,32-64-128-4-4-2", help="experts op: assigned tm-tk-tn-warps-stages-splits")
+                    "16-64-256-8-3-4,32-64-128-4-4-2", help="experts op: assigned tm-tk-tn-warps-stages-splits[-c] (c: column launch order)")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)
@@ -370,6 +461,8 @@ def main(argv=None):
         if "experts" in args.ops:
             rows_out += bench_experts(cfg, rows, args.chain, args.iters, args.backend,
                                       args.experts_tilings.split(","), args.rotate)
+        if "glu_lhs" in args.ops:
+            rows_out += bench_glu_lhs(cfg, rows, args.chain, args.iters, args.backend, args.rotate)
         if "attn_res" in args.ops:
             rows_out += bench_attn_res(rows, cfg.hidden_size, bank_rows, cfg.jnp_dtype, args.mix_variants.split(","),
                                        args.backend, args.chain, args.iters)
@@ -386,7 +479,8 @@ def main(argv=None):
         case = {"attn_res": lambda: f"{r['num_filled']} filled", "route": lambda: f"E={r['experts']} k={r['k']}",
                 "kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
                 "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
-                "experts": lambda: "E={} k={}".format(cfg.num_experts, cfg.num_experts_per_token)}[r["op"]]()
+                "experts": lambda: "E={} k={}".format(cfg.num_experts, cfg.num_experts_per_token),
+                "glu_lhs": lambda: "GLU alone"}[r["op"]]()
         check = (f"err {r['err']:.1e}" if "err" in r else f"{r['mismatches']} mismatches" if "mismatches" in r
                  else r.get("error", "(peer)"))
         if "o_err" in r:

@@ -152,6 +152,9 @@ class ModelConfig:
     # pallas_kernels.moe.assigned.ASSIGNED_TILING: 64-128-4-4), for the GLU (gate + up) and the down kernel.
     moe_assigned_glu_tiling: str = ""
     moe_assigned_down_tiling: str = ""
+    # Launch order of those kernels after the splits: "expert" (default: the programs in flight stream many experts'
+    # same column tile) or "column" (one expert's column tiles side by side: whole weight rows in flight).
+    moe_assigned_order: Literal["expert", "column"] = "expert"
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
     # step time, RESULTS.md session 15)

@@ -160,7 +160,7 @@ def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     n, k = experts_nk.shape
     situ = cfg.hidden_act == "situ"
     glu_tiling, down_tiling = (tiling, tiling) if tiling else assigned_tilings(cfg)
-    walk = dict(splits=splits or cfg.moe_assigned_splits, backend=backend)
+    walk = dict(splits=splits or cfg.moe_assigned_splits, backend=backend, order=cfg.moe_assigned_order)
     z_nl, w1_elm, w3_elm, w2_eml = (_no_grad_through_assigned(a) for a in (z_nl, w1_elm, w3_elm, w2_eml))
     hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
                                    beta1=cfg.activation_situ_beta if situ else None,

@@ -37,7 +37,7 @@ from pallas_kernels.gmm.api import DECODE_TILING, Tiling
 from pallas_kernels.gmm.gpu import dot_precision
 from pallas_kernels.tiling import next_pow2
 
-__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "applies", "assigned_down",
+__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "ORDERS", "applies", "assigned_down",
            "assigned_glu", "fit_tiling"]
 
 BACKENDS = ("gpu", "interpret")
@@ -93,14 +93,21 @@ def _padded_ids(experts_nk):
     return jnp.pad(experts_nk.astype(jnp.int32), ((0, np_ - n), (0, kp - k)), constant_values=-1)
 
 
+ORDERS = ("expert", "column")
+
+
 def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n_out: int, out_dtype, tiling,
-                   splits: int, interpret: bool, name: str):
+                   splits: int, interpret: bool, name: str, order: str = "expert"):
     """The shared walk: grid (splits, E, n_out / tn); `tile_body(e, lhs_rows [tm], n0, lhs_ref, *weight_refs)`
     returns the [tm, tn] f32 block of those lhs rows (token rows if `lhs_by_token`, else assignment rows) through
     expert e's weights, stored at the assignment rows n * k + j. The first grid axis launches fastest, so the
     splits of one (expert, column tile) run side by side and an expert's second row tile reads the weight tile its
     first is streaming from L2 (expert-fastest order: 1.006-1.044x the step time at k3_gpu B = 64, ~1.05x at 128;
-    RESULTS.md, session 15)."""
+    RESULTS.md, session 15). `order`: which of the other two axes launches next, "expert" (default: the programs
+    in flight stream many experts' same column tile) or "column" (an expert's column tiles side by side, so the
+    programs in flight read whole weight rows)."""
+    if order not in ORDERS:
+        raise ValueError(f"{name}: unknown order {order!r}; expected one of {ORDERS}")
     n, k = experts_nk.shape
     ids = _padded_ids(experts_nk)
     np_, kp = ids.shape
@@ -110,6 +117,8 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
     def kernel(ids_ref, lhs_ref, *refs):
         *weight_refs, out_ref = refs
         split, e, col = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        if order == "column":
+            e, col = col, e
         n0 = pl.multiple_of(col * tn, tn)
         match = ids_ref[...] == e  # [Np, Kp]
         hit = jnp.sum(match.astype(jnp.int32), axis=1)  # [Np]: 1 if token n chose e (at most once)
@@ -137,7 +146,7 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((n * k + tm, n_out), out_dtype),
-        grid=(splits, e_count, n_out // tn),
+        grid=(splits, e_count, n_out // tn) if order == "expert" else (splits, n_out // tn, e_count),
         interpret=interpret,
         compiler_params=None if interpret else plt.CompilerParams(num_warps=tiling.num_warps,
                                                                   num_stages=tiling.num_stages),
@@ -145,10 +154,12 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
     )(ids, lhs, *weights)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "beta1", "beta2", "tiling", "splits", "backend"))
+@functools.partial(jax.jit, static_argnames=("activation", "beta1", "beta2", "tiling", "splits", "backend",
+                                             "order"))
 def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, w_up_elm: jax.Array, *,
                  activation: str = "situ", beta1: float | None = None, beta2: float | None = None,
-                 tiling: Tiling = ASSIGNED_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu") -> jax.Array:
+                 tiling: Tiling = ASSIGNED_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu",
+                 order: str = "expert") -> jax.Array:
     """[N·k + tm, M] in z's dtype: row n * k + j = act(z[n] @ w_gate[e], z[n] @ w_up[e]) for e = experts[n, j]
     (f32 products and activation, `epilogue.glu_f32`); the last tm rows are scratch. z [N, L], experts int32
     [N, k] (distinct per token, in [0, E)), weights [E, L, M]."""
@@ -175,13 +186,13 @@ def assigned_glu(z_nl: jax.Array, experts_nk: jax.Array, w_gate_elm: jax.Array, 
 
     return _assigned_call(tile_body, z_nl, (w_gate_elm, w_up_elm), experts_nk, lhs_by_token=True,
                           n_out=w_gate_elm.shape[2], out_dtype=z_nl.dtype, tiling=tiling, splits=splits,
-                          interpret=backend == "interpret", name="k3_assigned_glu")
+                          interpret=backend == "interpret", name="k3_assigned_glu", order=order)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "splits", "backend", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("tiling", "splits", "backend", "out_dtype", "order"))
 def assigned_down(h_pm: jax.Array, experts_nk: jax.Array, w_down_eml: jax.Array, *,
                   tiling: Tiling = ASSIGNED_TILING, splits: int = DEFAULT_SPLITS, backend: str = "gpu",
-                  out_dtype=jnp.float32) -> jax.Array:
+                  out_dtype=jnp.float32, order: str = "expert") -> jax.Array:
     """[N·k + tm, L] in `out_dtype` (f32 accumulation): row p = n * k + j is h[p] @ w_down[experts[n, j]]; the
     last tm rows are scratch. h [>= N·k, M] (`assigned_glu`'s layout), experts int32 [N, k], w_down [E, M, L]."""
     _check("assigned_down", h_pm, experts_nk, w_down_eml, lambda n, k: n * k, backend, tiling, splits)
@@ -201,4 +212,4 @@ def assigned_down(h_pm: jax.Array, experts_nk: jax.Array, w_down_eml: jax.Array,
 
     return _assigned_call(tile_body, h_pm, (w_down_eml,), experts_nk, lhs_by_token=False,
                           n_out=w_down_eml.shape[2], out_dtype=jnp.dtype(out_dtype), tiling=tiling, splits=splits,
-                          interpret=backend == "interpret", name="k3_assigned_down")
+                          interpret=backend == "interpret", name="k3_assigned_down", order=order)
