@@ -37,8 +37,8 @@ from pallas_kernels.gmm.api import DECODE_TILING, Tiling
 from pallas_kernels.gmm.gpu import dot_precision
 from pallas_kernels.tiling import next_pow2
 
-__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "ORDERS", "applies", "assigned_down",
-           "assigned_glu", "fit_tiling"]
+__all__ = ["ASSIGNED_TILING", "AUTO_MAX_ROWS_PER_EXPERT", "BACKENDS", "MAX_TOKENS", "ORDERS", "applies",
+           "assigned_down", "assigned_glu", "fit_tiling"]
 
 BACKENDS = ("gpu", "interpret")
 MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes only
