@@ -26,6 +26,9 @@ from tests.reference import numpy_k3 as ref
     (dict(decode_loop_unroll=0), "decode_loop_unroll must be >= 1"),
     (dict(mla_decode_splits=-1), "mla_decode_splits must be >= 0"),
     (dict(moe_decode_row_tile=8), "moe_decode_row_tile must be a power of two >= 16"),
+    (dict(moe_assigned_down_tiling="64-100-4-4"), "moe_assigned_down_tiling: tk and tn must be powers of two"),
+    (dict(moe_assigned_glu_tiling="64-128"), "moe_assigned_glu_tiling must be 'tk-tn-warps-stages'"),
+    (dict(moe_assigned_order="row"), "moe_assigned_order must be one of"),
 ])
 def test_invalid_fields_are_named(overrides, message):
     with pytest.raises(ConfigError) as err:
