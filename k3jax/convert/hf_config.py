@@ -27,9 +27,7 @@ RUNTIME_FIELDS = frozenset({"name", "param_dtype", "dtype", "kda_chunk_size", "k
                             "decode_matmul_impl", "attn_res_impl", "moe_route_impl", "moe_gmm_walk",
                             "moe_decode_row_tile", "moe_decode_experts", "moe_assigned_splits",
                             "moe_assigned_glu_tiling", "moe_assigned_down_tiling", "moe_assigned_order",
-                            "moe_decode_select",
-                            "decode_loop_unroll",
-                            "moe_impl", "scan_layers", "remat",
+                            "moe_decode_select", "decode_loop_unroll", "moe_impl", "scan_layers", "remat",
                             "initializer_range", "max_position_embeddings", "record_routing_stats",
                             "routing_histogram_bins", "moe_expert_parallel", "expert_weights"})
 

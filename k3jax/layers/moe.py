@@ -153,8 +153,8 @@ def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     """The routed experts of a decode step without the expert-sorted plan (`pallas_kernels.moe.assigned`): the
     fused GLU and the down kernels take the top-k ids as they are and write each assignment's row at n * k + j;
     each token sums its k rows weighted (f32, in j order, as `experts_planned`). Inference only; GPU kernels
-    (or their interpreter). `tiling` / `splits`: the kernels' (default: the decode tiling with
-    `cfg.moe_decode_row_tile` rows, `cfg.moe_assigned_splits`), e.g. for benchmarks."""
+    (or their interpreter), launched in `cfg.moe_assigned_order`. `tiling` (both kernels) / `splits`: overrides
+    for benchmarks (default: `assigned_tilings(cfg)`, `cfg.moe_assigned_splits`)."""
     from pallas_kernels.moe import assigned  # lazy: pallas_kernels imports k3jax modules
 
     n, k = experts_nk.shape
