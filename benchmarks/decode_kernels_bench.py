@@ -8,21 +8,24 @@ Ops (`--ops`):
   the XLA composite `k3jax.layers.attn_res._composite`, for 1, 4 and all bank rows filled;
 - ``route``: the routing plan: `pallas_kernels.moe.route_plan` (variants: warps) vs `jax.lax.top_k` +
   `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount);
-- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps), chained
-  through its f32 state, beside an XLA pass over the same state (``s * c + 1``: one f32 read + one write, the
-  traffic's streaming ceiling); kernel rows report their state's and output's max difference from the first
-  variant's;
+- ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps, suffix ``o``
+  with the output epilogue, the model's default), chained through its f32 state, beside an XLA pass over the same
+  state (``s * c + 1``: one f32 read + one write, the traffic's streaming ceiling); kernel rows report their
+  state's and output's max difference from the first variant's;
 - ``experts``: one decode MoE layer's routed experts on random routing: the planned path (plan + `gmm_glu` +
-  `gmm`) vs the plan-free `pallas_kernels.moe.assigned` kernels per ``--experts_tilings``;
+  `gmm`) vs the plan-free `pallas_kernels.moe.assigned` kernels per ``--experts_tilings`` (the three longest
+  kernels' mean times in ``kernels``);
+- ``glu_lhs``: the plan-free GLU kernel alone beside two diagnostic twins that read z's rows differently
+  (contiguous rows: wrong by design; a one-hot row-pick matmul: exact), i.e. what its row gather costs;
 - ``hbm``: how fast the routed experts' weights stream on this GPU: an XLA reduction over a bf16 weight stack, a
   read-only Pallas stream of it (`_stream_sum`, variants ``--stream_tilings``) and our grouped matmuls (`gmm_glu`,
   `gmm`) on ``rows`` x top-k balanced rows.
 Each timing is ``--chain`` dependent calls inside one jit (a `fori_loop` feeding each output into the next input,
 so the calls cannot overlap and host dispatch is paid once), median of ``--iters``, divided by ``--chain``: the
-per-call cost inside a decode step. For ``kda`` and ``hbm`` on a GPU the figure is the GPU's busy time per call
-from a profiler trace instead (``wall_us`` keeps the chain's wall clock, which also counts the loop's
-per-iteration predicate copy to the host), and each chained call goes through ``--rotate`` distinct states / weight
-copies so that none is still in the L2 when it comes round again. ``attn_res`` / ``route`` kernel rows report their
+per-call cost inside a decode step. For ``kda``, ``experts``, ``glu_lhs`` and ``hbm`` on a GPU the figure is the
+GPU's busy time per call from a profiler trace instead (``wall_us`` keeps the chain's wall clock, which also
+counts the loop's per-iteration predicate copy to the host), and each chained call goes through ``--rotate``
+distinct states / weight copies so that none is still in the L2 when it comes round again. ``attn_res`` / ``route`` kernel rows report their
 max error against the XLA result.
 A smoke run on CPU (``--backend=interpret``) checks the script, not the timings. ``K3_BENCH_NO_TRACE=1`` skips the
 profiler traces (wall clock only): under Nsight Compute (`benchmarks/ncu_decode_kernels.sh`), which owns CUPTI.
@@ -437,10 +440,10 @@ def main(argv=None):
     ap.add_argument("--route_warps", default="1,2,4,8")
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
-    ap.add_argument("--kda_variants", default="128-4o,32-4,128-4,128-8o",
+    ap.add_argument("--kda_variants", default="128-4o,32-4,128-4",
                     help="fused KDA decode block_v-warps; suffix 'o': with the output epilogue (the model's default)")
-    ap.add_argument("--experts_tilings", default="16-64-128-4-4-4,16-64-128-4-4-2,16-128-128-4-3-4,16-64-64-4-4-4,"
-                    "16-64-256-8-3-4,32-64-128-4-4-2", help="experts op: assigned tm-tk-tn-warps-stages-splits[-c] (c: column launch order)")
+    ap.add_argument("--experts_tilings", default="16-64-128-4-4-4,16-64-128-4-4-4-c,16-32-128-4-4-4,16-64-128-4-4-2",
+                    help="experts op: assigned tm-tk-tn-warps-stages-splits, suffix '-c': column launch order")
     ap.add_argument("--rotate", type=int, default=4,
                     help="kda / hbm: distinct states / weight copies per chained call (defeats the 50 MB L2)")
     ap.add_argument("--chain", type=int, default=50)
