@@ -144,6 +144,26 @@ def _device_us(f, arg, iters: int, chain: int) -> dict:
             "kernels": {t["name"][:40]: round(t["avg_us"], 2) for t in top[:3]}}
 
 
+def _timed_rotated(step, x, rotate: int, chain: int, iters: int) -> dict:
+    """Times `step(x, i) -> x` (weight copy i) chained over the `rotate` copies, `chain` times: wall clock and (GPU)
+    trace figures per call, and ``us``: the busy time per call where traced, else the wall clock."""
+    def one(c):
+        for i in range(rotate):
+            c = step(c, i)
+        return c
+
+    f = _chain(one, chain)
+    row = {"wall_us": median_ms(lambda: f(x), iters) / chain / rotate * 1e3}
+    dev = _device_us(f, x, iters, chain)
+    row.update(dev)
+    row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+    return row
+
+
+def _rel_err(got, want) -> float:
+    return float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+
+
 def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
     from pallas_kernels.kda.decode_fused import kda_decode_fused
 
@@ -343,22 +363,15 @@ def bench_glu_lhs(cfg, rows, chain, iters, backend, rotate):
                  zz, experts, *w, lhs="onehot", tiling=t, splits=4, interpret=interpret)}
     out, want = [], None
     for name, fn in calls.items():
-        def one(c, fn=fn):
-            for i in range(rotate):
-                c = (fn(c, ws[i])[:rows, :lat] * 4.0).astype(c.dtype)
-            return c
         row = {"op": "glu_lhs", "rows": rows, "impl": name}
         try:
-            f = _chain(one, chain)
-            row["wall_us"] = median_ms(lambda: f(z), iters) / chain / rotate * 1e3
-            dev = _device_us(f, z, iters, chain)
-            row.update(dev)
-            row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+            row.update(_timed_rotated(lambda c, i, fn=fn: (fn(c, ws[i])[:rows, :lat] * 4.0).astype(c.dtype), z,
+                                      rotate, chain, iters))
             got = np.asarray(jax.jit(lambda zz: fn(zz, ws[0]))(z)[:rows * k], np.float32)
             if want is None:
                 want = got
             else:
-                row["err"] = float(np.max(np.abs(got - want)) / (np.max(np.abs(want)) + 1e-30))
+                row["err"] = _rel_err(got, want)
         except Exception as ex:  # noqa: BLE001
             row["error"] = f"{type(ex).__name__}: {str(ex)[:300]}"
         _emit(out, row)
@@ -393,19 +406,11 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
                                     splits=splits)
 
     def emit(name, fn):
-        def one(c):
-            for i in range(rotate):
-                c = (fn(c, ws[i]) * 4.0).astype(c.dtype)
-            return c
-        f = _chain(one, chain)
-        row = {"op": "experts", "rows": rows, "impl": name,
-               "wall_us": median_ms(lambda: f(z), iters) / chain / rotate * 1e3}
-        dev = _device_us(f, z, iters, chain)
-        row.update(dev)
-        row["us"] = dev["busy_us"] / rotate if dev else row["wall_us"]
+        row = {"op": "experts", "rows": rows, "impl": name}
+        row.update(_timed_rotated(lambda c, i: (fn(c, ws[i]) * 4.0).astype(c.dtype), z, rotate, chain, iters))
         got = np.asarray(jax.jit(lambda zz: fn(zz, ws[0]))(z), np.float32)
         if "planned" in ref:
-            row["err"] = float(np.max(np.abs(got - ref["planned"])) / (np.max(np.abs(ref["planned"])) + 1e-30))
+            row["err"] = _rel_err(got, ref["planned"])
         else:
             ref["planned"] = got
         _emit(out, row)
