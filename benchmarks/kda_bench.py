@@ -7,7 +7,7 @@ Inputs are K3's: raw gate input + A_log + dt_bias with the lower-bounded gate (�
 inside the timed function for every implementation (fla and our `chunk_kda_gated` activate the gate in-kernel).
 bf16 q/k/v, K = V = 128. Two timings per implementation: latency (median of `--iters` calls, each synced) and
 pipelined device time (`--iters` calls back to back, one sync: what triton.testing.do_bench measures); nominal
-TFLOP/s (183 kFLOP per token per head, KERNELS.md §2) and the fraction of the ≈0.21 ms forward roofline at
+TFLOP/s (183 kFLOP per token per head, docs/kernels.md#kda-chunk) and the fraction of the ≈0.21 ms forward roofline at
 1×8192×96 (scaled by tokens·heads for other shapes) from the pipelined time; ratios to fla for both timings.
 fla autotunes for minutes per new shape: `--fla_shapes` limits it to the listed shapes (default: all).
 Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra]]]]`

@@ -1,4 +1,4 @@
-"""Kimi K3 (2.8T total, 104B active): every number from the released config (K3_SPEC.md §1)."""
+"""Kimi K3 (2.8T total, 104B active): every number from the released config (docs/spec.md#configs)."""
 
 from k3jax.config import ModelConfig
 

@@ -1,4 +1,4 @@
-"""Kimi-Linear-48B-A3B, K3's public relative (K3_SPEC.md §1): softplus gate, low-rank output gate, no q LoRA,
+"""Kimi-Linear-48B-A3B, K3's public relative (docs/spec.md#kimi-linear): softplus gate, low-rank output gate, no q LoRA,
 no MLA output gate, plain residuals, full-width SiLU experts."""
 
 from k3jax.config import ModelConfig

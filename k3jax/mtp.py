@@ -1,4 +1,4 @@
-"""Multi-token prediction (spec §4 "MTP"): one DeepSeek-V3-style MTP layer used during pretraining.
+"""Multi-token prediction (docs/spec.md#mtp): one DeepSeek-V3-style MTP layer used during pretraining.
 
 For position i it combines the main model's final hidden state h_i with the embedding of the next token t_{i+1},
 runs one extra decoder block (MLA attention + the model's FFN kind, plain residuals) and predicts t_{i+2} through the

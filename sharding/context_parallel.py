@@ -1,5 +1,5 @@
 """Context parallelism: the sequence split over the 'context' mesh axis, with `shard_map` for the three places where
-tokens talk to earlier tokens (K3_SPEC.md §3.2 "Context parallelism", issue 4). Everything else in the model (norms,
+tokens talk to earlier tokens (docs/spec.md#kda-context-parallel, issue 4). Everything else in the model (norms,
 projections, AttnRes, MoE) is per token and runs under GSPMD with the sequence sharded.
 
 KDA (KCP, affine state passing). Per head the KDA token step (`k3jax.ops.kda`) is

@@ -2,7 +2,7 @@
 `safetensors.numpy` (not with k3jax's writer) and an MXFP4 encoder written here, independently of
 `k3jax.convert.mxfp4` (which only decodes).
 
-- K3 layout: `language_model.` prefix, bf16 tensors except the f32 ones of K3_SPEC.md §2, MXFP4 routed experts
+- K3 layout: `language_model.` prefix, bf16 tensors except the f32 ones of docs/spec.md#checkpoint, MXFP4 routed experts
   (`weight_packed` / `weight_scale`), `A_log` stored with a zero tail, nested config.json (`text_config`,
   `linear_attn_config`, `quantization_config`), a vision tensor to be ignored.
 - Kimi-Linear layout: no prefix, flat config.json, f32 `experts.{e}.wN.weight`.

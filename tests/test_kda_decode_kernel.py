@@ -277,7 +277,7 @@ def test_model_cached_decode_with_the_kernel_equals_the_recurrent_path(monkeypat
 
 
 def test_kernel_lowers_for_cuda_at_the_k3_gpu_decode_shape_with_the_state_aliased(monkeypatch):
-    """Lowered for CUDA on this host (no GPU needed; KERNELS.md's compile check): B = 64, H = 12, K = V = 128, bf16
+    """Lowered for CUDA on this host (no GPU needed: a compile-only check): B = 64, H = 12, K = V = 128, bf16
     q/k/v give one Triton kernel whose new state aliases the (donated) old one, directly and through
     ``kda(impl="pallas")`` with the GPU platform chosen."""
     from pallas_kernels.cuda_lowering import triton_kernels

@@ -38,7 +38,7 @@ def _inputs(b, t, h, kd, vd, seed=0):
 
 
 def _numpy_token_loop(q, k, v, g, beta, h0, scale):
-    """float64 KDA, one token at a time: decay, delta-rule write, read (K3_SPEC §3.2)."""
+    """float64 KDA, one token at a time: decay, delta-rule write, read (docs/spec.md#kda)."""
     q, k, v, g, beta, s = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, h0))
     b, t, h, _ = q.shape
     o = np.zeros((b, t, h, v.shape[-1]))

@@ -1,4 +1,5 @@
-"""Per-head Muon + AdamW (`k3jax/training/optimizer.py`, spec §4) against an independent NumPy Newton–Schulz."""
+"""Per-head Muon + AdamW (`k3jax/training/optimizer.py`, docs/spec.md#muon) against an independent NumPy
+Newton–Schulz."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Quantile Balancing (`k3jax/training/balancing.py`, spec §4): the report's 8-token example, exact vs histogram
-quantiles, balancing on skewed scores, and the all-reduced histogram."""
+"""Quantile Balancing (`k3jax/training/balancing.py`, docs/spec.md#quantile-balancing): the report's 8-token
+example, exact vs histogram quantiles, balancing on skewed scores, and the all-reduced histogram."""
 
 from __future__ import annotations
 

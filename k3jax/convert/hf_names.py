@@ -1,4 +1,4 @@
-"""The map between released HF tensor names (K3_SPEC.md §2, without the `language_model.` prefix) and k3jax
+"""The map between released HF tensor names (docs/spec.md#checkpoint, without the `language_model.` prefix) and k3jax
 parameters, with the layout change of each tensor. Used by loading, conversion and the tests.
 
 HF linear weights are torch `[out, in]`; ours are `[in..., out...]` (inputs first, heads split out), so a linear

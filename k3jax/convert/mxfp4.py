@@ -1,4 +1,4 @@
-"""MXFP4 decoding of the released routed experts (K3_SPEC.md §2).
+"""MXFP4 decoding of the released routed experts (docs/spec.md#mxfp4).
 
 `weight_packed` u8 [out, in/2]: byte b holds two E2M1 codes, low nibble = even input column, high nibble = odd.
 `weight_scale` u8 [out, in/32]: E8M0 exponents, one per 32 consecutive input columns.

@@ -1,7 +1,7 @@
 """Translate HF `transformers`' Kimi-Linear naming to the released checkpoint naming that `hf_names` loads.
 
 Why this exists: `transformers` (>= 5.23) ships `models/kimi_linear`, a pure-torch implementation of Kimi-Linear
-(K3's public relative, K3_SPEC.md top paragraph) that we use as an external numerical oracle. Its in-memory
+(K3's public relative, docs/spec.md#kimi-linear) that we use as an external numerical oracle. Its in-memory
 modules do not use the released tensor names: on load, `transformers` applies a weight-conversion table
 (`conversion_mapping.py`, key "kimi_linear") that renames and fuses tensors, and `save_pretrained` applies the
 inverse only partly. To compare our model against it we must load *its* weights, so this module maps both of its

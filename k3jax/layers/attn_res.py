@@ -1,4 +1,4 @@
-"""Block Attention Residuals (K3_SPEC.md §3.1): a per-token softmax over the bank of block snapshots and the live
+"""Block Attention Residuals (docs/spec.md#attn-res): a per-token softmax over the bank of block snapshots and the live
 partial sum, with one learned pseudo-query per read site.
 
 The bank has a fixed number of rows (`cfg.num_attn_res_snapshots`) so layers can be scanned; rows not yet written

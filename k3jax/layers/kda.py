@@ -1,4 +1,4 @@
-"""Kimi Delta Attention layer (K3_SPEC.md §3.2): projections, causal depthwise short conv + SiLU, L2 norm,
+"""Kimi Delta Attention layer (docs/spec.md#kda): projections, causal depthwise short conv + SiLU, L2 norm,
 per-channel decay gate (lower-bounded sigmoid for K3, softplus for Kimi-Linear), β, the delta-rule core
 (`k3jax.ops.kda`), per-head RMSNorm and the sigmoid output gate (full rank for K3, low rank for Kimi-Linear).
 """

@@ -1,4 +1,4 @@
-"""Gated Multi-head Latent Attention with NoPE (K3_SPEC.md §3.3).
+"""Gated Multi-head Latent Attention with NoPE (docs/spec.md#mla).
 
 q from a LoRA (or a plain projection for Kimi-Linear); keys/values from a 512-wide normalised latent plus one
 64-wide key part `k_r` shared by all heads and never rotated; scale (nope + rope)^-0.5; sigmoid output gate.

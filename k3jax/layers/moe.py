@@ -1,4 +1,4 @@
-"""Stable LatentMoE (K3_SPEC.md §3.4): f32 sigmoid router with a selection-only bias, latent down-projection,
+"""Stable LatentMoE (docs/spec.md#moe): f32 sigmoid router with a selection-only bias, latent down-projection,
 SiTU-GLU experts on the latent, RMSNorm on the weighted sum, up-projection, plus unweighted shared experts.
 
 Without a latent (`routed_expert_hidden_size=None`, Kimi-Linear) the experts act on the full width directly.

@@ -1,4 +1,4 @@
-"""Quantile Balancing of the MoE router bias (spec §4, report Eq 13–14).
+"""Quantile Balancing of the MoE router bias (docs/spec.md#quantile-balancing, report Eq 13–14).
 
 Per MoE layer per step, on the tokens just routed (m tokens, n experts, top-k), with unbiased sigmoid scores s and
 the bias b that routed them:

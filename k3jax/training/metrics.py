@@ -40,7 +40,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, active_params: int,
     Matmuls: 2·active parameters per token forward (active = every non-routed weight a token touches plus its k
     routed experts and the head). Attention over the sequence, which parameters do not count: MLA causal
     QKᵀ and AV average T/2 keys, 2·H·(d_qk + d_v)·T/2 per token; KDA's chunked form (C = 64)
-    10·C·d + 6·d² + (2/3)·C² per head and token (../shared/docs/KERNELS.md §2). The MTP block adds one MLA+FFN
+    10·C·d + 6·d² + (2/3)·C² per head and token (docs/kernels.md#kda-chunk). The MTP block adds one MLA+FFN
     layer's worth (approximated by one more attention term; its weights are in `active_params` if counted there).
     """
     n_mla = len(cfg.full_attn_layers) + (1 if mtp else 0)

@@ -1,4 +1,4 @@
-"""K3's optimizer (spec §4 "Per-head Muon"): Muon for matrices, AdamW for everything else, one cosine schedule.
+"""K3's optimizer (docs/spec.md#muon): Muon for matrices, AdamW for everything else, one cosine schedule.
 
 Muon: momentum 0.95 with Nesterov, Newton–Schulz quintic (3.4445, −4.7750, 2.0315) for 5 steps, applied per
 *block*:

@@ -1,7 +1,7 @@
 """The gated activations fused into `gmm_glu`'s epilogue, in f32 (elementwise jnp: runs inside the Triton and
 Mosaic kernels and in the XLA path / the custom VJP's recompute).
 
-situ: SiTU(g, u) = β1·tanh(g/β1)·sigmoid(g) · β2·tanh(u/β2) (K3_SPEC.md §3.4; same formula as
+situ: SiTU(g, u) = β1·tanh(g/β1)·sigmoid(g) · β2·tanh(u/β2) (docs/spec.md#situ; same formula as
       k3jax.layers.mlp.situ_glu; |out| < β1·β2; tends to SwiGLU as β1, β2 -> inf).
 silu: silu(g)·u = g·sigmoid(g)·u (SwiGLU).
 """

@@ -1,6 +1,6 @@
 """MXFP4 decoding in jnp, written to run inside the grouped matmul kernels (Triton and interpret) and outside them.
 
-Layout (HF release, K3_SPEC.md §2): packed u8 [..., n, k/2], byte b holds two E2M1 codes, low nibble = even
+Layout (HF release, docs/spec.md#mxfp4): packed u8 [..., n, k/2], byte b holds two E2M1 codes, low nibble = even
 column k, high nibble = odd column; scales u8 [..., n, k/32], one E8M0 exponent per 32 consecutive k columns.
 value = E2M1(code) · 2^(scale − 127).
 

@@ -47,7 +47,7 @@ FLOPs per token per head (matmul products actually formed, 2 per multiply-add; C
 ``backward_flops_per_token_head``): recomputed ``intra`` 40·s²·d/C (41 k at d = 128), ``states`` 4·d² (66 k),
 ``reverse`` 6·d² + 2·C·d (115 k), ``state_grads`` 6·d² + 2·C·d (115 k), ``intra_bwd`` 90·s²·d/C (92 k): total
 16·d² + 4·C·d + 130·s²·d/C ≈ 428 kFLOP at d = 128, ≈ 2.7× the forward's 156 k by the same count (2.3× the 183 k
-nominal figure of KERNELS.md §2). Forward + backward at B·T·H = 8192·96: ≈ 0.45 TFLOP, ≈ 0.6 ms of H200 bf16
+nominal figure of docs/kernels.md#kda-chunk). Forward + backward at B·T·H = 8192·96: ≈ 0.45 TFLOP, ≈ 0.6 ms of H200 bf16
 matmul time. Recomputation is 41 k + 66 k of the 428 k; saving the forward's intermediates and ``S_n`` instead would
 cut it at the price of ≈ 4·K + C + K·V/C extra stored values per token and head.
 

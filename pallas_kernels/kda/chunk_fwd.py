@@ -1,4 +1,4 @@
-"""Pallas chunkwise KDA forward (KERNELS.md §1).
+"""Pallas chunkwise KDA forward (docs/kernels.md#kda-chunk).
 
 Kernel 1, ``intra`` (grid: chunk x batch*head, fully parallel) turns one chunk of 64 tokens into the quantities the
 sequential pass needs; kernel 2, the chunk loop (grid: batch*head x value block) walks the chunks in order with the

@@ -1,6 +1,6 @@
 """Fused one-token KDA decode step (Pallas, Triton GPU backend; the interpreter on CPU).
 
-Per (batch, head), with the f32 state ``S [K, V]`` (K3_SPEC.md §3.2, the same step as ``k3jax.ops.kda.kda_step``)::
+Per (batch, head), with the f32 state ``S [K, V]`` (docs/spec.md#kda, the same step as ``k3jax.ops.kda.kda_step``)::
 
     S'    = diag(exp(g)) S
     pred  = k^T S'                      [V]

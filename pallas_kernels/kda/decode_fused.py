@@ -11,7 +11,7 @@ and β activations, the padding masks). This kernel starts from the layer's raw 
 - ``z [B, H, K]``: the gate's low-rank projection output, ``A_log [H]``, ``dt_bias [H, K]``;
 - ``b_raw [B, H]``: β's logits; ``valid [B]``: 0 for a slot whose token is padding (β = g = 0: state unchanged).
 
-and per (batch, head, value block) program computes, with the released numerics (K3_SPEC.md §3.2; the model's XLA
+and per (batch, head, value block) program computes, with the released numerics (docs/spec.md#kda; the model's XLA
 path in `k3jax.layers.kda`):
     c      = Σ_w conv_w[w] · [hist; proj][w]  (f32, taps in order)     q, k, v = round(silu(c))
     q, k   = round(l2_normalize(q)), round(l2_normalize(k))            (round: to the activation dtype)

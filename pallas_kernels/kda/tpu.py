@@ -1,4 +1,4 @@
-"""Mosaic TPU chunkwise KDA (KERNELS.md §1): one fused forward kernel and one reverse-chunk backward kernel.
+"""Mosaic TPU chunkwise KDA (docs/kernels.md#kda-chunk): one fused forward kernel and one reverse-chunk backward kernel.
 
 A TPU core runs the grid as a sequential loop (``parallel`` axes are only split across the two TensorCores of a
 megacore chip), so unlike the GPU kernels (chunk_fwd.py: a parallel intra-chunk kernel, then the chunk loop) there
@@ -14,7 +14,7 @@ Per chunk of C = 64 rows, with ``G`` the inclusive within-chunk cumulative log-d
   between two large cumulative sums);
 * rows of sub-chunk ``b`` of ``aqk`` and ``akk``: ``(q_b 2^(G_b - G_r)) (k 2^(G_r - G))^T`` with the key exponent
   zeroed past the sub-chunk's end (those entries are masked anyway). Every exponent is either <= 0 or spans at most
-  8 tokens: finite in f32 for the lower-bounded gate (>= -5 nats/token), as KERNELS.md requires;
+  8 tokens: finite in f32 for the lower-bounded gate (>= -5 nats/token), as docs/kernels.md#kda-chunk says;
 * ``A = (I + akk)^-1``: the 16x16 diagonal blocks (all four at once, as one block-diagonal 64x64 matrix) by
   doubling or forward substitution, then blocked forward substitution over the sub-chunk rows;
 * the recurrence in fused WY form: ``v' = A (beta (v - (k 2^G) S))``, ``o = scale (q 2^G) S + aqk v'``,

@@ -1,10 +1,10 @@
-"""Independent float64 NumPy reference of the Kimi K3 text backbone (docs K3_SPEC.md §3).
+"""Independent float64 NumPy reference of the Kimi K3 text backbone (docs/spec.md).
 
 Written straight from the specification, deliberately naive (token-by-token KDA recurrence, full attention
 matrices, per-token expert loops) and sharing no code with `k3jax`: it is the oracle the fast implementation is
 tested against.
 
-Weights are a dict of NumPy arrays keyed by the HF checkpoint tensor names of K3_SPEC.md §2 *without* the
+Weights are a dict of NumPy arrays keyed by the HF checkpoint tensor names of docs/spec.md#checkpoint *without* the
 `language_model.` prefix (e.g. `model.layers.3.self_attn.q_a_proj.weight`). Linear weights are torch `[out, in]`,
 so a linear layer is `x @ W.T`. Every weight is cast to float64 on use and all arithmetic is float64.
 
@@ -13,11 +13,11 @@ so a linear layer is `x @ W.T`. Every weight is cast to float64 on use and all a
 
 Public API
   rms_norm, silu, sigmoid, softplus, situ_glu, silu_glu, l2norm
-  attn_res(sources, norm_w, proj_w, eps)                  §3.1
-  kda_short_conv, kda_recurrence, kda_layer(w, prefix, x_td, cfg)   §3.2
-  mla_layer(w, prefix, x_td, cfg)                         §3.3
-  route(w, prefix, x_nd, cfg), moe_layer(w, prefix, x_nd, cfg), dense_mlp(w, prefix, x_nd, cfg)   §3.4
-  forward(w, cfg, ids_bt) -> logits [B, T, V] float64     §3.1
+  attn_res(sources, norm_w, proj_w, eps)                  #attn-res
+  kda_short_conv, kda_recurrence, kda_layer(w, prefix, x_td, cfg)   #kda
+  mla_layer(w, prefix, x_td, cfg)                         #mla
+  route(w, prefix, x_nd, cfg), moe_layer(w, prefix, x_nd, cfg), dense_mlp(w, prefix, x_nd, cfg)   #moe
+  forward(w, cfg, ids_bt) -> logits [B, T, V] float64     #attn-res
   make_random_weights(cfg, seed=0, a_log_len=None) -> dict of float32 arrays with the exact checkpoint names
 """
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-# Defaults for attributes a cfg object might not carry (values from K3_SPEC.md §1 / §3).
+# Defaults for attributes a cfg object might not carry (values from docs/spec.md#configs).
 _DEFAULTS = {
     "hidden_act": "situ",
     "activation_situ_beta": 4.0,
