@@ -371,7 +371,7 @@ def large_concatenates(hlo_text: str, min_bytes: int = 1 << 20) -> dict:
     """Concatenates of at least `min_bytes` in an optimised HLO module (fused or not): at decode sizes mostly
     weights joined in the step by XLA's dot merger (matmuls that share an input run as one over their concatenated
     weights): a copy when the concatenate is its own kernel or a loop fusion's root, read in place when it sits
-    inside a gemm fusion (k3_gpu on an H200: in place, benchmarks/RESULTS.md session 12; check the HLO and the
+    inside a gemm fusion (k3_gpu on an H200: in place, benchmarks/RESULTS.md, 2026-12-01; check the HLO and the
     profile's kernels). {"count", "mb", "shapes": {"bf16[1536,6144]": n, ...}}."""
     shapes: dict[str, int] = {}
     total = 0
@@ -467,7 +467,7 @@ def print_profile(s: dict) -> None:
                   f"{r['share_us']:.1f} |")
         print("(exclusive: while the only kernel running; share: each instant split over the kernels running)")
     idle = s.get("step_idle")
-    if idle:  # the loop-iteration boundary showed up as idle at each step's start (RESULTS.md, session 13)
+    if idle:  # the loop-iteration boundary showed up as idle at each step's start (RESULTS.md, 2026-12-01)
         bins = ", ".join(f"{i * idle['bin_us']}-{(i + 1) * idle['bin_us']}: {t:.1f}"
                          for i, t in enumerate(idle["idle_us_per_bin"][:-1]))
         print(f"\nidle per step (median of {idle['steps']} steps, each from the end of `{idle['anchor'][:60]}`): "

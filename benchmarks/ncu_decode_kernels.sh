@@ -7,7 +7,7 @@
 # (--clock-control none). Kernel times under ncu are replayed one kernel at a time: use them for the counters
 # (achieved bandwidth, occupancy, stalls), not as step timings. NCU_LAUNCHES (default 24) caps the kernels profiled.
 # JAX's up-front allocation of 75% of the GPU is turned off: ncu saves and restores the device memory in use around
-# every replay (session 16's run with it on crawled, was cut by its time limit, and the next process of that device
+# every replay (a 2026-12-02 run with it on crawled, was cut by its time limit, and the next process of that device
 # command found no CUDA device). Run it last in a device command, with time to finish.
 set -uo pipefail
 out_dir=${1:-${OUT:-/tmp}}

@@ -108,28 +108,28 @@ class ModelConfig:
     # one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster, benchmarks/RESULTS.md);
     # "prologue_output" (default) also applies the layer's output RMSNorm and sigmoid gate in the kernel (one
     # program per head: block_v = the head dim), so only o_proj follows it (one kernel less per layer: 0.974-0.993x
-    # the B = 64 step, session 16); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
+    # the B = 64 step, 2026-12-02); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
     kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue_output"
     # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim; the head
-    # dim under "prologue_output"). 32: the session-3 sweep's best; 128 measured the same in the model (session 12).
+    # dim under "prologue_output"). 32: the 2026-11-30 sweep's best; 128 measured the same in the model (2026-12-01).
     kda_decode_block_v: int = 32
     # Warps per program of that kernel (a power of two). At block_v 128 with 4 warps it sits at 255 registers per
-    # thread, 2 programs per SM (Nsight Compute, RESULTS.md session 16); 8 is the untimed alternative.
+    # thread, 2 programs per SM (Nsight Compute, RESULTS.md 2026-12-02); 8 is the untimed alternative.
     kda_decode_warps: int = 4
     # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
     # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
-    # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, session 7).
+    # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, 2026-11-30).
     decode_matmul_impl: Literal["xla", "pallas"] = "xla"
     # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
     # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
     # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests). Off by default:
-    # 1.03-1.04x slower in k3_gpu decode (one row per program; RESULTS.md, session 7).
+    # 1.03-1.04x slower in k3_gpu decode (one row per program; RESULTS.md, 2026-11-30).
     attn_res_impl: Literal["xla", "pallas"] = "xla"
     # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
     # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
     # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
     # Off by default: not faster in k3_gpu decode at B = 64 (1.001x the step time with its 16-warp default, 1.095x at
-    # 4 warps; RESULTS.md, session 9: XLA's routing mostly runs beside the shared-expert projections).
+    # 4 warps; RESULTS.md, 2026-12-01: XLA's routing mostly runs beside the shared-expert projections).
     moe_route_impl: Literal["xla", "pallas"] = "xla"
     # Decode-sized grouped matmuls on the GPU kernels (<= 32 rows per expert): "tiles" (default: a row-tile walk
     # with per-tile metadata, ~5 small XLA kernels per MoE layer) or "groups" (one program per expert group and
@@ -157,12 +157,12 @@ class ModelConfig:
     moe_assigned_order: Literal["expert", "column"] = "expert"
     # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
     # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
-    # step time, RESULTS.md session 15)
+    # step time, RESULTS.md, 2026-12-02)
     # or "xla" (`route`'s sigmoid, top-k sort, gather and division).
     moe_decode_select: Literal["xla", "kernel"] = "kernel"
     # Decode steps per iteration of the serving decode loop (`lax.scan(unroll=)` in the scheduler's `_decode`): >1
     # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the decode compile
-    # time. 2 (default): k3_gpu B = 64 0.964 / 0.969x the step time of 1 (two processes, RESULTS.md session 16).
+    # time. 2 (default): k3_gpu B = 64 0.964 / 0.969x the step time of 1 (two processes, RESULTS.md, 2026-12-02).
     decode_loop_unroll: int = 2
     # --- MLA
     num_attention_heads: int = 96

@@ -4,7 +4,7 @@
   kernels (k3_gpu, B = 64), many of them independent (the shared experts beside the routed ones, the KDA
   projections beside each other). With concurrent regions the graph runs independent kernels side by side instead
   of one after another: k3_gpu decode B = 64 took 3.22 ms per step instead of 3.57 (0.90x; benchmarks/RESULTS.md,
-  2026-11-30 session 8). The same kernels run, and the decode step has no atomics; two identical runs with the flag
+  2026-11-30). The same kernels run, and the decode step has no atomics; two identical runs with the flag
   decoded identically (greedy tokens and logits). Measured on one GPU: `serve.py --mesh` does not add it.
 
 A flag the user already sets in ``XLA_FLAGS`` (any value) is left as it is. XLA reads the variable once, when the

@@ -112,7 +112,7 @@ class KDA(nnx.Module):
             # decode: f_a and b each from their own copy of x, so XLA's dot merger cannot join their weights; it did,
             # and re-built the joined [D, K + H] weight in every step (a loop-invariant concatenate XLA does not
             # hoist after merging; k3_gpu B = 64: 0.996x the step time, 0.986x with the static AttnRes reads' mask
-            # removed; RESULTS.md session 15)
+            # removed; RESULTS.md, 2026-12-02)
             xs["f_a_proj"], xs["b_proj"] = jax.lax.optimization_barrier((x_btd, x_btd))
         return {n: dense(xs[n], getattr(self, n)[...].astype(x_btd.dtype), self.cfg) for n in names}
 

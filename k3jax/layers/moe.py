@@ -55,7 +55,7 @@ def route_selected(x_nd: jax.Array, router_de: jax.Array, bias_e: jax.Array, cfg
     """`route`'s (weights, experts) with the sigmoid and the selection (biased top-k, weights, renormalisation) in
     one kernel (`pallas_kernels.moe.select`) after XLA's router matmul: decode steps of the plan-free experts,
     ungrouped routing. Inference only. (The router matmul inside that kernel too, 4 programs streaming the router
-    weights for 16 tokens each, measured 1.029x the k3_gpu B = 64 step: RESULTS.md session 16.)"""
+    weights for 16 tokens each, measured 1.029x the k3_gpu B = 64 step: RESULTS.md, 2026-12-02.)"""
     from pallas_kernels.moe.select import select_experts  # lazy: pallas_kernels imports k3jax modules
 
     logits = _no_grad_through_select(router_logits(x_nd, router_de))
@@ -67,7 +67,7 @@ def plan_from_experts(experts_nk: jax.Array, num_experts: int):
     """The expert-sorted row plan (`pallas_kernels.moe.RoutePlan`) of a routing, in XLA: a stable argsort of the
     assignments, its inverse (a scatter with distinct indices) and the group sizes. (Counting instead of sorting,
     a one-hot [N*k, E] and its running sum, gave the same rows and the same k3_gpu decode speed: RESULTS.md,
-    session 8.)"""
+    2026-11-30.)"""
     from pallas_kernels.moe import RoutePlan  # lazy: pallas_kernels imports k3jax modules
 
     n, k = experts_nk.shape
@@ -84,7 +84,7 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
     sums them weighted (f32, in j order): `experts_planned` on `plan_from_experts`. A gather, not a scatter-add: a
     GPU scatter-add adds with atomics in a run-dependent order, which made greedy decoding differ between identical
-    runs (benchmarks/RESULTS.md, session 7)."""
+    runs (benchmarks/RESULTS.md, 2026-11-30)."""
     return experts_planned(z_nl, weights_nk, plan_from_experts(experts_nk, cfg.num_experts), w1_elm, w3_elm, w2_eml,
                            cfg, decode_tiling=decode_tiling)
 

@@ -183,7 +183,7 @@ def fused_glu_applies(m: int, w_gate, impl: str = "auto") -> bool:
     """Whether `gmm_glu` runs the fused kernel for an [m, k] lhs: array weights, a kernel backend, and a
     decode-sized call (at most `DECODE_ROWS_PER_GROUP` rows per group). There one launch that reads the rows once
     beats two gmm calls plus the activation's kernels; at training sizes the fused epilogue measured slower
-    (0.93x forward, 0.84x fwd+bwd of two gmm calls, RESULTS.md 2026-11-30 session 2)."""
+    (0.93x forward, 0.84x fwd+bwd of two gmm calls, RESULTS.md, 2026-11-30)."""
     if isinstance(w_gate, MXFP4Experts) or impl == "ragged_dot":
         return False
     if impl == "auto" and _kernel_backend_here() is None:

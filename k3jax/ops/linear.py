@@ -63,7 +63,7 @@ def unless_single_row(fn, x: jax.Array, lead: int) -> jax.Array:
     """``fn(x)`` where the product of x's first `lead` axes (the rows of a matmul) is 1 (batch-1 decode) runs on x
     padded with a zero row along axis 0, then keeps the real row. XLA rewrites a one-row matmul as a multiply and a
     reduction over a materialised [K, N] product (k3_gpu decode at B = 1 spent ~1.8 ms of a 2.5 ms step there:
-    benchmarks/RESULTS.md, session 8); two rows stay a matmul. `fn` must act row by row along axis 0."""
+    benchmarks/RESULTS.md, 2026-11-30); two rows stay a matmul. `fn` must act row by row along axis 0."""
     if lead < 1 or math.prod(x.shape[:lead]) != 1:
         return fn(x)
     return fn(jnp.concatenate([x, jnp.zeros_like(x)], axis=0))[:1]

@@ -44,7 +44,7 @@ __all__ = ["BACKENDS", "DecodeConfig", "gpu_compatible", "paged_latent_attention
 BACKENDS = ("gpu", "interpret")
 _F32 = jnp.float32
 _NEG = -1e30  # initial running max: finite, so fully masked steps give exp(-inf - _NEG) = 0 and never NaN
-_AUTO_BLOCK_S = 64  # fastest on an H200 at B = 16/64 (benchmarks/RESULTS.md, 2026-11-30 session 3)
+_AUTO_BLOCK_S = 64  # fastest on an H200 at B = 16/64 (benchmarks/RESULTS.md, 2026-11-30)
 _TARGET_PROGRAMS = 128  # auto splits: about one program per SM of an H100/H200 (132 SMs)
 
 

@@ -2,7 +2,7 @@
 
 The dropless path sorts the N·k (token, expert) assignments by expert before its grouped matmuls (an argsort, its
 inverse scatter, a bincount, the tiles' metadata and a row gather: about fifteen small XLA kernels per MoE layer,
-all on the critical path between the router and the expert weights' stream; k3_gpu decode, RESULTS.md session 13).
+all on the critical path between the router and the expert weights' stream; k3_gpu decode, RESULTS.md, 2026-12-01).
 These two kernels take the router's ``experts [N, k]`` as they are:
 
 - `assigned_glu`: one program per (expert e, output column tile, split). It finds the tokens that chose e (a
@@ -45,12 +45,12 @@ MAX_TOKENS = 256  # each program holds [tm, N] selection tiles: decode sizes onl
 # "auto" takes these kernels up to this many assignment rows per expert on average (N·k <= 16·E): k3_gpu decode on an
 # H200, split launch order, against the planned path's step time: 0.96x at B = 64 (8 rows per expert), 0.98x at
 # B = 128 (16), 1.07x at B = 256 (32: each 16-row tile streams its expert's weights once more, without the planned
-# walk's L2 bands). RESULTS.md, sessions 14-15.
+# walk's L2 bands). benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02.
 AUTO_MAX_ROWS_PER_EXPERT = 16
 DEFAULT_SPLITS = 4  # programs per (expert, column tile): an expert with > tm rows is not walked by one program
 # The kernels' default tiling: the decode tiling (tm 16, tk 64, tn 128, 4 warps, 4 stages). 32-deep contraction
 # tiles measured 0.976x, then 1.002-1.014x the step time at k3_gpu B = 64 in two processes on an H200 (alone: GLU
-# 41.9 vs 42.6 µs, down 23.6 vs 24.5): within the noise, not taken (RESULTS.md, session 17;
+# 41.9 vs 42.6 µs, down 23.6 vs 24.5): within the noise, not taken (RESULTS.md, 2026-12-02;
 # `moe_assigned_glu_tiling` / `moe_assigned_down_tiling` set them per kernel).
 ASSIGNED_TILING = DECODE_TILING
 
@@ -103,7 +103,7 @@ def _assigned_call(tile_body, lhs, weights, experts_nk, *, lhs_by_token: bool, n
     expert e's weights, stored at the assignment rows n * k + j. The first grid axis launches fastest, so the
     splits of one (expert, column tile) run side by side and an expert's second row tile reads the weight tile its
     first is streaming from L2 (expert-fastest order: 1.006-1.044x the step time at k3_gpu B = 64, ~1.05x at 128;
-    RESULTS.md, session 15). `order`: which of the other two axes launches next, "expert" (default: the programs
+    RESULTS.md, 2026-12-02). `order`: which of the other two axes launches next, "expert" (default: the programs
     in flight stream many experts' same column tile) or "column" (an expert's column tiles side by side, so the
     programs in flight read whole weight rows)."""
     if order not in ORDERS:

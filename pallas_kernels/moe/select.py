@@ -2,7 +2,7 @@
 
 XLA runs `k3jax.layers.moe.route`'s selection as about four kernels on the critical path between the router matmul
 and the first expert kernel (the bias add, a top-k sort, the weights' gather and the renormalisation; ~8 µs of a
-decode step's MoE layer in k3_gpu at B = 64, RESULTS.md session 15). Given the router's f32 ``logits [N, E]``
+decode step's MoE layer in k3_gpu at B = 64, RESULTS.md, 2026-12-02). Given the router's f32 ``logits [N, E]``
 (``x @ W``, from XLA as in `route`), this kernel computes per token, ``tokens_per_program`` tokens per program,
 with ``scores = sigmoid(logits)``:
 - ``experts [N, k]``: the top-k of ``scores + bias`` by k rounds of max / first-argmax over the experts not taken
