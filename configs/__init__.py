@@ -15,6 +15,13 @@ _REGISTRY = {
 }
 
 
+# Default mesh plans ({axis: largest size}; sharding/plan.py). Configs not listed put every device on 'data'.
+_MESH_PLANS = {
+    "k3": k3.MESH_PLAN,
+    "kimi_linear": kimi_linear.MESH_PLAN,
+}
+
+
 def names() -> list[str]:
     return sorted(_REGISTRY)
 
@@ -25,3 +32,11 @@ def get_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ModelC
         raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(names())}")
     cfg = _REGISTRY[name]()
     return cfg.with_overrides(list(overrides)) if overrides else cfg
+
+
+def mesh_plan(name: str) -> dict[str, int]:
+    """The named config's default parallelism plan: {'model' | 'expert' | 'context': largest size}; {} (all on
+    'data') for configs without one (the tiny and single-GPU configs)."""
+    if name not in _REGISTRY:
+        raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(names())}")
+    return dict(_MESH_PLANS.get(name, {}))

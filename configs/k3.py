@@ -2,6 +2,13 @@
 
 from k3jax.config import ModelConfig
 
+# Default parallelism (sharding/plan.py `auto_mesh`, used without --mesh or with --mesh=auto): tensor parallelism
+# 'model' up to 8 (96 KDA/MLA heads, the 163840 vocab, 33792 dense and 3072 expert widths all divide by 8; kept
+# within a few chips of ICI), expert parallelism 'expert' up to 64 (14 of the 896 experts per rank), every further
+# device on 'data' (FSDP + batch). Non-expert weights are FSDP over data x expert: 7168 = 2^10 * 7 divides for
+# data x expert <= 1024, i.e. power-of-two slices up to 8192 chips shard every weight over every device.
+MESH_PLAN = {"model": 8, "expert": 64}
+
 
 def config() -> ModelConfig:
     return ModelConfig(

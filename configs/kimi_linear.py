@@ -3,6 +3,10 @@ no MLA output gate, plain residuals, full-width SiLU experts."""
 
 from k3jax.config import ModelConfig
 
+# Default parallelism (sharding/plan.py `auto_mesh`): expert parallelism up to 16 (16 of the 256 experts per rank),
+# the rest on 'data'; no tensor parallelism (48B parameters are FSDP-sharded over data x expert).
+MESH_PLAN = {"expert": 16}
+
 
 def config() -> ModelConfig:
     return ModelConfig(
