@@ -4,12 +4,16 @@ Per-head Muon + AdamW, Quantile Balancing of the router biases, one MTP layer, p
 mesh, Orbax checkpoints in --workdir (resumed automatically), metrics in <workdir>/metrics.jsonl.
 """
 
+import json
 import logging
 
 from absl import app, flags
 
 import configs
+from k3jax.training.aot import compile_train_step
 from k3jax.training.trainer import TrainOptions, parse_context_stages, train
+from sharding.aot import libtpu_available
+from sharding.mesh import initialize_distributed, parse_mesh
 
 _CONFIG = flags.DEFINE_string("config", "tiny", f"Named config: {', '.join(configs.names())}.")
 _SET = flags.DEFINE_multi_string("set", [], "Config override key=value (repeatable), e.g. --set kda_impl=recurrent.")
@@ -43,8 +47,6 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    from sharding.mesh import initialize_distributed
-
     initialize_distributed()  # no-op unless launched multi-host
     cfg = configs.get_config(_CONFIG.value, _SET.value)
     opts = TrainOptions(
@@ -54,11 +56,6 @@ def main(argv):
         seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
         halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value)
     if _COMPILE_ONLY.value:
-        import json
-
-        from sharding.aot import compile_train_step, libtpu_available
-        from sharding.mesh import parse_mesh
-
         if not libtpu_available():
             raise app.UsageError("--compile_only needs libtpu (pip install 'jax[tpu]==<jax version>')")
         if opts.mesh is None:

@@ -7,7 +7,8 @@ main model's (shared) embedding and head:
     h'_i = Block(eh_proj · [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]),   logits'_i = head(RMSNorm(h'_i))
 
 The release ships no MTP weights (`num_nextn_predict_layers = 0`); training turns one on (`train.py --mtp`). It is a
-separate module next to `K3Model`, so serving and conversion never see it; training checkpoints save it.
+separate module next to `K3Model`, so serving and conversion never see it; training checkpoints save it. Its loss
+is `k3jax.training.loss.mtp_loss`.
 """
 
 from __future__ import annotations
@@ -19,13 +20,11 @@ from flax import nnx
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
-from k3jax.training.loss import next_token_loss
+from k3jax.model import DecoderLayer
 
 
 class MTPLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        from k3jax.model import DecoderLayer
-
         d, pd = cfg.hidden_size, cfg.jnp_param_dtype
         self.cfg = cfg
         self.hidden_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pd)  # DeepSeek-V3 `hnorm`
@@ -45,20 +44,3 @@ class MTPLayer(nnx.Module):
         empty_bank = jnp.zeros((0,) + x.shape, x.dtype)
         h, _ = self.block((x, empty_bank), 0, segment_ids_bt)
         return self.norm(h)
-
-
-def mtp_targets(targets_bt: jax.Array, loss_mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Targets t_{i+2} for position i and their mask: valid where both i → i+1 and i+1 → i+2 are in-document
-    predictions (so i, i+1 and i+2 are one document); the last position has none."""
-    tgt = jnp.concatenate([targets_bt[:, 1:], jnp.zeros_like(targets_bt[:, :1])], axis=1)
-    mask = loss_mask_bt.astype(bool)
-    mask = jnp.concatenate([mask[:, :-1] & mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
-    return tgt, mask
-
-
-def mtp_loss(model, mtp: MTPLayer, h_btd: jax.Array, targets_bt: jax.Array, loss_mask_bt: jax.Array,
-             segment_ids_bt: jax.Array | None = None) -> jax.Array:
-    """Cross-entropy of the MTP layer's t_{i+2} predictions (the embedding of t_{i+1} is `targets[i]`)."""
-    h_mtp = mtp(h_btd, model.embed(targets_bt), segment_ids_bt)
-    tgt, mask = mtp_targets(targets_bt, loss_mask_bt)
-    return next_token_loss(model.logits(h_mtp), tgt, mask)

@@ -12,6 +12,8 @@ from typing import Sequence
 
 import jax
 
+from sharding.shard import resolve_spec
+
 # The logical layouts the model annotates (every name must have a rule in sharding/rules.py; tested).
 ACT_BTD = ("batch", "seq", "act_embed")  # residual stream / layer outputs
 ACT_NBTD = (None, "batch", "seq", "act_embed")  # the AttnRes snapshot bank
@@ -19,8 +21,6 @@ ACT_BTV = ("batch", "seq", "act_vocab")  # logits
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    from sharding.shard import resolve_spec
-
     get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get_mesh() if get_mesh is not None else None
     if mesh is None or getattr(mesh, "empty", True) or getattr(mesh, "manual_axes", ()):

@@ -41,6 +41,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
@@ -335,10 +336,8 @@ def expert_parallel_metrics(model) -> dict[str, jax.Array]:
     """Per-step EP metrics over every MoE layer that records `expert_parallel_stats` (last forward pass):
     ep_rank_load_max / ep_rank_load_mean (routed rows per expert rank, worst layer / average over layers),
     ep_rank_load_max_over_mean (worst layer), ep_dropped_rows (sum over layers), ep_dropped_fraction."""
-    from k3jax.training.balancing import moe_layers
-
-    stats = [m.expert_parallel_stats[...].reshape(-1, len(STATS_FIELDS)) for m in moe_layers(model)
-             if hasattr(m, "expert_parallel_stats")]
+    stats = [m.expert_parallel_stats[...].reshape(-1, len(STATS_FIELDS)) for _, m in nnx.iter_graph(model)
+             if isinstance(m, nnx.Module) and hasattr(m, "expert_parallel_stats")]
     if not stats:
         return {}
     s = jnp.concatenate(stats)

@@ -1,4 +1,4 @@
-"""Logical axis names on variables -> `NamedSharding`s on a mesh; placing a model; a sharded jitted train step.
+"""Logical axis names on variables -> `NamedSharding`s on a mesh; placing a model and batches; the context mesh.
 
 Every `nnx.Variable` carries `out_sharding` metadata: a tuple of logical axis names, one per dimension
 (`k3jax/layers/params.py`). `plan_shardings` resolves them through the one table in `sharding/rules.py`:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
@@ -174,8 +174,9 @@ def mesh_context(mesh: Mesh):
     return setter(mesh)
 
 
-class _TracedUnderMesh:
-    """A jitted function that is always called, lowered or traced with `mesh` as the context mesh."""
+class TracedUnderMesh:
+    """A jitted function that is always called, lowered or traced with `mesh` as the context mesh (the sharded
+    train step's `jitted`, `k3jax.training.step`)."""
 
     def __init__(self, jitted, mesh: Mesh):
         self._jitted, self._mesh = jitted, mesh
@@ -194,87 +195,3 @@ class _TracedUnderMesh:
 
     def __getattr__(self, name):
         return getattr(self._jitted, name)
-
-
-def next_token_loss_fn(model: nnx.Module, batch_bt: jax.Array) -> jax.Array:
-    """The default objective: next-token cross-entropy on `batch[:, :-1] -> batch[:, 1:]`."""
-    from k3jax.training.loss import next_token_loss
-
-    return next_token_loss(model(batch_bt[:, :-1]), batch_bt[:, 1:])
-
-
-def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable = next_token_loss_fn, *,
-                               wrt=nnx.Param, batch_ndim: int = 2, compiler_options: dict | None = None):
-    """`fn(model, batch) -> (loss, grads)`, jitted with explicit shardings: the model's Variables as
-    `plan_shardings` places them, the batch over ('data', 'expert') on its leading axis, the loss replicated and
-    the gradients (an `nnx.State` of the `wrt` Variables) in their parameters' shardings.
-
-    `model` fixes the graph structure; call `fn` with that model (or one of the same structure) after `shard_model`.
-    Traced under `mesh` as the context mesh (so the MoE takes its expert-parallel path when 'expert' > 1).
-    """
-    graphdef, params, rest = nnx.split(model, wrt, ...)
-    param_plan = plan_shardings(params, mesh, log_fallbacks=False)
-    rest_plan = plan_shardings(rest, mesh, log_fallbacks=False)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch = NamedSharding(mesh, batch_spec(batch_ndim))
-
-    def pure(params, rest, batch_bt):
-        model = nnx.merge(graphdef, params, rest)
-        return nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
-
-    jitted = _TracedUnderMesh(jax.jit(pure, in_shardings=(param_plan.shardings, rest_plan.shardings, batch),
-                                      out_shardings=(replicated, param_plan.shardings),
-                                      compiler_options=compiler_options), mesh)
-
-    def loss_and_grad(model: nnx.Module, batch_bt: jax.Array):
-        _, params, rest = nnx.split(model, wrt, ...)
-        return jitted(params, rest, batch_bt)
-
-    loss_and_grad.jitted = jitted
-    return loss_and_grad
-
-
-def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: Mesh,
-                            loss_fn: Callable = next_token_loss_fn, *, wrt=nnx.Param, batch_ndim: int = 2,
-                            donate: bool = True, compiler_options: dict | None = None, has_aux: bool = False,
-                            after_update: Callable | None = None):
-    """`step(model, optimizer, batch) -> loss`: one optimizer step, updating `model` and `optimizer` in place.
-
-    Jitted with explicit shardings: parameters and optimizer state enter and leave in the shardings
-    `plan_shardings` gives them (so the partitioner cannot drift them between steps), the batch (an array or a
-    dict of arrays, all [B, ...] with `batch_ndim` dims) is sharded over ('data', 'expert') on its leading axis
-    (pass it through `shard_batch`, or any array: jit reshards it), the loss is replicated. With `donate`, the old
-    state buffers are donated to the new ones.
-
-    With `has_aux`, `loss_fn` returns `(loss, metrics dict)` and the step returns `(loss, metrics)`.
-    `after_update(model, grads) -> dict` runs inside the jitted step after the optimizer update (e.g. Quantile
-    Balancing's bias update); its dict is merged into the metrics (and the step returns `(loss, metrics)`).
-    Traced (called or lowered) under `mesh` as the context mesh, like `make_sharded_loss_and_grad`.
-    """
-    graphdef, state = nnx.split((model, optimizer))
-    plan = plan_shardings(state, mesh)
-    replicated = NamedSharding(mesh, PartitionSpec())
-    batch = NamedSharding(mesh, batch_spec(batch_ndim))
-    with_metrics = has_aux or after_update is not None
-
-    def pure(state, batch_bt):
-        model, optimizer = nnx.merge(graphdef, state)
-        out, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)(model, batch_bt)
-        loss, metrics = out if has_aux else (out, {})
-        optimizer.update(model, grads)
-        if after_update is not None:
-            metrics = {**metrics, **after_update(model, grads)}
-        return nnx.state((model, optimizer)), ((loss, metrics) if with_metrics else loss)
-
-    jitted = _TracedUnderMesh(jax.jit(pure, in_shardings=(plan.shardings, batch),
-                                      out_shardings=(plan.shardings, replicated),
-                                      donate_argnums=(0,) if donate else (), compiler_options=compiler_options), mesh)
-
-    def step(model: nnx.Module, optimizer: nnx.Optimizer, batch_bt):
-        new_state, out = jitted(nnx.state((model, optimizer)), batch_bt)
-        nnx.update((model, optimizer), new_state)
-        return out
-
-    step.jitted = jitted
-    step.plan = plan
-    return step

@@ -15,7 +15,7 @@ from flax import nnx
 import configs
 from k3jax.model import K3Model
 from k3jax.training import optimizer as opt_lib
-from k3jax.training.simple import make_train_step
+from tests.helpers import make_train_step
 
 A, B, C = 3.4445, -4.7750, 2.0315
 BETA = 0.95

@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
 def test_tiny_train_step_compiles_for_v5p_2x2x1():
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "sharding.aot", "--config=tiny", "--set=kda_impl=recurrent",
+    cmd = [sys.executable, "-m", "k3jax.training.aot", "--config=tiny", "--set=kda_impl=recurrent",
            "--topology=v5p:2x2x1", "--mesh=2,1,1,2", "--batch_size=4", "--seq_len=32"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -36,7 +36,7 @@ def test_tiny_train_step_with_the_mosaic_kernels_compiles_for_v5p_2x2x1():
     expert x model mesh, with the Mosaic KDA forward/backward inside shard_map and the Mosaic grouped matmuls inside
     the expert-parallel shard_map, compiles."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "sharding.aot", "--config=tiny", "--topology=v5p:2x2x1", "--mesh=1,2,1,2",
+    cmd = [sys.executable, "-m", "k3jax.training.aot", "--config=tiny", "--topology=v5p:2x2x1", "--mesh=1,2,1,2",
            "--batch_size=4", "--seq_len=128"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -22,13 +22,10 @@ import configs
 from k3jax.layers import params
 from k3jax.layers.params import RouterBias
 from k3jax.model import K3Model
+from k3jax.training.step import make_sharded_train_step
 from sharding.mesh import make_mesh
-from sharding.shard import (
-    make_sharded_loss_and_grad,
-    make_sharded_train_step,
-    shard_batch,
-    shard_model,
-)
+from sharding.shard import shard_batch, shard_model
+from tests.helpers import make_sharded_loss_and_grad, next_token_loss_fn
 
 # Each mesh compiles the whole tiny model (~20 s on 2 CPU cores): two in the default suite, the rest marked slow.
 MESHES = [
@@ -134,7 +131,7 @@ def _toy_step_on(mesh, batch, steps=2):
     model = ToyLM(nnx.Rngs(0))
     shard_model(model, mesh)
     optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
-    step = make_sharded_train_step(model, optimizer, mesh)
+    step = make_sharded_train_step(model, optimizer, mesh, next_token_loss_fn)
     losses = [float(step(model, optimizer, shard_batch(batch, mesh))) for _ in range(steps)]
     return model, optimizer, step, losses
 

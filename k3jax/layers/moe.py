@@ -16,10 +16,10 @@ from k3jax.config import ModelConfig, parse_kernel_tiling
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP, glu, grouped_glu
 from k3jax.layers.norms import rms_norm
+from k3jax.layers.routing import margin_histogram, routing_margins
 from k3jax.ops.linear import project as dense, unless_single_row
 from k3jax.ops.gmm import (MXFP4Experts, dense_expert_weights, expert_weights, gmm, gpu_kernel_backend_here,
                            gpu_kernels_here, inference_only, refuse_gradients)
-from k3jax.training.balancing import margin_histogram, routing_margins
 from sharding import expert_parallel
 
 

@@ -1,6 +1,7 @@
-"""Compile-only proof for TPU topologies on a machine without TPUs (needs `libtpu`; not a default dependency).
+"""Compile-only proof of the training step for TPU topologies on a machine without TPUs (needs `libtpu`; not a
+default dependency; the devices come from `sharding.aot.tpu_topology`).
 
-`python -m sharding.aot --config=tiny --topology=v5p:2x2x1 --mesh=2,1,1,2` (or `python train.py --compile_only
+`python -m k3jax.training.aot --config=tiny --topology=v5p:2x2x1 --mesh=2,1,1,2` (or `python train.py --compile_only
 --topology=...`) lowers one sharded training step (train.py's own step: Muon, Quantile Balancing, MTP) for the
 topology's devices via
 `jax.experimental.topologies.get_topology_desc`, compiles it with the real TPU compiler, and prints one JSON line
@@ -13,48 +14,25 @@ Install libtpu matching jax (`pip install "jax[tpu]==<jax version>"` pins it) on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
-import os
 import re
 
-# Without TPU hardware libtpu must not query the GCE metadata server; set before libtpu is loaded.
-# ALLOW_MULTIPLE_LIBTPU_LOAD: several compile-only processes may run at once (no chip is opened).
-_TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+import jax
+import jax.numpy as jnp
+from flax import nnx
 
-
-def libtpu_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("libtpu") is not None
-
-
-def tpu_topology(name: str):
-    """The `TopologyDescription` for e.g. 'v5p:2x2x1' (devices usable in a Mesh for lowering and compiling)."""
-    for k, v in _TPU_ENV.items():
-        os.environ.setdefault(k, v)
-    gen, _, dims = name.partition(":")
-    chips = math.prod(int(d) for d in dims.split("x")) if dims else 0
-    if chips:  # accelerator types count TensorCores: two per chip on v4/v5p, one on v5e/v6e
-        os.environ.setdefault("TPU_ACCELERATOR_TYPE", f"{gen}-{chips * (2 if gen in ('v4', 'v5p') else 1)}")
-    from jax.experimental import topologies
-
-    return topologies.get_topology_desc(platform="tpu", topology_name=name)
+import configs
+from k3jax.training.trainer import TrainOptions, build
+from sharding.aot import libtpu_available, tpu_topology
+from sharding.mesh import describe, make_mesh, parse_mesh
 
 
 def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_size: int, seq_len: int,
                        options=None) -> dict:
     """Lowers and compiles one step of train.py's training (per-head Muon, Quantile Balancing, MTP, packed
     batches; `options`: a `k3jax.training.trainer.TrainOptions`) for `topology`; returns mesh and memory figures."""
-    import dataclasses
-
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from k3jax.training.trainer import TrainOptions, build
-    from sharding.mesh import describe, make_mesh
-
     topo = tpu_topology(topology)
     mesh = make_mesh(**mesh_sizes, devices=topo.devices)
     opts = dataclasses.replace(options or TrainOptions(), batch_size=batch_size, seq_len=seq_len)
@@ -93,9 +71,6 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
 
 
 def main(argv=None) -> None:
-    import configs
-    from sharding.mesh import parse_mesh
-
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny")
     p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")

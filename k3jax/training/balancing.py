@@ -5,7 +5,7 @@ the bias b that routed them:
 
 1. `biased = s + b`; per token the top-(k+1) biased values; the (k+1)-th is the cutoff α_i;
 2. margins `r_ij = s_ij − α_i` (raw score minus the biased cutoff): under a bias b', token i would keep expert j
-   roughly iff s_ij + b'_j > α_i, i.e. iff r_ij > −b'_j;
+   roughly iff s_ij + b'_j > α_i, i.e. iff r_ij > −b'_j (`k3jax.layers.routing`, which the router records with);
 3. `b̂_j = −quantile_{1−k/n}(r_:,j)`: then a fraction k/n of the tokens — the target load k·m/n — clears expert j's
    threshold;
 4. `b_next = b̂ − mean(b̂)` (top-k is shift invariant), used from the next step on.
@@ -28,21 +28,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-DEFAULT_NUM_BINS = 256
-DEFAULT_MARGIN_RANGE = (-1.0, 1.0)  # sigmoid scores are in (0, 1): with a small bias the margins are in (-1, 1)
-
-
-def routing_margins(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
-    """r_ij = s_ij − α_i with α_i the (k+1)-th largest biased score of token i; f32 [m, n]."""
-    s = _tokens(scores)
-    n = s.shape[-1]
-    if not 0 < k < n:
-        raise ValueError(f"top-k needs 0 < k < n_experts, got k={k}, n={n}")
-    biased = s + bias.astype(jnp.float32)
-    alpha = jax.lax.top_k(biased, k + 1)[0][:, k]
-    return s - alpha[:, None]
-
+from k3jax.layers.moe import LatentMoE
+from k3jax.layers.routing import (DEFAULT_MARGIN_RANGE, DEFAULT_NUM_BINS, margin_histogram, routing_margins,
+                                  token_scores)
 
 def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
     """Next router bias from this step's scores (exact quantile: sort-based, linear interpolation). f32 [n]."""
@@ -50,26 +40,6 @@ def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.A
     q = 1.0 - k / r.shape[-1]
     b_hat = -jnp.quantile(r, q, axis=0, method="linear")
     return b_hat - b_hat.mean()
-
-
-def margin_histogram(margins: jax.Array, *, num_bins: int = DEFAULT_NUM_BINS,
-                     margin_range: tuple[float, float] = DEFAULT_MARGIN_RANGE,
-                     axis_name: str | tuple[str, ...] | None = None) -> jax.Array:
-    """Per-expert counts of margins in `num_bins` equal bins over `margin_range`; int32 [n, num_bins].
-
-    Values outside the range land in the first / last bin. With `axis_name` the counts are summed over that mapped
-    axis (`shard_map` / `vmap` / `pmap`), so every participant gets the histogram of all tokens.
-    """
-    lo, hi = margin_range
-    r = margins.astype(jnp.float32)
-    n = r.shape[-1]
-    width = (hi - lo) / num_bins
-    idx = jnp.clip(jnp.floor((r - lo) / width), 0, num_bins - 1).astype(jnp.int32)  # [m, n]
-    flat = (idx + jnp.arange(n, dtype=jnp.int32)[None, :] * num_bins).reshape(-1)
-    counts = jnp.zeros((n * num_bins,), jnp.int32).at[flat].add(1).reshape(n, num_bins)
-    if axis_name is not None:
-        counts = jax.lax.psum(counts, axis_name)
-    return counts
 
 
 def histogram_quantile(counts: jax.Array, q: float | jax.Array, *,
@@ -108,7 +78,7 @@ def quantile_balancing_bias_histogram(scores: jax.Array, bias: jax.Array, k: int
 
 def route_top_k(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
     """Selected experts per token, int32 [m, k]: top-k of the biased scores (the bias only selects)."""
-    return jax.lax.top_k(_tokens(scores) + bias.astype(jnp.float32), k)[1]
+    return jax.lax.top_k(token_scores(scores) + bias.astype(jnp.float32), k)[1]
 
 
 def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
@@ -123,10 +93,6 @@ def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
     return {"max_load": max_load, "mean_load": mean, "max_over_mean": max_load / mean, "loads": loads}
 
 
-def _tokens(scores: jax.Array) -> jax.Array:
-    return scores.reshape(-1, scores.shape[-1]).astype(jnp.float32)
-
-
 def next_bias_from_counts(counts_ne: jax.Array, k: int) -> jax.Array:
     """Quantile Balancing's next bias from a margin histogram [..., n, num_bins] (leading axes: stacked layers)."""
     n, num_bins = counts_ne.shape[-2:]
@@ -138,10 +104,6 @@ def next_bias_from_counts(counts_ne: jax.Array, k: int) -> jax.Array:
 
 def moe_layers(model) -> list:
     """Every MoE layer module of `model` that records routing statistics (stacked scan copies count once)."""
-    from flax import nnx
-
-    from k3jax.layers.moe import LatentMoE
-
     return [m for _, m in nnx.iter_graph(model)
             if isinstance(m, LatentMoE) and hasattr(m, "margin_counts")]
 

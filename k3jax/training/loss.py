@@ -1,10 +1,12 @@
-"""Next-token cross-entropy in f32."""
+"""The training losses in f32: next-token cross-entropy and the MTP layer's t+2 cross-entropy."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import optax
+
+from k3jax.mtp import MTPLayer
 
 
 def next_token_loss(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.Array | None = None) -> jax.Array:
@@ -14,3 +16,20 @@ def next_token_loss(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.A
         return losses.mean()
     mask = mask_bt.astype(jnp.float32)
     return (losses * mask).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+def mtp_targets(targets_bt: jax.Array, loss_mask_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Targets t_{i+2} for position i and their mask: valid where both i → i+1 and i+1 → i+2 are in-document
+    predictions (so i, i+1 and i+2 are one document); the last position has none."""
+    tgt = jnp.concatenate([targets_bt[:, 1:], jnp.zeros_like(targets_bt[:, :1])], axis=1)
+    mask = loss_mask_bt.astype(bool)
+    mask = jnp.concatenate([mask[:, :-1] & mask[:, 1:], jnp.zeros_like(mask[:, :1])], axis=1)
+    return tgt, mask
+
+
+def mtp_loss(model, mtp: MTPLayer, h_btd: jax.Array, targets_bt: jax.Array, loss_mask_bt: jax.Array,
+             segment_ids_bt: jax.Array | None = None) -> jax.Array:
+    """Cross-entropy of the MTP layer's t_{i+2} predictions (the embedding of t_{i+1} is `targets[i]`)."""
+    h_mtp = mtp(h_btd, model.embed(targets_bt), segment_ids_bt)
+    tgt, mask = mtp_targets(targets_bt, loss_mask_bt)
+    return next_token_loss(model.logits(h_mtp), tgt, mask)

@@ -1,7 +1,7 @@
 """The pretraining loop behind `train.py`: per-head Muon + AdamW, Quantile Balancing, MTP, packed Grain data, an
 explicit mesh, Orbax checkpoints with exact resume, metrics (loss, grad norm, lr, tokens/s, MFU, expert load).
 
-One jitted step (`sharding.shard.make_sharded_train_step`) does: forward (main model + MTP layer) with document
+One jitted step (`k3jax.training.step.make_sharded_train_step`) does: forward (main model + MTP layer) with document
 packing (segment ids), loss = LM loss + mtp_weight · MTP loss, gradients, optimizer update, then Quantile Balancing
 sets every MoE layer's router bias from the margin histogram the forward recorded (used from the next step).
 """
@@ -21,15 +21,25 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jax.sharding import NamedSharding
+
 from k3jax.config import ModelConfig
+from k3jax.convert.hf_config import check_config
+from k3jax.data import pipeline, prepare
+from k3jax.layers.params import RouterBias
+from k3jax.loading import load_checkpoint
 from k3jax.model import K3Model
-from k3jax.mtp import MTPLayer, mtp_loss
+from k3jax.mtp import MTPLayer
+from k3jax.param_count import count_params
 from k3jax.training import checkpointing
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
-from k3jax.training.loss import next_token_loss
+from k3jax.training.loss import mtp_loss, next_token_loss
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
+from k3jax.training.step import make_sharded_train_step
 from sharding.expert_parallel import expert_parallel_metrics
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.shard import batch_spec, plan_shardings
 
 log = logging.getLogger(__name__)
 
@@ -143,8 +153,6 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     holds the whole model). With `abstract`, nothing is allocated: model and optimizer are shape-only
     (`nnx.eval_shape`), for compile-only runs.
     """
-    from sharding.shard import make_sharded_train_step, plan_shardings
-
     cfg = run_config(cfg)
     abstract_pair = nnx.eval_shape(lambda: make_trainable(cfg, opts))
     if abstract:
@@ -161,8 +169,6 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
 
 
 def make_mesh_from_option(text: str | None):
-    from sharding.mesh import make_mesh, parse_mesh
-
     if text is None:
         return make_mesh(data=jax.device_count())
     sizes = parse_mesh(text)
@@ -176,8 +182,6 @@ def make_mesh_from_option(text: str | None):
 def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], *, seq_len: int, stage: int = 0):
     """The Grain iterator over `opts.data` (prepared with `python -m k3jax.data.prepare`), or over the embedded
     corpus prepared on the fly (byte tokens) when no data is given. Context stage s reads with seed + s."""
-    from k3jax.data import pipeline, prepare
-
     if opts.data is None:
         if cfg.vocab_size < 259:
             raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
@@ -269,8 +273,6 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
         init_weights(trainable.model, opts.init_from, mesh)
         log_fn(f"initialised the model from {opts.init_from}")
 
-    from k3jax.param_count import count_params
-
     active = count_params(cfg)["active_params"]
     peak = peak_flops_per_device()
     metrics_log = MetricsLog(opts.workdir)
@@ -327,10 +329,6 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
 def init_weights(model: K3Model, ckpt: str, mesh) -> None:
     """Copies a converted checkpoint's parameters and router biases into `model` (placed on `mesh`); the
     architectures must agree (runtime fields such as kda_impl may differ)."""
-    from k3jax.convert.hf_config import check_config
-    from k3jax.layers.params import RouterBias
-    from k3jax.loading import load_checkpoint
-
     ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.param_dtype, mesh=mesh)
     check_config(ckpt_cfg, model.cfg)
     nnx.update(model, nnx.state(loaded, nnx.Any(nnx.Param, RouterBias)))
@@ -347,10 +345,6 @@ def _global_batch(local: dict, mesh) -> dict:
     one global array sharded over the batch axes."""
     if jax.process_count() == 1:
         return local
-    from jax.sharding import NamedSharding
-
-    from sharding.shard import batch_spec
-
     sharding = NamedSharding(mesh, batch_spec(2))
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
 
