@@ -33,7 +33,7 @@ on every kernel), host CUDA-API calls (graph launches), and the median idle time
 start (`trace_summary.step_idle`). The raw .xplane.pb and the HLO are copied to --out_dir.
 
 --variants: a same-process A/B of runtime choices on the same weights, e.g.
-    --variants="base:;attn:attn_res_impl=pallas;all:attn_res_impl=pallas,moe_route_impl=pallas"
+    --variants="base:;step:kda_decode_fusion=step;planned:kda_decode_fusion=step,moe_decode_experts=planned"
 (name:key=value,... separated by ';'; the first is the baseline). Each variant's decode step is compiled once, then
 the variants are timed in interleaved rounds (`--variant_rounds`, median per variant) at `--variant_batch` slots,
 and a table gives each step time, its floor fraction and its ratio to the baseline. Runs before the profile. Each
@@ -188,7 +188,7 @@ def _two_step_logits(params, cache, spec, vocab: int) -> list[np.ndarray]:
 
 
 def parse_variants(text: str) -> list[tuple[str, list[str]]]:
-    """'base:;attn:attn_res_impl=pallas,x=y' -> [("base", []), ("attn", ["attn_res_impl=pallas", "x=y"])]."""
+    """'base:;step:kda_decode_fusion=step,x=y' -> [("base", []), ("step", ["kda_decode_fusion=step", "x=y"])]."""
     out = []
     for item in (t.strip() for t in text.split(";")):
         if not item:

@@ -1,13 +1,9 @@
 """Decode-sized kernels one at a time, each side by side with the XLA ops it replaces (same process, same inputs).
 
     python benchmarks/decode_kernels_bench.py                     # k3_gpu shapes, B = 64 rows, on a GPU
-    python benchmarks/decode_kernels_bench.py --rows=64,16 --mix_variants=1-4,1-1,2-2 --route_warps=1,2,4,8
+    python benchmarks/decode_kernels_bench.py --rows=64,16 --ops=kda --kda_variants=128-4o,32-4
 
 Ops (`--ops`):
-- ``attn_res``: one AttnRes read + its RMSNorm: `pallas_kernels.attn_res.mix_norm` (variants block_rows-warps) vs
-  the XLA composite `k3jax.layers.attn_res._composite`, for 1, 4 and all bank rows filled;
-- ``route``: the routing plan: `pallas_kernels.moe.route_plan` (variants: warps) vs `jax.lax.top_k` +
-  `k3jax.layers.moe.plan_from_experts` (argsort, inverse permutation, bincount);
 - ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps, suffix ``o``
   with the output epilogue, the model's default), chained through its f32 state, beside an XLA pass over the same
   state (``s * c + 1``: one f32 read + one write, the traffic's streaming ceiling); kernel rows report their
@@ -25,8 +21,7 @@ so the calls cannot overlap and host dispatch is paid once), median of ``--iters
 per-call cost inside a decode step. For ``kda``, ``experts``, ``glu_lhs`` and ``hbm`` on a GPU the figure is the
 GPU's busy time per call from a profiler trace instead (``wall_us`` keeps the chain's wall clock, which also
 counts the loop's per-iteration predicate copy to the host), and each chained call goes through ``--rotate``
-distinct states / weight copies so that none is still in the L2 when it comes round again. ``attn_res`` / ``route`` kernel rows report their
-max error against the XLA result.
+distinct states / weight copies so that none is still in the L2 when it comes round again.
 A smoke run on CPU (``--backend=interpret``) checks the script, not the timings. ``K3_BENCH_NO_TRACE=1`` skips the
 profiler traces (wall clock only): under Nsight Compute (`benchmarks/ncu_decode_kernels.sh`), which owns CUPTI.
 """
@@ -57,76 +52,6 @@ def _emit(out: list, row: dict) -> None:
 def _chain(call, chain):
     """jit of `chain` dependent applications of `call(x) -> x` (same shape and dtype)."""
     return jax.jit(lambda x: jax.lax.fori_loop(0, chain, lambda i, h: call(h), x))
-
-
-def bench_attn_res(rows, d, bank_rows, dtype, variants, backend, chain, iters):
-    from k3jax.layers import attn_res
-    from pallas_kernels.attn_res import mix_norm
-
-    rng = np.random.default_rng(0)
-    live = jnp.asarray(rng.standard_normal((rows, d)), dtype)
-    bank = jnp.asarray(rng.standard_normal((bank_rows, rows, d)), dtype)
-    key_gain, query, out_gain = (jnp.asarray(1 + 0.1 * rng.standard_normal(d), jnp.float32) for _ in range(3))
-    out = []
-    for filled in sorted({1, min(4, bank_rows), bank_rows}):
-        def xla(x, filled=filled):
-            return attn_res._composite(x, bank, key_gain, query, out_gain, filled, 1e-6, 1e-5)
-
-        def kernel(x, filled=filled, r=None, w=4):
-            return mix_norm(x, bank, filled, key_gain, query, out_gain, eps=1e-6, out_eps=1e-5, backend=backend,
-                            block_rows=r, warps=w)
-
-        want = np.asarray(jax.jit(xla)(live), np.float64)
-        xla_us = median_ms(lambda f=_chain(lambda h: xla(h).astype(dtype), chain): f(live), iters) / chain * 1e3
-        _emit(out, {"op": "attn_res", "rows": rows, "num_filled": filled, "impl": "xla", "us": xla_us})
-        for text in variants:
-            r, w = (int(v) for v in text.split("-"))
-            if rows % r:
-                continue
-            row = {"op": "attn_res", "rows": rows, "num_filled": filled, "impl": f"mix_norm {r}-{w}"}
-            try:
-                got = np.asarray(jax.jit(lambda x: kernel(x, r=r, w=w))(live), np.float64)
-                row["err"] = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
-                f = _chain(lambda h: kernel(h, r=r, w=w).astype(dtype), chain)
-                row["us"] = median_ms(lambda: f(live), iters) / chain * 1e3
-                row["vs_xla"] = xla_us / row["us"]
-            except Exception as e:  # noqa: BLE001 -- a variant that does not compile must not stop the others
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            _emit(out, row)
-    return out
-
-
-def bench_route(rows, experts, k, warps_list, backend, chain, iters):
-    from k3jax.layers import moe
-    from pallas_kernels.moe import route_plan
-
-    rng = np.random.default_rng(1)
-    scores = jnp.asarray(jax.nn.sigmoid(rng.standard_normal((rows, experts))), jnp.float32)
-
-    def xla(s):
-        _, idx = jax.lax.top_k(s, k)
-        return moe.plan_from_experts(idx.astype(jnp.int32), experts)
-
-    def feed(s, plan):  # a dependence on every output of the plan that XLA cannot fold away (none is negative)
-        never = functools.reduce(jnp.logical_or, [f.reshape(-1)[0] < 0 for f in plan])
-        return s + never.astype(s.dtype)
-
-    want = jax.jit(xla)(scores)
-    xla_us = median_ms(lambda f=_chain(lambda s: feed(s, xla(s)), chain): f(scores), iters) / chain * 1e3
-    out = []
-    _emit(out, {"op": "route", "rows": rows, "experts": experts, "k": k, "impl": "xla top_k + plan", "us": xla_us})
-    for w in warps_list:
-        row = {"op": "route", "rows": rows, "experts": experts, "k": k, "impl": f"route_plan warps {w}"}
-        try:
-            got = jax.jit(lambda s: route_plan(s, k, backend=backend, warps=w))(scores)
-            row["mismatches"] = int(sum(int(np.sum(np.asarray(a) != np.asarray(b))) for a, b in zip(got, want)))
-            f = _chain(lambda s: feed(s, route_plan(s, k, backend=backend, warps=w)), chain)
-            row["us"] = median_ms(lambda: f(scores), iters) / chain * 1e3
-            row["vs_xla"] = xla_us / row["us"]
-        except Exception as e:  # noqa: BLE001
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        _emit(out, row)
-    return out
 
 
 def _device_us(f, arg, iters: int, chain: int) -> dict:
@@ -227,7 +152,7 @@ def _stream_sum(w_ekn, tk: int, tn: int, warps: int, stages: int, interpret: boo
     walking K in a pipelined loop, i.e. the grouped matmul's weight traffic without its matmul (a read ceiling)."""
     from jax.experimental import pallas as pl
 
-    from pallas_kernels.kda.chunk_fwd import triton_params
+    from pallas_kernels.tiling import triton_params
 
     e, k, n = w_ekn.shape
 
@@ -415,15 +340,15 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
             ref["planned"] = got
         _emit(out, row)
 
-    from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import backend as backend_lib
 
-    real_backend = gmm_ops._kernel_backend_here
+    real_backend = backend_lib.kernel_backend_here
     if interpret:  # the planned path's kernels through the interpreter as well (restored below)
-        gmm_ops._kernel_backend_here = lambda: "interpret"
+        backend_lib.kernel_backend_here = lambda: "interpret"
     try:
         emit("planned (plan + gmm_glu + gmm)", planned)
     finally:
-        gmm_ops._kernel_backend_here = real_backend
+        backend_lib.kernel_backend_here = real_backend
     for text in tilings:
         parts = text.split("-")
         order = "column" if parts[-1] == "c" else "expert"
@@ -440,9 +365,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="k3_gpu")
     ap.add_argument("--rows", default="64", help="decode batch sizes (tokens per step), comma-separated")
-    ap.add_argument("--ops", default="attn_res,route")
-    ap.add_argument("--mix_variants", default="1-4,1-2,1-1,2-4,4-4", help="mix_norm block_rows-warps")
-    ap.add_argument("--route_warps", default="1,2,4,8")
+    ap.add_argument("--ops", default="kda,experts")
     ap.add_argument("--stream_tilings", default="64-128-4-3,128-128-4-3,64-256-4-4,128-64-4-4,32-128-4-6",
                     help="hbm op: the Pallas read-only stream's tk-tn-warps-stages")
     ap.add_argument("--kda_variants", default="128-4o,32-4,128-4",
@@ -458,8 +381,7 @@ def main(argv=None):
     import configs
 
     cfg = configs.get_config(args.config)
-    bank_rows = cfg.num_attn_res_snapshots
-    print(f"devices: {jax.devices()}  config {args.config}: D={cfg.hidden_size}, bank rows <= {bank_rows}, "
+    print(f"devices: {jax.devices()}  config {args.config}: D={cfg.hidden_size}, "
           f"E={cfg.num_experts}, k={cfg.num_experts_per_token}", flush=True)
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -471,21 +393,13 @@ def main(argv=None):
                                       args.experts_tilings.split(","), args.rotate)
         if "glu_lhs" in args.ops:
             rows_out += bench_glu_lhs(cfg, rows, args.chain, args.iters, args.backend, args.rotate)
-        if "attn_res" in args.ops:
-            rows_out += bench_attn_res(rows, cfg.hidden_size, bank_rows, cfg.jnp_dtype, args.mix_variants.split(","),
-                                       args.backend, args.chain, args.iters)
-        if "route" in args.ops:
-            rows_out += bench_route(rows, cfg.num_experts, cfg.num_experts_per_token,
-                                    [int(w) for w in args.route_warps.split(",")], args.backend, args.chain,
-                                    args.iters)
         if "kda" in args.ops:
             rows_out += bench_kda(rows, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size - 1,
                                   args.kda_variants.split(","), args.backend, args.chain, args.iters, args.rotate)
     print("\n| op | rows | case | impl | µs per call | XLA / impl | check |")
     print("|---|---:|---|---|---:|---:|---|")
     for r in rows_out:
-        case = {"attn_res": lambda: f"{r['num_filled']} filled", "route": lambda: f"E={r['experts']} k={r['k']}",
-                "kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
+        case = {"kda": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
                 "hbm": lambda: f"{r['gbs']:.0f} GB/s" if "gbs" in r else "",
                 "experts": lambda: "E={} k={}".format(cfg.num_experts, cfg.num_experts_per_token),
                 "glu_lhs": lambda: "GLU alone"}[r["op"]]()

@@ -1,6 +1,6 @@
 """Checks of the grouped matmul kernels outside the unit tests.
 
-    python -m pallas_kernels.gmm.check          # any host: lower every GPU kernel for CUDA (no GPU needed)
+    python -m benchmarks.gmm_check          # any host: lower every GPU kernel for CUDA (no GPU needed)
 
 ``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))`` runs the Pallas -> Triton lowering of: `gmm`
 forward + both gradients, `gmm_glu` forward + its recomputing backward (situ and silu), and `gmm_mxfp4` (bf16 and
@@ -19,8 +19,8 @@ import sys
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4
 from pallas_kernels.cuda_lowering import triton_kernels
+from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4
 
 
 def _cases(m, k, n, g, tiling):

@@ -1,6 +1,6 @@
 """Compile-only check of the TPU grouped matmul kernels for a TPU topology on a machine without TPUs (needs libtpu).
 
-    python -m pallas_kernels.gmm.aot [--topology=v5p:2x2x1] [--m=2048 --k=1024 --n=1536 --groups=8]
+    python -m benchmarks.gmm_tpu_aot [--topology=v5p:2x2x1] [--m=2048 --k=1024 --n=1536 --groups=8]
 
 Lowers forward + both gradients (`jax.vjp` of `gmm(backend='tpu')`), a standalone `tgmm`, `gmm_glu` forward + its
 recomputing backward (SiTU) and `gmm_mxfp4` for one chip of the topology with bf16 inputs, compiles them with the
@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import json
 
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4, tgmm
+from sharding.aot import tpu_topology
+
 
 def compile_gmm(topology: str, m: int, k: int, n: int, groups: int) -> dict:
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels.gmm import gmm, gmm_glu, gmm_mxfp4, tgmm
-    from sharding.aot import tpu_topology
-
     device = tpu_topology(topology).devices[0]
     single = jax.sharding.SingleDeviceSharding(device)
     lhs = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=single)

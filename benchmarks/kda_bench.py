@@ -14,7 +14,7 @@ Pallas variants are `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-b
 (KernelConfig.parse); `--breakdown` also times the intra-chunk kernel alone for each variant; `--profile` traces
 three forward and three forward+backward calls of each implementation at the first shape (jax.profiler for ours,
 torch.profiler for fla) and prints each GPU kernel's time per call, to compare stage by stage. `--check` first
-runs `pallas_kernels.kda.check`'s GPU check (outputs, state, gradients vs the token recurrence) and stops if it fails.
+runs `benchmarks.kda_check`'s GPU check (outputs, state, gradients vs the token recurrence) and stops if it fails.
 The Pallas fwd+bwd column uses the Pallas forward and backward kernels (chunk_kda's default bwd="pallas").
 """
 
@@ -37,10 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.layers.norms import l2_normalize
-from k3jax.ops.kda import kda_chunked
-from pallas_kernels.kda import KernelConfig, chunk_kda_gated
-from pallas_kernels.kda.check import run_on_gpu
+from benchmarks.kda_check import run_on_gpu
+from k3jax.ops.kda import KernelConfig, chunk_kda_gated, kda_chunked, l2_normalize
 from pallas_kernels.kda.chunk_fwd import intra_chunk
 
 FLOP_PER_TOKEN_HEAD = 183e3

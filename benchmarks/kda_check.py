@@ -1,7 +1,7 @@
 """Checks of the Pallas KDA kernels outside the unit tests.
 
-    python -m pallas_kernels.kda.check              # any host: lower forward + backward for CUDA (no GPU needed)
-    python -m pallas_kernels.kda.check --run        # on a GPU: gradients of backend="gpu" vs the token recurrence
+    python -m benchmarks.kda_check              # any host: lower forward + backward for CUDA (no GPU needed)
+    python -m benchmarks.kda_check --run        # on a GPU: gradients of backend="gpu" vs the token recurrence
 
 Lowering (default): ``jax.jit(value_and_grad(loss)).trace(...).lower(lowering_platforms=("cuda",))`` runs the
 Pallas -> Triton lowering of every kernel of ``chunk_kda(backend="gpu")`` (forward and Pallas backward; bf16 and
@@ -23,10 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.layers.norms import l2_normalize
-from k3jax.ops.kda import kda_recurrent
+from k3jax.ops.kda import chunk_kda, chunk_kda_gated, kda_recurrent, l2_normalize
 from pallas_kernels.cuda_lowering import triton_kernels
-from pallas_kernels.kda.dispatch import chunk_kda, chunk_kda_gated
 
 _NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 _TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}

@@ -10,7 +10,7 @@ on the previous stage's outputs (bf16 q/k/v, K = V = 128, gate in [-5, 0]) and t
 after warm-up). Before timing, every stage of the first variant is compiled for f32 and bf16 at a small shape and any
 compile error (e.g. Triton running out of shared memory) is printed per stage, so one run tells which kernel fails;
 `--profile` prints the GPU kernels inside each stage of the first variant; `--check` first runs
-`pallas_kernels.kda.check`'s check (outputs, state, gradients) with each variant.
+`benchmarks.kda_check`'s check (outputs, state, gradients) with each variant.
 Variant syntax: `block_v-warps(parallel)-warps(sequential)[-solve[-stages[-block_k[-intra[-intra_bwd]]]]]`, e.g.
 `64-4-4-doubling-1-32-split-tiled` (`KernelConfig.parse`).
 """
@@ -33,7 +33,7 @@ import numpy as np
 
 from pallas_kernels.kda import KernelConfig
 from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_bwd_fused, intra_bwd_tiled, intra_split
-from pallas_kernels.kda.check import run_on_gpu
+from benchmarks.kda_check import run_on_gpu
 
 
 def _inputs(b, t, h, d, dtype, seed=0):
@@ -54,7 +54,7 @@ def _inputs(b, t, h, d, dtype, seed=0):
 def stage_fns(b, t, h, d, dtype, config, interpret=False):
     """Ordered (name, jitted fn, args builder) for each kernel; builders read earlier stages' outputs."""
     scale = d ** -0.5
-    _, precision = chunk_fwd._matmul_policy(dtype)
+    _, precision = common.matmul_policy(dtype)
     kw = dict(precision=precision, config=config, interpret=interpret)
     block_v = chunk_fwd.check_dims(d, d, config)
     n = t // chunk_fwd.CHUNK

@@ -2,7 +2,7 @@
 Triton kernels by name and the StableHLO ops around them (sorts, scatters, dots). A static check that the decode
 fusions are chosen on the GPU path and how much XLA work they remove; not a timing.
 
-    python benchmarks/lower_decode.py k3_gpu [key=value ...]      # e.g. attn_res_impl=pallas moe_route_impl=pallas
+    python benchmarks/lower_decode.py k3_gpu [key=value ...]      # e.g. kda_decode_fusion=step
 """
 import collections
 import os
@@ -14,9 +14,9 @@ from flax import nnx
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import sharding.mesh as sm  # noqa: E402
+import k3jax.ops.backend as kernel_backend  # noqa: E402
 
-sm.traced_platform = lambda: "gpu"  # trace as for a GPU on this host
+kernel_backend.traced_platform = lambda: "gpu"  # trace as for a GPU on this host
 import k3jax.ops.kda as kda_ops  # noqa: E402
 
 kda_ops.decode_kernel_backend = lambda: "gpu"

@@ -116,25 +116,6 @@ class ModelConfig:
     # Warps per program of that kernel (a power of two). At block_v 128 with 4 warps it sits at 255 registers per
     # thread, 2 programs per SM (Nsight Compute, RESULTS.md 2026-12-02); 8 is the untimed alternative.
     kda_decode_warps: int = 4
-    # Dense projections of decode-sized calls (<= 256 rows; k3jax/ops/linear.py): "xla" (default) or "pallas"
-    # (the split-K weight-streaming kernel, pallas_kernels/dense, on one GPU; XLA on TPU; the interpreter on CPU).
-    # Off by default: k3_gpu decode B = 64 was 1.09-1.10x slower with it on an H200 (benchmarks/RESULTS.md, 2026-11-30).
-    decode_matmul_impl: Literal["xla", "pallas"] = "xla"
-    # AttnRes reads at decode sizes (<= 256 rows, the layer index known at trace time, i.e. the unrolled layer stack;
-    # k3jax/layers/attn_res.py): "xla" (default) or "pallas" (one kernel per read: depth softmax + the RMSNorm that
-    # consumes it, pallas_kernels/attn_res, on one GPU; XLA on TPU; the interpreter on CPU: tests). Off by default:
-    # 1.03-1.04x slower in k3_gpu decode (one row per program; RESULTS.md, 2026-11-30).
-    attn_res_impl: Literal["xla", "pallas"] = "xla"
-    # MoE routing at decode sizes (<= 256 tokens and experts, ungrouped top-k, one program, no routing statistics;
-    # k3jax/layers/moe.py): "xla" (default: top_k + argsort + bincount) or "pallas" (one kernel selects the experts
-    # and lays out the expert-sorted rows, pallas_kernels/moe, on one GPU; XLA on TPU; the interpreter on CPU).
-    # Off by default: not faster in k3_gpu decode at B = 64 (1.001x the step time with its 16-warp default, 1.095x at
-    # 4 warps; RESULTS.md, 2026-12-01: XLA's routing mostly runs beside the shared-expert projections).
-    moe_route_impl: Literal["xla", "pallas"] = "xla"
-    # Decode-sized grouped matmuls on the GPU kernels (<= 32 rows per expert): "tiles" (default: a row-tile walk
-    # with per-tile metadata, ~5 small XLA kernels per MoE layer) or "groups" (one program per expert group and
-    # column tile, no metadata; pallas_kernels/gmm Tiling.walk). TPU and XLA paths ignore it.
-    moe_gmm_walk: Literal["tiles", "groups"] = "tiles"
     # Rows per tile of those decode-sized grouped matmuls (a power of two >= 16): an expert with more rows than one
     # tile streams its weights once per tile; 32 trades that for MMA rows wasted on emptier experts. GPU only.
     moe_decode_row_tile: int = 16
@@ -143,7 +124,7 @@ class ModelConfig:
     # (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row gather) or
     # "auto" (default: "assigned" up to `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, i.e. k3_gpu
     # B <= 128: 0.94x the step time at B = 16, 0.96x at 64, 0.98x at 128, but 1.07x at 256; RESULTS.md, sessions
-    # 14-15). TPU and XLA paths ignore it; `moe_route_impl="pallas"` keeps its own planned path.
+    # 14-15). TPU and XLA paths ignore it.
     moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
     # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
     # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).

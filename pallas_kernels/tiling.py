@@ -1,8 +1,11 @@
-"""Power-of-two sizes for Pallas Triton blocks (block dims must be powers of two; dot operands at least 16)."""
+"""Power-of-two sizes for Pallas Triton blocks (block dims must be powers of two; dot operands at least 16) and the
+Triton compiler parameters shared by the kernel families."""
 
 from __future__ import annotations
 
-__all__ = ["is_pow2", "largest_pow2_divisor", "next_pow2"]
+from jax.experimental.pallas import triton as pl_triton
+
+__all__ = ["is_pow2", "largest_pow2_divisor", "next_pow2", "triton_params"]
 
 
 def next_pow2(n: int, at_least: int = 1) -> int:
@@ -24,3 +27,10 @@ def largest_pow2_divisor(n: int, at_most: int, at_least: int = 1) -> int:
             return t
         t //= 2
     return 0
+
+
+def triton_params(interpret: bool, warps: int, stages: int = 1):
+    """Triton compiler parameters (None in interpret mode)."""
+    if interpret:
+        return None
+    return pl_triton.CompilerParams(num_warps=warps, num_stages=stages)

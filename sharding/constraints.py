@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 
+from k3jax.ops.backend import mesh_context
 from sharding.shard import resolve_spec
 
 # The logical layouts the model annotates (every name must have a rule in sharding/rules.py; tested).
@@ -21,9 +22,8 @@ ACT_BTV = ("batch", "seq", "act_vocab")  # logits
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    if mesh is None or getattr(mesh, "empty", True) or getattr(mesh, "manual_axes", ()):
+    if mesh_context() != "mesh":
         return x
+    mesh = jax.sharding.get_abstract_mesh()
     spec, _ = resolve_spec(logical, x.shape, mesh, path="activation")
     return jax.lax.with_sharding_constraint(x, spec)

@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.numerics import wide
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.conv import causal_depthwise_conv
 
 log = logging.getLogger(__name__)
 
@@ -210,10 +211,8 @@ def kda_context_parallel(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, ini
 
 # ---------------------------------------------------------------------------------------------------- short conv
 def short_conv_shard(x_btp, kernel_wp, segment_ids_bt, *, axis_name=CONTEXT_AXIS):
-    """Causal depthwise conv + SiLU (`k3jax.layers.kda.causal_depthwise_conv`) on one shard inside a `shard_map`,
+    """Causal depthwise conv + SiLU (`k3jax.ops.conv.causal_depthwise_conv`) on one shard inside a `shard_map`,
     with the W−1 previous inputs (and their segment ids) taken from the left neighbour. Returns f32 [B, T_local, P]."""
-    from k3jax.layers.kda import causal_depthwise_conv  # lazy: the layer module imports this one
-
     halo = kernel_wp.shape[0] - 1
     if halo == 0:
         return causal_depthwise_conv(x_btp, kernel_wp, None, segment_ids_bt)[0]

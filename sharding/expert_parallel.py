@@ -45,10 +45,10 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
-from k3jax.layers.mlp import grouped_glu
 from k3jax.numerics import wide
+from k3jax.ops.backend import traced_platform
+from k3jax.ops.glu import grouped_glu
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
-from sharding.mesh import traced_platform
 
 log = logging.getLogger(__name__)
 

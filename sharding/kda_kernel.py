@@ -14,26 +14,17 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from k3jax.ops import kda as kda_ops
+from k3jax.ops.backend import kernel_mesh
 from sharding.context_parallel import batch_axes, model_axis
 
-__all__ = ["kda_kernel_on_mesh", "kernel_mesh"]
-
-
-def kernel_mesh():
-    """The mesh a kernel call traced now must be sharded over, or None: no mesh, a one-device mesh, or already
-    inside a `shard_map` (each device then sees its own block)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or mesh.size == 1 or mesh.manual_axes:
-        return None
-    return mesh
+__all__ = ["kda_kernel_on_mesh"]
 
 
 def kda_kernel_on_mesh(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state=None, impl="pallas",
                        chunk_size=64, segment_ids=None, mesh):
     """`k3jax.ops.kda.kda` (same arguments) run per device on its batch rows and heads of `mesh`; global arrays in
     and out: ``(o [B, T, H, V], final_state [B, H, K, V] f32)``."""
-    from k3jax.ops import kda as kda_ops  # lazy: keeps this module importable from the ops
-
     b, t, h, kd = q_bthk.shape
     vd = v_bthv.shape[-1]
     ba, ma = batch_axes(mesh, b), model_axis(mesh, h)

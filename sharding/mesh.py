@@ -136,27 +136,3 @@ def describe(mesh: Mesh) -> str:
     """'data=2 expert=1 context=1 model=4 (8 cpu devices)'."""
     sizes = " ".join(f"{a}={mesh.shape[a]}" for a in mesh.axis_names)
     return f"{sizes} ({mesh.size} {mesh.devices.flat[0].platform} devices)"
-
-
-def traced_platform() -> str:
-    """The platform the current trace is for: the context mesh's device platform when one is set (a TPU topology
-    compiled on a CPU host counts as TPU, `sharding.aot`), else JAX's default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    return getattr(device, "platform", None) or jax.default_backend()
-
-
-def traced_accelerator() -> str | None:
-    """The kernel family for the platform being traced (`traced_platform`): "gpu" (CUDA / ROCm), "tpu", or None
-    (CPU and anything else: the XLA paths). The one place the kernel dispatchers read the platform from."""
-    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(traced_platform())
-
-
-def gpu_kernel_backend() -> str | None:
-    """The backend of a GPU-only, single-program Pallas kernel (the opt-in decode fusions) for the current trace:
-    "gpu" on a GPU, "interpret" on a CPU (tests: exact but slow), None on a TPU (no Mosaic variant) and under a
-    multi-device mesh outside `shard_map` (GSPMD cannot partition a Pallas call): the caller's XLA path."""
-    from sharding.kda_kernel import kernel_mesh  # lazy: kda_kernel imports this package's modules
-
-    if kernel_mesh() is not None:
-        return None
-    return {"gpu": "gpu", None: "interpret"}.get(traced_accelerator())

@@ -35,12 +35,12 @@ def test_kda_and_hbm_ops_run_on_the_interpreter(capsys):
 
 
 def test_experts_op_runs_on_the_interpreter_and_matches_the_planned_path(capsys):
-    from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import backend as backend_lib
 
-    before = gmm_ops._kernel_backend_here
+    before = backend_lib.kernel_backend_here
     bench.main(["--config=tiny", "--rows=6", "--backend=interpret", "--chain=1", "--iters=1", "--rotate=2",
                 "--ops=experts", "--experts_tilings=16-32-32-4-4-1,16-32-32-4-4-2,16-16-16-4-4-2-c"])
-    assert gmm_ops._kernel_backend_here is before  # the interpreter override does not leak
+    assert backend_lib.kernel_backend_here is before  # the interpreter override does not leak
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| experts |")]
     assert len(rows) == 4 and "planned" in rows[0], rows
     errors = [float(line.split("err ")[1].split()[0]) for line in rows[1:]]

@@ -128,7 +128,7 @@ def test_tpu_kernels_compile_for_v5p():
     """Mosaic TPU: gmm forward + both gradients, tgmm, gmm_glu forward + backward and gmm_mxfp4 lower and compile
     with libtpu (compile only)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    cmd = [sys.executable, "-m", "pallas_kernels.gmm.aot", "--topology=v5p:2x2x1", "--m=1000", "--k=1024",
+    cmd = [sys.executable, "-m", "benchmarks.gmm_tpu_aot", "--topology=v5p:2x2x1", "--m=1000", "--k=1024",
            "--n=1536", "--groups=8"]
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]
@@ -316,11 +316,11 @@ def test_decode_sized_calls_take_the_thin_tiling_and_match_float64_loop():
 
 @pytest.mark.parametrize("rows,fused", [(44, True), (200, False)], ids=["decode-sized-fused", "large-two-gmm"])
 def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fused, monkeypatch):
-    """The MoE's expert up-projection (`k3jax.layers.mlp.grouped_glu`): a call with <= 32 rows per expert runs the
+    """The MoE's expert up-projection (`k3jax.ops.glu.grouped_glu`): a call with <= 32 rows per expert runs the
     fused `gmm_glu` kernel, a bigger one two gmm calls + the activation; both equal the float64 loop of
     SiTU(x @ w_gate, x @ w_up) per group (interpreted kernels, f32). MXFP4 weights and impl='ragged_dot' never
     take the fused kernel."""
-    from k3jax.layers import mlp
+    from k3jax.ops import glu as glu_ops
     from k3jax.ops import gmm as gmm_ops
     from configs import get_config
 
@@ -332,8 +332,8 @@ def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fu
     sizes = np.array([rows // 4, 0, rows // 2, rows - rows // 4 - rows // 2], np.int32)  # uneven, one empty
     x = rng.standard_normal((rows, 64)).astype(np.float32)
     w_gate, w_up = ((2.0 * rng.standard_normal((len(sizes), 64, 48)) / 8).astype(np.float32) for _ in range(2))
-    got = mlp.grouped_glu(jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(sizes), cfg,
-                          impl="pallas")
+    got = glu_ops.grouped_glu(jnp.asarray(x), jnp.asarray(w_gate), jnp.asarray(w_up), jnp.asarray(sizes), cfg,
+                              impl="pallas")
     assert bool(calls) == fused
     beta1, beta2 = cfg.activation_situ_beta, cfg.activation_situ_linear_beta
     want = glu_reference_f64(x, w_gate, w_up, sizes, np.zeros((rows, 48), np.float32), "situ", beta1, beta2)[0]
@@ -341,68 +341,3 @@ def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fu
     assert not gmm_ops.fused_glu_applies(rows, jnp.asarray(w_gate), "ragged_dot")
     packed = gmm_ops.MXFP4Experts.quantize(jnp.asarray(w_gate))
     assert not gmm_ops.fused_glu_applies(rows, packed, "pallas")
-
-
-@pytest.mark.parametrize("tm", [16, 32], ids=["tm16-several-chunks", "tm32"])
-def test_group_walk_matches_float64_loop(tm, monkeypatch):
-    """The decode group walk (Tiling.walk == "groups": one program per (group, column tile) stepping through the
-    group's rows, no per-tile metadata) gives gmm, gmm_glu and gmm_mxfp4 the float64 loop's results on every group
-    case (empty groups, one group holding every row so it takes several row chunks, a zero tail, all empty); the
-    gradients (d_lhs walks groups too, d_rhs is tgmm) equal the loop's. A spy checks the group walk ran."""
-    from pallas_kernels.gmm import Tiling
-    from pallas_kernels.gmm import gpu as gpu_kernels
-
-    walks = []
-    real_walk = gpu_kernels._group_walk_call
-    monkeypatch.setattr(gpu_kernels, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or
-                        real_walk(*a, **kw))
-
-    walk = Tiling(tm, 16, 16, 4, 2, "groups")
-    x, w, dy = _inputs(jnp.float32, seed=11)
-    rng = np.random.default_rng(12)
-    w_up = jnp.asarray(rng.standard_normal((G, K, N)) / np.sqrt(K), jnp.float32)
-    beta1, beta2 = GLU_BETAS
-
-    @jax.jit
-    def run(x, w, w_up, gs, dy):
-        out, pull = jax.vjp(lambda a, b: gmm(a, b, gs, backend="interpret", tiling=walk), x, w)
-        glu = gmm_glu(x, w, w_up, gs, activation="situ", beta1=beta1, beta2=beta2, backend="interpret",
-                      tiling=walk)
-        return (out, *pull(dy), glu)
-
-    for name, sizes in GROUP_CASES.items():
-        sizes = np.array(sizes, np.int32)
-        out, dx, dw, glu = run(x, w, w_up, jnp.asarray(sizes), dy)
-        want = reference_f64(x, w, sizes, dy)
-        for label, got, ref in zip(("out", "d_lhs", "d_rhs"), (out, dx, dw), want):
-            _assert_close(got, ref, jnp.float32, f"group walk tm={tm} {name}: {label}")
-        glu_want = glu_reference_f64(x, w, w_up, sizes, np.asarray(dy), "situ", beta1, beta2)[0]
-        _assert_close(glu, glu_want, jnp.float32, f"group walk tm={tm} {name}: glu")
-        assert not np.asarray(out[sizes.sum():]).any() and not np.asarray(glu[sizes.sum():]).any()
-    assert sorted(walks) == ["k3_gmm", "k3_gmm", "k3_gmm_glu"]  # forward, d_lhs, fused GLU
-    xq, packed, scales = _mxfp4_inputs()
-    for name, sizes in MX_SIZES.items():
-        sizes = np.array(sizes, np.int32)
-        got = gmm_mxfp4(xq, jnp.asarray(packed), jnp.asarray(scales), jnp.asarray(sizes),
-                        preferred_element_type=jnp.float32, backend="interpret", tiling=(tm, 32, 16, 4, 2, "groups"))
-        want = mxfp4_reference_f64(xq, packed, scales, sizes)
-        err = (np.abs(np.asarray(got, np.float64) - want).max(0) / (np.abs(want).max(0) + 1e-30)).max()
-        assert err < 1e-5, f"mxfp4 group walk {name}: {err:.3g}"
-    assert walks.count("k3_gmm_mxfp4") == 1
-
-
-def test_group_walk_lowers_for_cuda_and_skips_the_tile_metadata():
-    from pallas_kernels.cuda_lowering import triton_kernels
-    from pallas_kernels.gmm import DECODE_GROUP_WALK
-
-    s = jax.ShapeDtypeStruct
-    args = (s((512, 768), jnp.bfloat16), s((64, 768, 768), jnp.bfloat16), s((64,), jnp.int32))
-    compares = {}
-    for tiling in (None, DECODE_GROUP_WALK):  # None: the default decode tiling (tile walk)
-        fn = lambda a, b, gs: gmm(a, b, gs, backend="gpu", tiling=tiling)  # noqa: E731
-        count, names = triton_kernels(fn, *args, name_pattern=r"k3_[a-z_]+")
-        assert count == 1 and names == ["k3_gmm"]
-        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-        compares[tiling is None] = text.count("stablehlo.compare")
-    # the tile walk searches the tile slots (`metadata.group_tiles`, compare_all); the group walk needs only bounds
-    assert compares[True] > 0 and compares[False] == 0, compares

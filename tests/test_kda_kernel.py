@@ -16,8 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import kda_recurrent
-from pallas_kernels.kda import KernelConfig, chunk_kda, chunk_kda_gated
+from k3jax.ops.kda import KernelConfig, chunk_kda, chunk_kda_gated, kda_recurrent
 
 
 def _unit(x):
@@ -327,10 +326,11 @@ def test_kda_layer_with_the_kernel_equals_the_chunked_path_on_packed_documents()
     import configs
     from flax import nnx
 
-    from k3jax.layers.kda import KDA, resolve_kda_impl
+    from k3jax.layers.kda import KDA
+    from k3jax.ops.kda import resolve_impl
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])
-    assert resolve_kda_impl(base) == "chunked"
+    assert resolve_impl(base) == "chunked"
     x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 40, base.hidden_size)), jnp.float32)
     seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [9, 20, 11], axis=1).astype(np.int32))
 
@@ -446,11 +446,11 @@ def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid(t, intra, in
     recurrence on inputs preprocessed here in float64 NumPy; gradients reach A_log and dt_bias and equal the
     recurrence's. With intra="fused2" / "pairs" and T a multiple of 64 the intra kernel activates the raw gate itself
     (the raw-gate custom VJP runs); with T = 70 (padded tokens must not decay) the gate is activated in XLA first."""
-    from pallas_kernels.kda import dispatch
+    from k3jax.ops import kda as kda_ops
 
     calls = []
-    raw_gate = dispatch._pallas_kda_raw_gate
-    monkeypatch.setattr(dispatch, "_pallas_kda_raw_gate", lambda *a: calls.append(1) or raw_gate(*a))
+    raw_gate = kda_ops.chunk_kda_raw_gate_kernel
+    monkeypatch.setattr(kda_ops, "chunk_kda_raw_gate_kernel", lambda *a, **kw: calls.append(1) or raw_gate(*a, **kw))
     config = KernelConfig(block_k=16, intra=intra)
     rng = np.random.default_rng(41)
     b, h, d = 1, 2, 16
@@ -495,14 +495,14 @@ def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid(t, intra, in
 
 def test_auto_picks_the_kernel_on_accelerators_for_kernel_compatible_configs(monkeypatch):
     import configs
-    from k3jax.layers.kda import resolve_kda_impl
+    from k3jax.ops.kda import resolve_impl
 
     k3_like, kimi_linear_like = configs.get_config("tiny"), configs.get_config("tiny_kimi_linear")
     for platform, want in (("gpu", "pallas"), ("tpu", "pallas"), ("cpu", "chunked")):
         monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
-        assert resolve_kda_impl(k3_like) == want, platform
-        assert resolve_kda_impl(kimi_linear_like) == "chunked", platform  # softplus gate: outside the kernel's range
-    assert resolve_kda_impl(k3_like.replace(kda_impl="recurrent")) == "recurrent"
+        assert resolve_impl(k3_like) == want, platform
+        assert resolve_impl(kimi_linear_like) == "chunked", platform  # softplus gate: outside the kernel's range
+    assert resolve_impl(k3_like.replace(kda_impl="recurrent")) == "recurrent"
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -607,7 +607,7 @@ def test_fused_intra_kernels_equal_the_split_stage_and_the_token_recurrence(intr
     solve terms), on packed documents (starts mid-chunk, on a chunk start, two in one 16-row block, a one-token
     document, a last chunk without a start), T not a multiple of 64, two key blocks per program; mild gates on
     half the key columns so the chunk decays are not negligible."""
-    from pallas_kernels.kda.chunk_fwd import chunk_layout, document_layout
+    from pallas_kernels.kda.common import chunk_layout, document_layout
     from pallas_kernels.kda.intra_split import intra_chunk_split
 
     b, t, h, d = 1, 150, 2, 32

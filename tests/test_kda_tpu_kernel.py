@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from k3jax.ops.kda import kda_recurrent
-from pallas_kernels.kda import chunk_kda, default_backend
+from k3jax.ops.backend import default_kernel_backend
+from k3jax.ops.kda import chunk_kda, kda_recurrent
 from pallas_kernels.kda.tpu import chunk_kda_fwd_tpu
 from sharding.aot import libtpu_available
 
@@ -151,7 +151,7 @@ def _assert_grads_close(got, want, tol):
 
 
 def test_tpu_backward_and_xla_backward_f32_gradients_equal_token_recurrence():
-    assert default_backend() == "xla"  # CPU: the TPU kernels are only picked on a TPU
+    assert default_kernel_backend() == "xla"  # CPU: the TPU kernels are only picked on a TPU
     args = _inputs(b=2, t=130, h=2, kd=64, vd=64, seed=3)  # 3 chunks (the reverse loop), last one partial
     want = _grads(_recurrent, args, seed=4)
     _assert_grads_close(_grads(_tpu_core(), args, seed=4), want, 2e-5)
@@ -202,7 +202,7 @@ def test_tpu_kernel_compiles_for_v5p():
     """Mosaic TPU: forward + backward kernels (bf16; f32 with segment ids; bf16 with cu_seqlens; f32 at
     K = V = 64) lower and compile with libtpu for one v5p chip (compile only)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-    code = "from pallas_kernels.kda.tpu import main; main(['--topology=v5p:2x2x1', '--t=200'])"
+    code = "from benchmarks.kda_tpu_aot import main; main(['--topology=v5p:2x2x1', '--t=200'])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=600, check=False)
     assert out.returncode == 0, out.stderr[-4000:]

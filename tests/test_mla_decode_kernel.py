@@ -14,7 +14,8 @@ from flax import nnx
 
 import configs
 from k3jax.config import ConfigError
-from k3jax.layers.mla import MLA, mla_decode_backend
+from k3jax.layers.mla import MLA
+from k3jax.ops.attention import mla_decode_backend
 from pallas_kernels.cuda_lowering import triton_kernels
 from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attention
 
@@ -131,7 +132,7 @@ def test_decode_impl_resolution(monkeypatch):
     assert not gpu_compatible(k3.kv_lora_rank, k3.qk_rope_head_dim, 48, num_pages=4096)  # 48-row steps
     assert not gpu_compatible(k3.kv_lora_rank, k3.qk_rope_head_dim, 64, num_pages=2 ** 16)  # > 2**31 elements
     assert not gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, 64)  # tiny: 8-wide rope
-    monkeypatch.setattr("k3jax.layers.mla.traced_accelerator", lambda: "gpu")  # as if traced for a GPU
+    monkeypatch.setattr("k3jax.ops.backend.traced_accelerator", lambda: "gpu")  # as if traced for a GPU
     assert mla_decode_backend(k3, 4096, 64) == "gpu"
     assert mla_decode_backend(k3, 4096, 48) is None and mla_decode_backend(cfg, 16, 64) is None
     assert mla_decode_backend(cfg.replace(mla_decode_impl="pallas"), 16, 4) == "gpu"  # forced: the kernel's error

@@ -106,14 +106,15 @@ def test_layer_combine_equals_every_expert_on_every_token():
 def test_configured_load_tiles_reach_both_kernels_and_keep_the_result():
     from k3jax.config import ConfigError
     from k3jax.layers import moe
+    from k3jax.ops import moe as moe_ops
     from tests.conftest import moe_problem
 
     p = moe_problem(9, seed=2)
     cfg = p.cfg.replace(moe_assigned_glu_tiling="16-16-2-2", moe_assigned_down_tiling="16-32-1-3")
-    glu, down = moe.assigned_tilings(cfg)
+    glu, down = moe_ops.assigned_tilings(cfg)
     assert (glu.tk, glu.tn, glu.num_warps, glu.num_stages) == (16, 16, 2, 2)
     assert (down.tk, down.tn, down.num_warps, down.num_stages, down.tm) == (16, 32, 1, 3, cfg.moe_decode_row_tile)
-    assert moe.assigned_tilings(p.cfg) == (assigned.ASSIGNED_TILING,) * 2
+    assert moe_ops.assigned_tilings(p.cfg) == (assigned.ASSIGNED_TILING,) * 2
     got = moe.experts_assigned(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, cfg, "interpret")
     want = moe.experts_dense(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, p.cfg)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(want))))
@@ -165,13 +166,13 @@ def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch)
     import configs
 
     from k3jax.layers import moe
-    from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import backend as backend_lib
     from tests.conftest import DecodeHarness, max_rel_err
 
     base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(
         scan_layers=False, num_hidden_layers=4, full_attn_layers=(3,))  # dense layer 0, KDA, MLA, 3 MoE layers
     model = DecodeHarness(base, seed=6)
-    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+    monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda: "interpret")
     calls = []
     real = moe.experts_assigned
     monkeypatch.setattr(moe, "experts_assigned", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
@@ -189,23 +190,19 @@ def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch)
 
 
 def test_auto_takes_the_assigned_kernels_up_to_sixteen_rows_per_expert(monkeypatch):
-    import flax.nnx as nnx
-
     import configs
-    from k3jax.layers import moe
-    from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import backend as backend_lib
+    from k3jax.ops import moe as moe_ops
 
     cfg = configs.get_config("tiny")  # 8 experts, top-2, latent 32 and expert width 32
-    layer = nnx.eval_shape(lambda: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
-    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "gpu")
-    assert layer._assigned_backend((64, 32), 64, 1) == "gpu"  # 128 rows = 16 per expert
-    assert layer._assigned_backend((65, 32), 65, 1) is None  # 130 rows: the planned path
-    assert layer._assigned_backend((4, 32), 1, 4) is None  # not a decode step
+    monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda: "gpu")
+    assert moe_ops.assigned_backend(cfg, (64, 32), 1) == "gpu"  # 128 rows = 16 per expert
+    assert moe_ops.assigned_backend(cfg, (65, 32), 1) is None  # 130 rows: the planned path
+    assert moe_ops.assigned_backend(cfg, (4, 32), 4) is None  # not a decode step
     for mode, want in (("assigned", "gpu"), ("planned", None)):
-        forced = nnx.eval_shape(lambda m=mode: moe.LatentMoE(cfg.replace(moe_decode_experts=m), rngs=nnx.Rngs(0)))
-        assert forced._assigned_backend((65, 32), 65, 1) == want
-    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "tpu")
-    assert layer._assigned_backend((32, 32), 32, 1) is None
+        assert moe_ops.assigned_backend(cfg.replace(moe_decode_experts=mode), (65, 32), 1) == want
+    monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda: "tpu")
+    assert moe_ops.assigned_backend(cfg, (32, 32), 1) is None
     from k3jax.config import ConfigError
 
     with pytest.raises(ConfigError, match="moe_assigned_splits"):

@@ -8,7 +8,8 @@ import numpy as np
 
 import configs
 from k3jax.layers import moe
-from pallas_kernels.gmm import DECODE_GROUP_WALK, DECODE_TILING
+from k3jax.ops import moe as moe_ops
+from k3jax.ops.gmm import DECODE_TILING
 from tests.conftest import jaxpr_eqns, moe_problem
 
 
@@ -40,48 +41,33 @@ def test_dropless_combine_gathers_instead_of_scatter_adding():
     assert len(_float_scatter_adds(old.jaxpr)) == 1
 
 
-def test_group_walk_with_xla_routing_equals_the_tile_walk_and_every_expert(monkeypatch):
-    """`moe_gmm_walk="groups"` on the XLA routing: the GPU kernels (the interpreter here) walk expert groups for the
-    fused GLU and the down gmm, and give the tile walk's result and every-expert-on-every-token's; so do 32-row
-    decode tiles (`moe_decode_row_tile=32`)."""
-    from k3jax.ops import gmm as gmm_ops
-    from pallas_kernels.gmm import gpu as gmm_gpu
+def test_tall_decode_tiles_with_xla_routing_equal_the_default_tiles_and_every_expert(monkeypatch):
+    """32-row decode tiles (`moe_decode_row_tile=32`) on the XLA routing: the GPU kernels (the interpreter here) give
+    the default tiles' result and every-expert-on-every-token's."""
+    from k3jax.ops import backend as backend_lib
 
     cfg, z, weights, experts, w1, w3, w2 = _inputs(n=6, seed=3)
-    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
-    jax.clear_caches()  # an earlier test's traced group walk (same shapes) would bypass the counting wrapper
-    walks = []
-    real = gmm_gpu._group_walk_call
-    monkeypatch.setattr(gmm_gpu, "_group_walk_call", lambda *a, **kw: walks.append(kw["name"]) or real(*a, **kw))
+    monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda: "interpret")
     tiles = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg)
-    assert not walks
-    groups = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, decode_tiling=DECODE_GROUP_WALK)
-    assert len(walks) == 2, walks  # the fused GLU and the down projection
     tall = moe.experts_dropless(z, weights, experts, w1, w3, w2, cfg, decode_tiling=DECODE_TILING._replace(tm=32))
-    assert len(walks) == 2, walks  # 32-row tiles: still the tile walk
     want = moe.experts_dense(z, weights, experts, w1, w3, w2, cfg)
     scale = float(jnp.max(jnp.abs(want)))
-    for got in (groups, tall):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(tiles), rtol=1e-5, atol=1e-5 * scale)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
+    np.testing.assert_allclose(np.asarray(tall), np.asarray(tiles), rtol=1e-5, atol=1e-5 * scale)
+    np.testing.assert_allclose(np.asarray(tall), np.asarray(want), rtol=2e-5, atol=2e-5 * scale)
 
 
 def test_latent_moe_takes_a_decode_tiling_only_when_configured_in_decode_steps_on_the_gpu_kernel_family(
         monkeypatch):
-    import flax.nnx as nnx
+    from k3jax.ops import backend as backend_lib
 
-    from k3jax.ops import gmm as gmm_ops
-
-    groups, tall = DECODE_TILING._replace(walk="groups"), DECODE_TILING._replace(tm=32)
-    for sets, backend, want in (([], "gpu", None), (["moe_gmm_walk=groups"], "gpu", groups),
-                                (["moe_gmm_walk=groups"], "interpret", groups),
+    tall = DECODE_TILING._replace(tm=32)
+    for sets, backend, want in (([], "gpu", None), (["moe_decode_row_tile=32"], "gpu", tall),
                                 (["moe_decode_row_tile=32"], "interpret", tall),
-                                (["moe_gmm_walk=groups"], "tpu", None), (["moe_decode_row_tile=32"], None, None)):
+                                (["moe_decode_row_tile=32"], "tpu", None), (["moe_decode_row_tile=32"], None, None)):
         cfg = configs.get_config("tiny", sets)
-        layer = nnx.eval_shape(lambda cfg=cfg: moe.LatentMoE(cfg, rngs=nnx.Rngs(0)))
-        monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda b=backend: b)
-        assert layer._decode_tiling(1) == want, (sets, backend)
-        assert layer._decode_tiling(7) is None  # prefill / training: the kernels' own tiling
+        monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda b=backend: b)
+        assert moe_ops.decode_tiling(cfg, 1) == want, (sets, backend)
+        assert moe_ops.decode_tiling(cfg, 7) is None  # prefill / training: the kernels' own tiling
 
 
 def _numpy_plan(experts_nk: np.ndarray, num_experts: int):
@@ -107,7 +93,7 @@ def test_plan_equals_a_numpy_walk_of_the_assignments():
         else:  # repeated experts within a token: the plan still orders by flat index
             experts = rng.integers(0, e, size=(n, k))
         want_rows, want_sizes, want_tokens = _numpy_plan(experts, e)
-        plan = jax.jit(lambda x: moe.plan_from_experts(x, e))(jnp.asarray(experts, jnp.int32))
+        plan = jax.jit(lambda x: moe_ops.plan_from_experts(x, e))(jnp.asarray(experts, jnp.int32))
         np.testing.assert_array_equal(np.asarray(plan.rows_nk), want_rows, err_msg=f"{n}x{k} E={e}")
         np.testing.assert_array_equal(np.asarray(plan.group_sizes_e), want_sizes)
         np.testing.assert_array_equal(np.asarray(plan.token_of_row_a), want_tokens)

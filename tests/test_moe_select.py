@@ -90,12 +90,12 @@ def test_layer_selects_with_the_kernel_only_in_plan_free_decode_steps(monkeypatc
 
     import configs
     from k3jax.layers import moe
-    from k3jax.ops import gmm as gmm_ops
+    from k3jax.ops import backend as backend_lib
     from k3jax.ops.gmm import InferenceOnlyError
 
     cfg = configs.get_config("tiny")
     layer = moe.LatentMoE(cfg, rngs=nnx.Rngs(3))
-    monkeypatch.setattr(gmm_ops, "_kernel_backend_here", lambda: "interpret")
+    monkeypatch.setattr(backend_lib, "kernel_backend_here", lambda: "interpret")
     calls = []
     real = moe.route_selected
     monkeypatch.setattr(moe, "route_selected", lambda *a, **kw: calls.append(1) or real(*a, **kw))

@@ -24,7 +24,6 @@ from k3jax.config import ConfigError, ModelConfig
 # routed experts are held in memory (the checkpoint's own expert format is its quantization_config / tensors).
 RUNTIME_FIELDS = frozenset({"name", "param_dtype", "dtype", "kda_chunk_size", "kda_impl", "mla_decode_impl",
                             "kda_decode_fusion", "kda_decode_block_v", "kda_decode_warps", "mla_decode_splits",
-                            "decode_matmul_impl", "attn_res_impl", "moe_route_impl", "moe_gmm_walk",
                             "moe_decode_row_tile", "moe_decode_experts", "moe_assigned_splits",
                             "moe_assigned_glu_tiling", "moe_assigned_down_tiling", "moe_assigned_order",
                             "moe_decode_select", "decode_loop_unroll", "moe_impl", "scan_layers", "remat",

@@ -8,9 +8,6 @@ unrolled layer stack) a read slices the filled rows instead (no concatenation of
 
 from __future__ import annotations
 
-import functools
-import math
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +16,7 @@ from flax import nnx
 from k3jax.numerics import upcast
 
 from k3jax.layers import params
-from k3jax.layers.norms import RMSNorm, rms_norm, rms_normalize
-from k3jax.ops.linear import DECODE_MAX_ROWS
+from k3jax.layers.norms import RMSNorm, rms_normalize
 
 
 def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
@@ -75,57 +71,6 @@ def push_snapshot(bank_nbtd: jax.Array, row, value_btd: jax.Array, do_push) -> j
 def read_normed(read: AttnResRead, live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, norm: RMSNorm,
                 cfg) -> jax.Array:
     """``norm(read(live, bank, num_filled))``: an AttnRes read and the RMSNorm that consumes it (the layers' inputs
-    and the final norm). With ``cfg.attn_res_impl == "pallas"``, a static ``num_filled`` (the unrolled layer stack)
-    and at most ``DECODE_MAX_ROWS`` rows, one kernel does both (`pallas_kernels.attn_res.mix_norm`, on one GPU; the
-    interpreter elsewhere: tests); its gradient is this composite's. Otherwise the XLA composite."""
-    backend = _kernel_backend(cfg, live_btd, bank_nbtd, num_filled)
-    if backend is None:
-        return norm(read(live_btd, bank_nbtd, num_filled))
-    *lead, d = live_btd.shape
-    rows = math.prod(lead)
-    out = _fused_read_norm(live_btd.reshape(rows, d), bank_nbtd.reshape(bank_nbtd.shape[0], rows, d),
-                           read.norm_weight[...], read.query[...], norm.weight[...], int(num_filled),
-                           float(read.eps), float(norm.eps), backend)
-    return out.reshape(*lead, d)
-
-
-def _kernel_backend(cfg, live_btd, bank_nbtd, num_filled) -> str | None:
-    if getattr(cfg, "attn_res_impl", "xla") != "pallas":
-        return None
-    if isinstance(num_filled, (bool, np.bool_)) or not isinstance(num_filled, (int, np.integer)):
-        return None  # traced (scanned layers): the XLA path masks the bank instead
-    if math.prod(live_btd.shape[:-1]) > DECODE_MAX_ROWS or bank_nbtd.dtype != live_btd.dtype:
-        return None
-    from pallas_kernels.attn_res import chunk_width  # lazy: pallas_kernels imports k3jax modules
-    from sharding.mesh import gpu_kernel_backend
-
-    return gpu_kernel_backend() if chunk_width(live_btd.shape[-1]) else None
-
-
-def _composite(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps):
-    """The XLA path `read_normed` replaces (its gradient is the kernel's)."""
-    query = upcast(key_gain_d) * upcast(query_d)
-    mix_m1d = attn_res_mix(live_md[:, None], bank_nmd[:, :, None], num_filled, query, eps)  # rows as [B, T=1]
-    return rms_norm(mix_m1d[:, 0], out_gain_d, out_eps)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _fused_read_norm(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps, backend):
-    from pallas_kernels.attn_res import mix_norm
-
-    return mix_norm(live_md, bank_nmd, num_filled, key_gain_d, query_d, out_gain_d, eps=eps, out_eps=out_eps,
-                    backend=backend)
-
-
-def _fused_read_norm_fwd(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps, backend):
-    out = _fused_read_norm(live_md, bank_nmd, key_gain_d, query_d, out_gain_d, num_filled, eps, out_eps, backend)
-    return out, (live_md, bank_nmd, key_gain_d, query_d, out_gain_d)
-
-
-def _fused_read_norm_bwd(num_filled, eps, out_eps, backend, residuals, d_out):
-    del backend
-    _, vjp = jax.vjp(lambda *a: _composite(*a, num_filled, eps, out_eps), *residuals)
-    return vjp(d_out)
-
-
-_fused_read_norm.defvjp(_fused_read_norm_fwd, _fused_read_norm_bwd)
+    and the final norm)."""
+    del cfg
+    return norm(read(live_btd, bank_nbtd, num_filled))

@@ -17,11 +17,13 @@ from k3jax.numerics import upcast, wide
 
 from k3jax.config import ModelConfig
 from k3jax.layers import params
-from k3jax.layers.norms import l2_normalize, rms_normalize
+from k3jax.layers.norms import rms_normalize
 from k3jax.ops import kda as kda_ops
+from k3jax.ops.backend import kernel_mesh
+from k3jax.ops.conv import causal_depthwise_conv
+from k3jax.ops.kda import l2_normalize
 from k3jax.ops.linear import project as dense
 from sharding import context_parallel, kda_kernel
-from sharding.mesh import traced_accelerator
 
 
 class KDAState(NamedTuple):
@@ -31,36 +33,6 @@ class KDAState(NamedTuple):
 
     conv_bwcp: jax.Array
     state_bhkv: jax.Array
-
-
-def causal_depthwise_conv(x_btp: jax.Array, kernel_wp: jax.Array, history_bwp: jax.Array | None,
-                          segment_ids_bt: jax.Array | None = None):
-    """y_t = Σ_w kernel[w] · x_{t-(W-1)+w} (tap W-1 is the current token), in f32, then SiLU.
-
-    `history` holds the W-1 inputs before x (zeros when None). With `segment_ids_bt` (packed documents, see
-    `k3jax.ops.kda`), taps reaching a token of an earlier document are dropped; the history counts as part of
-    the first document. Returns (silu(y) f32, new history: the last W-1 inputs, whatever their document).
-    """
-    w = kernel_wp.shape[0]
-    b, t, p = x_btp.shape
-    if history_bwp is None:
-        history_bwp = jnp.zeros((b, w - 1, p), x_btp.dtype)
-    padded = jnp.concatenate([history_bwp.astype(x_btp.dtype), x_btp], axis=1)
-    padded = padded.astype(wide(jnp.promote_types(padded.dtype, kernel_wp.dtype)))
-    kernel = kernel_wp.astype(padded.dtype)
-    doc_padded = None
-    if segment_ids_bt is not None:
-        doc_bt = kda_ops.document_index(segment_ids_bt)
-        doc_padded = jnp.pad(doc_bt, ((0, 0), (w - 1, 0)))  # history: document 0, the row's first
-
-    def tap(i):  # the inputs that tap i multiplies, zeroed where they belong to an earlier document
-        x = padded[:, i:i + t, :]
-        if doc_padded is None:
-            return x
-        return jnp.where((doc_padded[:, i:i + t] == doc_bt)[..., None], x, 0.0)
-
-    y = sum(tap(i) * kernel[i] for i in range(w))
-    return jax.nn.silu(y), padded[:, t:, :].astype(x_btp.dtype)
 
 
 def init_kda_state(cfg: ModelConfig, batch_size: int) -> KDAState:
@@ -205,7 +177,7 @@ class KDA(nnx.Module):
             conv_bwcp = None
         g = self._decay(proj_in["f_a_proj"])
         beta = jax.nn.sigmoid(upcast(proj_in["b_proj"]))
-        impl = resolve_kda_impl(cfg)
+        impl = kda_ops.resolve_impl(cfg)
         q, k_ = l2_normalize(q), l2_normalize(k_)
         if impl == "pallas":  # the kernel's numerics policy: model-dtype q/k/v operands, f32 state and accumulation
             q, k_, v = (x.astype(dt) for x in (q, k_, v))
@@ -219,7 +191,7 @@ class KDA(nnx.Module):
         if cp_mesh is not None:
             core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)
             impl = "chunked" if impl == "pallas" else impl  # the context-parallel pass runs the XLA cores
-        elif impl == "pallas" and (mesh := kda_kernel.kernel_mesh()) is not None:
+        elif impl == "pallas" and (mesh := kernel_mesh()) is not None:
             core = functools.partial(kda_kernel.kda_kernel_on_mesh, mesh=mesh)  # GSPMD cannot split a Pallas call
         o_bthv, new_s = core(
             q, k_, v, g, beta, scale=k ** -0.5, initial_state=None if state is None else state.state_bhkv,
@@ -238,20 +210,15 @@ class KDA(nnx.Module):
         return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
     def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
-        """The decode kernel backend when `kda_decode_fusion` fuses the prologue ("prologue", "prologue_output")
-        and applies (one token with a state on the Pallas decode kernel, K3's lower-bounded gate, V == K), else
-        None."""
-        cfg = self.cfg
-        if cfg.kda_decode_fusion == "step" or t != 1 or state is None or not with_state or cp_mesh is not None:
+        """The decode kernel backend when `kda_decode_fusion` fuses the prologue and applies (one token with a
+        state: `k3jax.ops.kda.fused_decode_backend`), else None."""
+        if t != 1 or state is None or not with_state or cp_mesh is not None:
             return None
-        if cfg.kda_gate != "lower_bound" or resolve_kda_impl(cfg) != "pallas" or kda_kernel.kernel_mesh() is not None:
-            return None
-        return kda_ops.decode_kernel_backend()
+        return kda_ops.fused_decode_backend(self.cfg)
 
     def _decode_fused(self, x_btd, state: KDAState, valid_len_b, proj_in: dict[str, jax.Array], backend: str):
-        """One token through `pallas_kernels.kda.decode_fused` (conv + activations + delta step in one kernel)."""
-        from pallas_kernels.kda.decode_fused import kda_decode_fused  # lazy: pallas_kernels.kda imports k3jax
-
+        """One token through the fused decode kernel (`k3jax.ops.kda.decode_fused`: conv + activations + delta
+        step in one kernel)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         b = x_btd.shape[0]
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
@@ -266,7 +233,7 @@ class KDA(nnx.Module):
         epilogue = {}
         if cfg.kda_decode_fusion == "prologue_output":  # the output RMSNorm and gate in the kernel too
             epilogue = dict(out_gate_bp=gate_bp, out_norm_v=self.o_norm[...], out_eps=cfg.rms_norm_eps)
-        o_bhv, new_s = kda_decode_fused(
+        o_bhv, new_s = kda_ops.decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
             backend=backend, block_v=cfg.kda_decode_block_v, warps=cfg.kda_decode_warps, **epilogue)
@@ -278,17 +245,6 @@ class KDA(nnx.Module):
         else:
             y = self._output(gate_bp.reshape(b, 1, h, k), o_bhv[:, None].astype(dt))
         return y, KDAState(new_history.reshape(b, wm1, 3, h * k), new_s)
-
-
-def resolve_kda_impl(cfg) -> str:
-    """The KDA core for this config on this platform: ``kda_impl``, with "auto" = the Pallas kernel on GPU and TPU
-    when the config suits it (``cfg.kda_kernel_compatible``: the K3 lower-bounded gate, power-of-two head dims),
-    else the pure-JAX chunked path. Under a multi-device mesh the layer runs the kernel inside ``shard_map``
-    (``sharding.kda_kernel``)."""
-    if cfg.kda_impl != "auto":
-        return cfg.kda_impl
-    on_accelerator = traced_accelerator() is not None  # a TPU topology compiled on a CPU host counts
-    return "pallas" if on_accelerator and cfg.kda_kernel_compatible else "chunked"
 
 
 def history_at(history_bwp: jax.Array | None, x_btp: jax.Array, end_b: jax.Array) -> jax.Array:

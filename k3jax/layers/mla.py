@@ -15,10 +15,9 @@ from k3jax.numerics import upcast, wide
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
-from k3jax.ops.attention import causal_attention
+from k3jax.ops.attention import causal_attention, mla_decode_backend, paged_latent_decode
 from k3jax.ops.linear import project as dense, unless_single_row
-from sharding import context_parallel, kda_kernel
-from sharding.mesh import traced_accelerator
+from sharding import context_parallel
 
 
 class MLA(nnx.Module):
@@ -171,16 +170,13 @@ class MLA(nnx.Module):
         return self._latent_values(o_lat)
 
     def _attend_paged(self, q_bthk, pages_npc, page_table_bp, start_b, backend):
-        """The absorbed decode step (T == 1) by the paged Pallas kernel (pallas_kernels/mla): every sequence's pages
-        read once through its table row, positions 0 .. start_b (its own row already written)."""
-        # lazy: pallas_kernels imports k3jax modules
-        from pallas_kernels.mla import DecodeConfig, paged_latent_attention
-
+        """The absorbed decode step (T == 1) by the paged kernel (`k3jax.ops.attention.paged_latent_decode`): every
+        sequence's pages read once through its table row, positions 0 .. start_b (its own row already written)."""
         cfg, dt = self.cfg, self.cfg.jnp_dtype
         q_bhc = self._absorbed_queries(q_bthk)[:, 0]
-        o_bhr = paged_latent_attention(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
-                                       scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend,
-                                       config=DecodeConfig(num_splits=cfg.mla_decode_splits))
+        o_bhr = paged_latent_decode(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
+                                    scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend,
+                                    num_splits=cfg.mla_decode_splits)
         return self._latent_values(o_bhr[:, None])  # f32, like the XLA path
 
     def _absorbed_queries(self, q_bthk):
@@ -202,24 +198,6 @@ class MLA(nnx.Module):
         w_rhe = self.kv_b_proj[...].astype(dt).astype(o_bthr.dtype)
         kv = unless_single_row(lambda o: jnp.einsum("bthr,rhe->bthe", o, w_rhe), o_bthr, 2)
         return kv[..., cfg.qk_nope_head_dim:]
-
-
-def mla_decode_backend(cfg: ModelConfig, num_pages: int, page_size: int) -> str | None:
-    """The paged decode kernel's backend for this trace, or None for the XLA gather path (`cfg.mla_decode_impl`):
-    "auto" takes the kernel ("gpu") when the traced platform is a GPU and the pool suits Triton (kv_lora_rank,
-    the rope width and page_size powers of two >= 16, < 2**31 elements); "pallas" takes it anywhere
-    ("interpret" off GPU). Under a multi-device mesh (outside shard_map) the XLA path runs: GSPMD cannot
-    partition a Pallas call."""
-    # lazy: pallas_kernels imports k3jax modules
-    from pallas_kernels.mla import gpu_compatible
-
-    if cfg.mla_decode_impl == "xla" or kda_kernel.kernel_mesh() is not None:
-        return None
-    on_gpu = traced_accelerator() == "gpu"
-    if cfg.mla_decode_impl == "pallas":
-        return "gpu" if on_gpu else "interpret"
-    fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size, num_pages)
-    return "gpu" if on_gpu and fits else None
 
 
 DEFAULT_PAGE_SIZE = 64  # tokens per latent page: one 64-token prefill chunk

@@ -1,4 +1,4 @@
-"""RMSNorm with the released numerics and the KDA L2 norm."""
+"""RMSNorm with the released numerics (the KDA L2 norm is `k3jax.ops.kda.l2_normalize`)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,6 @@ def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """Released RMSNorm: `w * normalize(x_f32).astype(x.dtype)` (the gain is applied after the cast back)."""
     return weight * rms_normalize(x, eps).astype(x.dtype)
-
-
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
-    """KDA q/k norm in float32: x / sqrt(sum(x^2) + eps) (eps added to the sum of squares, not clamped)."""
-    x32 = upcast(x)
-    return x32 / jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 class RMSNorm(nnx.Module):

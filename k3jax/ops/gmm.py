@@ -23,11 +23,14 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from k3jax.ops import backend as backend_lib
 from pallas_kernels import gmm as pallas_gmm
 from pallas_kernels.gmm import mxfp4 as mxfp4_codec
 
 IMPLS = ("auto", "pallas", "ragged_dot")
 MXFP4_GROUP = mxfp4_codec.GROUP  # k columns sharing one E8M0 scale
+DECODE_ROWS_PER_GROUP = pallas_gmm.DECODE_ROWS_PER_GROUP  # decode-sized calls: at most this many rows per group
+DECODE_TILING = pallas_gmm.DECODE_TILING  # the GPU kernels' decode tiling (variants: `Tiling._replace`)
 
 
 class InferenceOnlyError(ValueError):
@@ -112,49 +115,14 @@ inference_only = refuse_gradients("the routed experts are held as MXFP4 (expert_
                                   "expert_weights='bf16'")
 
 
-def _platform_backend() -> str:
-    """The `pallas_kernels.gmm` backend for the platform being traced for (a TPU topology compiled on a CPU host
-    counts as TPU: `sharding.mesh.traced_platform`)."""
-    from sharding.mesh import traced_accelerator  # lazy: sharding imports the ops
-
-    return traced_accelerator() or "xla"
-
-
-def _kernel_backend_here() -> str | None:
-    """The kernel backend 'auto' may use in the current trace, or None for the XLA path."""
-    backend = _platform_backend()
-    if backend == "xla":
-        return None
-    get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get_mesh() if get_mesh is not None else None
-    if mesh is not None and getattr(mesh, "manual_axes", ()):
-        return backend  # inside shard_map: each device sees its own rows
-    if mesh is not None and not getattr(mesh, "empty", True):
-        return backend if mesh.size == 1 else None  # tracing under a mesh context: its size decides
-    return backend if jax.device_count() == 1 else None
-
-
-def gpu_kernel_backend_here() -> str | None:
-    """'gpu' or 'interpret' when ``impl="auto"`` runs the GPU kernel family (`pallas_kernels.gmm` on Triton, or
-    its interpreter in tests) in the current trace, else None."""
-    backend = _kernel_backend_here()
-    return backend if backend in ("gpu", "interpret") else None
-
-
-def gpu_kernels_here() -> bool:
-    """Whether ``impl="auto"`` runs the GPU kernel family in the current trace: where a GPU `Tiling` such as the
-    decode group walk applies."""
-    return gpu_kernel_backend_here() is not None
-
-
 def _backend(impl: str) -> str:
-    """The `pallas_kernels.gmm` backend for `impl` ('xla' = ragged_dot)."""
+    """The `pallas_kernels.gmm` backend for `impl` ('xla' = ragged_dot): "auto" asks `k3jax.ops.backend` whether a
+    kernel may run in this trace."""
     if impl == "auto":
-        return _kernel_backend_here() or "xla"
+        return backend_lib.kernel_backend_here() or "xla"
     if impl == "ragged_dot":
         return "xla"
-    backend = _platform_backend()
-    return "interpret" if backend == "xla" else backend
+    return backend_lib.forced_kernel_backend()
 
 
 def gmm(lhs_mk: jax.Array, rhs, group_sizes_g: jax.Array, *, impl: str = "auto",
@@ -186,9 +154,9 @@ def fused_glu_applies(m: int, w_gate, impl: str = "auto") -> bool:
     (0.93x forward, 0.84x fwd+bwd of two gmm calls, RESULTS.md, 2026-11-30)."""
     if isinstance(w_gate, MXFP4Experts) or impl == "ragged_dot":
         return False
-    if impl == "auto" and _kernel_backend_here() is None:
+    if impl == "auto" and backend_lib.kernel_backend_here() is None:
         return False
-    return m <= pallas_gmm.DECODE_ROWS_PER_GROUP * max(w_gate.shape[0], 1)
+    return m <= DECODE_ROWS_PER_GROUP * max(w_gate.shape[0], 1)
 
 
 def gmm_glu(lhs_mk: jax.Array, w_gate_gkn: jax.Array, w_up_gkn: jax.Array, group_sizes_g: jax.Array, *,
@@ -196,7 +164,7 @@ def gmm_glu(lhs_mk: jax.Array, w_gate_gkn: jax.Array, w_up_gkn: jax.Array, group
             impl: str = "auto", tiling=None) -> jax.Array:
     """act(lhs @ w_gate[i], lhs @ w_up[i]) on the rows of group i, in lhs's dtype, through the fused kernel
     (`pallas_kernels.gmm.gmm_glu`: both products accumulate in f32 and the activation is the epilogue). Callers
-    check `fused_glu_applies` first (`k3jax.layers.mlp.grouped_glu`)."""
+    check `fused_glu_applies` first (`k3jax.ops.glu.grouped_glu`)."""
     if impl not in IMPLS:
         raise ValueError(f"unknown gmm impl {impl!r}; available: {', '.join(repr(i) for i in IMPLS)}")
     if impl == "ragged_dot":

@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) cores in pure JAX.
+"""Kimi Delta Attention (KDA) cores in pure JAX (the XLA paths of `k3jax.ops.kda`).
 
 Per (batch, head) the layer keeps an f32 state ``S`` of shape ``[K, V]``; for every token ``t``::
 
@@ -6,7 +6,7 @@ Per (batch, head) the layer keeps an f32 state ``S`` of shape ``[K, V]``; for ev
     S   = S + k_t (beta_t (v_t - S^T k_t))^T       # delta rule against the decayed state
     o_t = S^T (scale * q_t)                        # read after the update
 
-(K3_SPEC.md §3.2, KERNELS.md §1.) Conventions shared by every function here:
+(docs/spec.md#kda, docs/kernels.md#kda-chunk.) Conventions shared by every function here:
 
 * ``q`` and ``k`` arrive already L2-normalised; ``scale`` multiplies ``q`` inside the core.
 * ``g`` is the already-activated per-channel log-decay (``<= 0``); ``beta`` is in ``(0, 1)``.
@@ -21,7 +21,7 @@ Per (batch, head) the layer keeps an f32 state ``S`` of shape ``[K, V]``; for ev
   the final state is the state after the row's last token, i.e. of its last document. With
   ``segment_ids_bt=None`` nothing extra is computed.
 
-Entry points: :func:`kda` (dispatch, also to the Pallas kernel ``pallas_kernels.kda``),
+Entry points (the dispatch between these and the Pallas kernels is ``k3jax.ops.kda.kda``):
 :func:`kda_chunked` (chunkwise-parallel, the default for sequences off GPU), :func:`kda_recurrent`
 (token-by-token reference) and :func:`kda_step` (one decode token).
 """
@@ -33,17 +33,13 @@ import jax.numpy as jnp
 
 from k3jax.numerics import wide
 
-__all__ = [
-    "SUB_CHUNK", "decode_kernel_backend", "document_index", "kda", "kda_chunked", "kda_recurrent", "kda_step",
-]
+__all__ = ["SUB_CHUNK", "check_shapes", "document_index", "kda_chunked", "kda_recurrent", "kda_step", "l2_normalize"]
 
 # Sub-chunk length for the intra-chunk decay factorisation (see _intra_chunk_decays).
 SUB_CHUNK = 16
 
 # f32 everywhere: ask accelerators for full-precision matmuls (a no-op on CPU).
 _PREC = jax.lax.Precision.HIGHEST
-
-_IMPLS = ("chunked", "recurrent", "pallas")
 
 
 def _compute_dtype(*xs):
@@ -61,7 +57,7 @@ def _einsum(spec, *operands):
 # --------------------------------------------------------------------------------------------
 
 
-def _check_shapes(q, k, v, g, beta, state, *, has_time):
+def check_shapes(q, k, v, g, beta, state, *, has_time):
     """Validate shapes of (q, k, v, g, beta, state); return (B, H, K, V) (and T if ``has_time``)."""
     lead = 3 if has_time else 2
     names = "[B, T, H, *]" if has_time else "[B, H, *]"
@@ -97,6 +93,12 @@ def _sub_chunk_size(chunk_size):
             f"KDA: chunk_size must be <= {SUB_CHUNK} or a multiple of {SUB_CHUNK}, got {chunk_size}"
         )
     return SUB_CHUNK
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+    """KDA q/k norm in float32: x / sqrt(sum(x^2) + eps) (eps added to the sum of squares, not clamped)."""
+    x32 = x.astype(wide(x.dtype))
+    return x32 / jnp.sqrt(jnp.sum(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
 def document_index(segment_ids_bt):
@@ -138,7 +140,7 @@ def kda_step(q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv, *, scale):
     Returns:
       ``(o_bhv, new_state_bhkv)``, both float32.
     """
-    _check_shapes(q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv, has_time=False)
+    check_shapes(q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv, has_time=False)
     cdt = _compute_dtype(q_bhk, k_bhk, v_bhv, g_bhk, beta_bh)
     q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv = (
         x.astype(cdt) for x in (q_bhk, k_bhk, v_bhv, g_bhk, beta_bh, state_bhkv)
@@ -165,7 +167,7 @@ def kda_recurrent(
     Returns:
       ``(o_bthv, final_state_bhkv)``, both float32.
     """
-    b, h, kd, vd = _check_shapes(
+    b, h, kd, vd = check_shapes(
         q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv, has_time=True
     )
     _check_segment_ids(segment_ids_bt, q_bthk)
@@ -383,7 +385,7 @@ def _document_masks(segment_ids_bt, chunk_size):
 def _chunk_intermediates(
     q_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, *, scale, sub_size, doc_masks=None
 ):
-    """Everything that is parallel over chunks (KERNELS.md §1 steps 1-4).
+    """Everything that is parallel over chunks (docs/kernels.md#kda-chunk: all but the state pass).
 
     With ``G`` the inclusive within-chunk cumulative log-decay, returns a dict of f32 arrays:
       ``qdec_bhnck``  = scale * q * exp(G)            (reads the incoming state)
@@ -460,7 +462,7 @@ def _chunk_intermediates(
 
 
 def _chunk_recurrence(inter, state_bhkv):
-    """Sequential pass over chunks (KERNELS.md §1 step 5) with the f32 state as ``lax.scan`` carry.
+    """Sequential pass over chunks (docs/kernels.md#kda-chunk: the state pass) with the f32 state as ``lax.scan`` carry.
 
     Per chunk: ``v' = u - w S``; ``o = qdec S + Aqk v'``; ``S <- diag(decay) S + kdec^T v'``.
 
@@ -511,7 +513,7 @@ def kda_chunked(
       ``(o_bthv, final_state_bhkv)``, both float32.
     """
     sub_size = _sub_chunk_size(chunk_size)
-    b, h, kd, vd = _check_shapes(
+    b, h, kd, vd = check_shapes(
         q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, initial_state_bhkv, has_time=True
     )
     _check_segment_ids(segment_ids_bt, q_bthk)
@@ -536,74 +538,3 @@ def kda_chunked(
     n = o_bhncv.shape[2]
     o_bthv = jnp.moveaxis(o_bhncv, 1, 3).reshape(b, n * chunk_size, h, vd)[:, :t]
     return o_bthv, final_state_bhkv
-
-
-# --------------------------------------------------------------------------------------------
-# Dispatch
-# --------------------------------------------------------------------------------------------
-
-
-def decode_kernel_backend():
-    """The backend of the Pallas decode kernel for a T == 1 ``impl="pallas"`` call traced now: ``"gpu"`` on a
-    GPU, None elsewhere (TPU and CPU take the XLA step). Tests patch it to ``"interpret"`` to run the kernel on CPU."""
-    from sharding.mesh import traced_accelerator  # lazy, like the chunk kernel's dispatch below
-
-    return "gpu" if traced_accelerator() == "gpu" else None
-
-
-def _pallas_one_token(q, k, v, g, beta, *, scale, initial_state):
-    """``kda(impl="pallas")`` for T == 1: ``(o [B, 1, H, V] in q's dtype, state [B, H, K, V] f32)``.
-
-    One token holds no document boundary, so segment ids do not matter here (the initial state belongs to the
-    row's first document)."""
-    b, h, kd, vd = _check_shapes(q, k, v, g, beta, initial_state, has_time=True)
-    if initial_state is None:
-        initial_state = jnp.zeros((b, h, kd, vd), jnp.float32)
-    token = tuple(x[:, 0] for x in (q, k, v, g, beta))
-    backend = decode_kernel_backend()
-    if backend is None:
-        o_bhv, state_bhkv = kda_step(*token, initial_state, scale=scale)
-    else:
-        from pallas_kernels.kda.decode import kda_decode_step  # lazy: pallas_kernels.kda imports this module
-
-        o_bhv, state_bhkv = kda_decode_step(*token, initial_state.astype(jnp.float32), scale=scale, backend=backend)
-    return o_bhv[:, None].astype(q.dtype), state_bhkv.astype(jnp.float32)
-
-
-def kda(
-    q, k, v, g, beta, *, scale, initial_state=None, impl="chunked", chunk_size=64, segment_ids=None
-):
-    """KDA over a sequence; the single dispatch point for the cores.
-
-    Shapes: q, k, g ``[B, T, H, K]``; v ``[B, T, H, V]``; beta ``[B, T, H]``;
-    initial_state ``[B, H, K, V]`` or None; segment_ids int ``[B, T]`` or None (packed documents:
-    the state resets where the id changes; see the module docstring).
-    Returns ``(o [B, T, H, V], final_state [B, H, K, V])`` in float32.
-
-    Args:
-      impl: ``"chunked"`` (default), ``"recurrent"`` or ``"pallas"`` (``pallas_kernels.kda.chunk_kda``: the
-        GPU kernel on a GPU, the Mosaic kernel on a TPU, the Pallas interpreter elsewhere; needs gates >= -5 per
-        token and power-of-two head dims; ``o`` comes back in q's dtype, the state in f32). With T == 1 (decode)
-        ``"pallas"`` runs the fused one-token kernel ``pallas_kernels.kda.kda_decode_step`` on a GPU and the XLA
-        step :func:`kda_step` on TPU / CPU (the chunk kernels would pad the token to a whole chunk).
-      chunk_size: used by ``"chunked"`` only (the kernel's chunk is 64).
-    """
-    if impl == "pallas" and q.ndim == 4 and q.shape[1] == 1:
-        return _pallas_one_token(q, k, v, g, beta, scale=scale, initial_state=initial_state)
-    if impl == "pallas":
-        from pallas_kernels.kda import chunk_kda  # lazy: pallas_kernels.kda imports this module
-        from sharding.mesh import traced_accelerator
-
-        backend = traced_accelerator() or "interpret"
-        return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=True,
-                         segment_ids=segment_ids, backend=backend)
-    if impl == "chunked":
-        return kda_chunked(
-            q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, chunk_size=chunk_size,
-            segment_ids_bt=segment_ids,
-        )
-    if impl == "recurrent":
-        return kda_recurrent(
-            q, k, v, g, beta, scale=scale, initial_state_bhkv=initial_state, segment_ids_bt=segment_ids
-        )
-    raise ValueError(f"KDA: unknown impl {impl!r}; expected one of {_IMPLS}")

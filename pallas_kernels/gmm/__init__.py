@@ -6,7 +6,6 @@ TPU; one dispatch point (backend=None picks by platform, see api.py):
 
 from pallas_kernels.gmm.api import (
     BACKENDS,
-    DECODE_GROUP_WALK,
     DECODE_ROWS_PER_GROUP,
     DECODE_TILING,
     Tiling,
@@ -17,5 +16,5 @@ from pallas_kernels.gmm.api import (
 from pallas_kernels.gmm.glu import gmm_glu
 from pallas_kernels.gmm.quantized import gmm_mxfp4
 
-__all__ = ["BACKENDS", "DECODE_GROUP_WALK", "DECODE_ROWS_PER_GROUP", "DECODE_TILING", "Tiling", "default_backend",
+__all__ = ["BACKENDS", "DECODE_ROWS_PER_GROUP", "DECODE_TILING", "Tiling", "default_backend",
            "gmm", "gmm_glu", "gmm_mxfp4", "tgmm"]

@@ -36,7 +36,6 @@ class Tiling(NamedTuple):
     tn: int
     num_warps: int = 8
     num_stages: int = 3
-    walk: str = "tiles"  # GPU forward: "tiles" (row tiles from group_tiles) or "groups" (`gpu._group_walk_call`)
 
 
 # Defaults per kernel family and call: forward gmm, d_lhs (gmm over transposed rhs), d_rhs (tgmm).
@@ -52,9 +51,7 @@ _DEFAULTS = {
 # the weights once: thin row tiles, 4 warps and deeper pipelining. H200, 512x768x768, 64 groups, 50 chained calls
 # (`gmm_bench.py --chain=50`): 32.9 us balanced / 30.8 us skewed vs 38.3 / 38.1 with the training tiling.
 _GPU_DECODE = Tiling(16, 64, 128, 4, 4)
-DECODE_TILING = _GPU_DECODE  # public name: callers derive variants (row tile, walk) from it
-# The decode tiling walking groups instead of row tiles: no per-tile metadata kernels (only the group bounds).
-DECODE_GROUP_WALK = _GPU_DECODE._replace(walk="groups")
+DECODE_TILING = _GPU_DECODE  # public name: callers derive variants (row tile) from it
 DECODE_ROWS_PER_GROUP = 32
 _FAMILY = {"gpu": "gpu", "interpret": "gpu", "tpu": "tpu", "tpu_interpret": "tpu"}
 
@@ -79,8 +76,6 @@ def _as_tiling(tiling):
     tiling = Tiling(*tiling)
     if min(tiling[:3]) <= 0:
         raise ValueError(f"gmm tiling must be positive, got {tiling}")
-    if tiling.walk not in ("tiles", "groups"):
-        raise ValueError(f"gmm tiling walk must be 'tiles' or 'groups', got {tiling.walk!r}")
     return tiling
 
 
@@ -140,10 +135,10 @@ def _kernel_gmm(lhs_mk, rhs, bounds, static: _Static, *, transpose_rhs: bool, ou
     rhs = _pad_to(_pad_to(rhs, k_axis, tk), n_axis, tn)
     if family == "gpu":
         lhs_p = _pad_to(_pad_to(lhs_mk, 1, tk), 0, 1, at_least=tm)
-        tiles, starts = gpu_walk(bounds, m, tiling)
+        tiles = meta.group_tiles(bounds, m, tm)
         out = gpu_kernels.gmm(lhs_p, rhs, tiles.tile_group, tiles.tile_row_start, bounds.ends_v, tm=tm, tk=tk,
                               tn=tn, transpose_rhs=transpose_rhs, out_dtype=out_dtype, interpret=interpret,
-                              num_warps=tiling.num_warps, num_stages=tiling.num_stages, starts_v=starts)
+                              num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     else:
         lhs_p = _pad_to(_pad_to(lhs_mk, 1, tk), 0, tm)
         items = meta.aligned_items(bounds, lhs_p.shape[0], tm, include_tail=True, visit_empty=False)
@@ -151,13 +146,6 @@ def _kernel_gmm(lhs_mk, rhs, bounds, static: _Static, *, transpose_rhs: bool, ou
                               bounds.ends_v, tm=tm, tk=tk, tn=tn, transpose_rhs=transpose_rhs,
                               out_dtype=out_dtype, interpret=interpret)
     return out[:m, :n]
-
-
-def gpu_walk(bounds: meta.GroupBounds, m: int, tiling: Tiling):
-    """(row-tile metadata, None) for the tile walk, or (empty metadata, group starts) for the group walk."""
-    if tiling.walk == "groups":
-        return meta.GroupTiles(None, None), bounds.starts_v
-    return meta.group_tiles(bounds, m, tiling.tm), None
 
 
 def _kernel_tgmm(lhs_mk, grad_mn, bounds, num_groups: int, static: _Static, *, out_dtype):

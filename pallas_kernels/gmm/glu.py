@@ -47,10 +47,10 @@ def _kernel_glu(lhs_mk, w_gate, w_up, bounds, static: _GluStatic):
     act = dict(activation=static.activation, beta1=static.beta1, beta2=static.beta2)
     if family == "gpu":
         lhs_p = api._pad_to(api._pad_to(lhs_mk, 1, tk), 0, 1, at_least=tm)
-        tiles, starts = api.gpu_walk(bounds, m, tiling)
+        tiles = meta.group_tiles(bounds, m, tm)
         out = gpu_kernels.gmm_glu(lhs_p, w_gate, w_up, tiles.tile_group, tiles.tile_row_start, bounds.ends_v,
                                   **act, tm=tm, tk=tk, tn=tn, out_dtype=static.out_dtype, interpret=interpret,
-                                  num_warps=tiling.num_warps, num_stages=tiling.num_stages, starts_v=starts)
+                                  num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     else:
         lhs_p = api._pad_to(api._pad_to(lhs_mk, 1, tk), 0, tm)
         items = meta.aligned_items(bounds, lhs_p.shape[0], tm, include_tail=True, visit_empty=False)

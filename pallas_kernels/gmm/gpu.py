@@ -8,8 +8,7 @@ groups never write the same row. The tail group writes zeros. Programs are order
 
 gmm_mxfp4 and gmm_glu walk the same row tiles (`_row_tiles_call`): gmm_mxfp4 decodes packed MXFP4 weight tiles in
 registers (`mxfp4.decode_tile`), gmm_glu accumulates gate and up in two f32 accumulators and stores only
-act(gate, up) (`epilogue.glu_f32`). All three can walk groups instead (`starts_v` given, `_group_walk_call`): one
-program per (group, column tile) stepping through the group's rows, which needs no per-tile metadata (decode).
+act(gate, up) (`epilogue.glu_f32`).
 
 tgmm: one program per (group, k tile, n tile), reducing over the group's rows in steps of tm with row masks; an
 empty group writes zeros.
@@ -39,17 +38,12 @@ def _compiler_params(num_warps, num_stages, interpret):
 
 
 def _row_tiles_call(tile_body, operands, tile_group, tile_row_start, ends_v, *, m, n, g, tm, tn, out_dtype,
-                    interpret, num_warps, num_stages, name, starts_v=None):
+                    interpret, num_warps, num_stages, name):
     """The row-tile walk shared by gmm, gmm_mxfp4 and gmm_glu: one program per (row tile, column tile).
 
     `tile_body(gid, w, n0, *operand_refs)` returns the [tm, tn] block of rows w..w+tm, columns n0..n0+tn computed
     with group gid's weights; it is stored masked to the tile's own rows [lo, hi). Tail tiles (group g) store
-    zeros. The first tm rows of every operand are readable (m >= tm). With `starts_v` the group walk runs instead
-    (`_group_walk_call`; `tile_group` / `tile_row_start` unused)."""
-    if starts_v is not None:
-        return _group_walk_call(tile_body, operands, starts_v, ends_v, m=m, n=n, g=g, tm=tm, tn=tn,
-                                out_dtype=out_dtype, interpret=interpret, num_warps=num_warps,
-                                num_stages=num_stages, name=name)
+    zeros. The first tm rows of every operand are readable (m >= tm)."""
     slots = tile_group.shape[0]
     n_tiles = n // tn
 
@@ -88,54 +82,10 @@ def _row_tiles_call(tile_body, operands, tile_group, tile_row_start, ends_v, *, 
     )(tile_group, tile_row_start, ends_v, *operands)
 
 
-def _group_walk_call(tile_body, operands, starts_v, ends_v, *, m, n, g, tm, tn, out_dtype, interpret, num_warps,
-                     num_stages, name):
-    """The group walk for decode-sized calls: one program per (group, column tile) that steps through its group's
-    rows [starts_v[gid], ends_v[gid]) tm at a time (once, for a group of <= tm rows), so it needs only the group
-    bounds, not the per-tile metadata (`metadata.group_tiles`: four small XLA kernels per call at decode). Empty
-    groups exit at once; group g (the tail past the last group) stores zeros. Same tile body and masked stores
-    as the row-tile walk."""
-    n_tiles = n // tn
-
-    def kernel(starts_ref, ends_ref, *refs):
-        *operand_refs, out_ref = refs
-        gid = pl.program_id(0)
-        n0 = pl.multiple_of(pl.program_id(1) * tn, tn)
-        lo, hi = starts_ref[gid], ends_ref[gid]
-
-        def chunk(c, carry):
-            r0 = lo + c * tm
-            w = jnp.minimum(r0, m - tm)  # shift the tile back inside the array; the store mask keeps [r0, end)
-            rows = w + jax.lax.broadcasted_iota(jnp.int32, (tm, tn), 0)
-            keep = (rows >= r0) & (rows < jnp.minimum(r0 + tm, hi))
-            out_block = out_ref.at[pl.ds(w, tm), pl.ds(n0, tn)]
-
-            @pl.when(gid < g)
-            def _():
-                plt.store(out_block, tile_body(gid, w, n0, *operand_refs).astype(out_dtype), mask=keep)
-
-            @pl.when(gid == g)
-            def _():
-                plt.store(out_block, jnp.zeros((tm, tn), out_dtype), mask=keep)
-
-            return carry
-
-        jax.lax.fori_loop(0, (jnp.maximum(hi - lo, 0) + tm - 1) // tm, chunk, 0)
-
-    return pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(g + 1, n_tiles),
-        interpret=interpret,
-        compiler_params=_compiler_params(num_warps, num_stages, interpret),
-        name=name,
-    )(starts_v, ends_v, *operands)
-
-
 @functools.partial(jax.jit, static_argnames=("tm", "tk", "tn", "transpose_rhs", "out_dtype", "interpret",
                                              "num_warps", "num_stages"))
 def gmm(lhs_mk, rhs, tile_group, tile_row_start, ends_v, *, tm, tk, tn, transpose_rhs, out_dtype, interpret,
-        num_warps=8, num_stages=3, starts_v=None):
+        num_warps=8, num_stages=3):
     """out[m, n] with rows of group i = lhs rows @ rhs[i] (rhs [g, k, n], or [g, n, k] if transpose_rhs).
     Needs m >= tm, k % tk == 0, n % tn == 0 (the caller pads)."""
     m, k = lhs_mk.shape
@@ -159,13 +109,13 @@ def gmm(lhs_mk, rhs, tile_group, tile_row_start, ends_v, *, tm, tk, tn, transpos
 
     return _row_tiles_call(tile_body, (lhs_mk, rhs), tile_group, tile_row_start, ends_v, m=m, n=n, g=g, tm=tm,
                            tn=tn, out_dtype=out_dtype, interpret=interpret, num_warps=num_warps,
-                           num_stages=num_stages, name="k3_gmm", starts_v=starts_v)
+                           num_stages=num_stages, name="k3_gmm")
 
 
 @functools.partial(jax.jit, static_argnames=("tm", "tk", "tn", "out_dtype", "interpret", "num_warps",
                                              "num_stages"))
 def gmm_mxfp4(lhs_mk, packed, scales, tile_group, tile_row_start, ends_v, *, tm, tk, tn, out_dtype, interpret,
-              num_warps=4, num_stages=3, starts_v=None):
+              num_warps=4, num_stages=3):
     """out[m, n] with rows of group i = lhs rows @ dequant(packed[i], scales[i])ᵀ; packed u8 [g, n, k/2], scales
     u8 [g, n, k/32]. Each k step loads a [tn, tk/2] byte tile and its [tn, tk/32] scales, decodes them to the lhs
     dtype in registers (`mxfp4.decode_tile`) and accumulates in f32. Needs m >= tm, k % tk == 0, tk % 32 == 0,
@@ -188,13 +138,13 @@ def gmm_mxfp4(lhs_mk, packed, scales, tile_group, tile_row_start, ends_v, *, tm,
 
     return _row_tiles_call(tile_body, (lhs_mk, packed, scales), tile_group, tile_row_start, ends_v, m=m, n=n,
                            g=g, tm=tm, tn=tn, out_dtype=out_dtype, interpret=interpret, num_warps=num_warps,
-                           num_stages=num_stages, name="k3_gmm_mxfp4", starts_v=starts_v)
+                           num_stages=num_stages, name="k3_gmm_mxfp4")
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "beta1", "beta2", "tm", "tk", "tn", "out_dtype",
                                              "interpret", "num_warps", "num_stages"))
 def gmm_glu(lhs_mk, w_gate, w_up, tile_group, tile_row_start, ends_v, *, activation, beta1, beta2, tm, tk, tn,
-            out_dtype, interpret, num_warps=8, num_stages=3, starts_v=None):
+            out_dtype, interpret, num_warps=8, num_stages=3):
     """out[m, n] = act(lhs @ w_gate[i], lhs @ w_up[i]) on the rows of group i (w_* [g, k, n]): both products are
     accumulated in f32 in one pass over k (two accumulators) and the activation is the epilogue, so the [m, 2n]
     pre-activations never reach HBM. Needs m >= tm, k % tk == 0, n % tn == 0."""
@@ -217,7 +167,7 @@ def gmm_glu(lhs_mk, w_gate, w_up, tile_group, tile_row_start, ends_v, *, activat
 
     return _row_tiles_call(tile_body, (lhs_mk, w_gate, w_up), tile_group, tile_row_start, ends_v, m=m, n=n, g=g,
                            tm=tm, tn=tn, out_dtype=out_dtype, interpret=interpret, num_warps=num_warps,
-                           num_stages=num_stages, name="k3_gmm_glu", starts_v=starts_v)
+                           num_stages=num_stages, name="k3_gmm_glu")
 
 
 @functools.partial(jax.jit, static_argnames=("num_groups", "tm", "tk", "tn", "out_dtype", "interpret",

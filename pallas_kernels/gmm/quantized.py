@@ -53,10 +53,10 @@ def _kernel_mxfp4(lhs_mk, packed_gnh, scales_gns, group_sizes_g, backend: str, t
     scales = _pad_axis(_pad_axis(scales_gns, 2, tk // mxfp4.GROUP, 127), 1, tn, 127)
     lhs_p = api._pad_to(api._pad_to(lhs_mk, 1, tk), 0, 1, at_least=tm)
     bounds = meta.group_bounds(group_sizes_g, m)
-    tiles, starts = api.gpu_walk(bounds, m, tiling)
+    tiles = meta.group_tiles(bounds, m, tm)
     out = gpu_kernels.gmm_mxfp4(lhs_p, packed, scales, tiles.tile_group, tiles.tile_row_start, bounds.ends_v,
                                 tm=tm, tk=tk, tn=tn, out_dtype=out_dtype, interpret=backend == "interpret",
-                                num_warps=tiling.num_warps, num_stages=tiling.num_stages, starts_v=starts)
+                                num_warps=tiling.num_warps, num_stages=tiling.num_stages)
     return out[:m, :n]
 
 

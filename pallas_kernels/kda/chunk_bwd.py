@@ -53,7 +53,7 @@ cut it at the price of ≈ 4·K + C + K·V/C extra stored values per token and h
 
 GPU status (H200, 1x8192x96, bf16; ``benchmarks/kda_stages.py``): reverse loop 1.3 ms, state gradients 1.7 ms,
 intra backward 17.6 ms (column-blocked; 74 ms and no f32 build with whole-K tiles). Gradients verified on the GPU
-against the token recurrence (``python -m pallas_kernels.kda.check --run``).
+against the token recurrence (``python -m benchmarks.kda_check --run``).
 """
 
 from __future__ import annotations
@@ -65,33 +65,32 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
-    _INVERSES,
-    _LOG2E,
-    _SPLIT_FAMILY,
+from pallas_kernels.kda.chunk_fwd import chunk_states, intra_for_backward
+from pallas_kernels.kda.common import (
     CHUNK,
+    LOG2E,
+    SPLIT_FAMILY,
     SUB_CHUNK,
+    UNIT_LOWER_INVERSES,
     ChunkSpecs,
     KernelConfig,
     SequentialSpecs,
-    _dot,
-    _dot_nt,
-    _dot_tn,
-    _matmul_policy,
-    _row,
-    _rows_masked,
     check_dims,
     chunk_layout,
-    chunk_states,
     document_layout,
     document_masks,
     document_operands,
-    intra_for_backward,
-    triton_params,
+    dot,
+    dot_nt,
+    dot_tn,
+    matmul_policy,
+    rows_masked,
+    take_row,
 )
 from pallas_kernels.kda.intra_bwd_fused import intra_bwd_state_fused
 from pallas_kernels.kda.intra_bwd_tiled import intra_bwd_tiled
 from pallas_kernels.kda.intra_split import intra_bwd_split
+from pallas_kernels.tiling import triton_params
 
 __all__ = ["backward_flops_per_token_head", "chunk_kda_bwd"]
 
@@ -125,11 +124,11 @@ def _reverse_kernel(qg_ref, kg_ref, w_ref, aqk_ref, decay_ref, do_ref, *refs, n_
         ds_mm = ds_kv.astype(mm_dtype)
         dsend_ref[pl.ds(pl.multiple_of(n * kd, kd), kd), :] = ds_mm
         do_cv = do_ref[rows, :].astype(mm_dtype)
-        dv_new = _dot_tn(aqk_ref[rows, :], do_cv, precision) + _dot(kg_ref[rows, :], ds_mm, precision)
+        dv_new = dot_tn(aqk_ref[rows, :], do_cv, precision) + dot(kg_ref[rows, :], ds_mm, precision)
         dv_new_mm = dv_new.astype(mm_dtype)
         dvnew_ref[rows, :] = dv_new_mm
-        ds_kv = (decay_ref[n, :].astype(_F32)[:, None] * ds_kv + _dot_tn(qg_ref[rows, :], do_cv, precision)
-                 - _dot_tn(w_ref[rows, :], dv_new_mm, precision))
+        ds_kv = (decay_ref[n, :].astype(_F32)[:, None] * ds_kv + dot_tn(qg_ref[rows, :], do_cv, precision)
+                 - dot_tn(w_ref[rows, :], dv_new_mm, precision))
         if varlen:
             @pl.when(first_ref[n] != 0)
             def _store_initial_grad():
@@ -157,16 +156,16 @@ def _state_grads_kernel(do_ref, vnew_ref, dvnew_ref, s_ref, ds_ref,
     vnew_cv = vnew_ref[...]
     s_kv = s_ref[...]
     ds_kv = ds_ref[...]
-    dqg_ref[...] = _dot_nt(do_cv, s_kv, precision)
-    dw_ref[...] = -_dot_nt(dvnew_ref[...], s_kv, precision)
-    dkg_ref[...] = _dot_nt(vnew_cv, ds_kv, precision)
+    dqg_ref[...] = dot_nt(do_cv, s_kv, precision)
+    dw_ref[...] = -dot_nt(dvnew_ref[...], s_kv, precision)
+    dkg_ref[...] = dot_nt(vnew_cv, ds_kv, precision)
     ddecay_ref[...] = jnp.sum(s_kv.astype(_F32) * ds_kv.astype(_F32), axis=1)
 
     @pl.when(pl.program_id(2) == 0)
     def _key_independent():
         rows_c1 = jnp.arange(CHUNK, dtype=jnp.int32)[:, None]
         cols_1c = jnp.arange(CHUNK, dtype=jnp.int32)[None, :]
-        daqk_ref[...] = jnp.where(rows_c1 >= cols_1c, _dot_nt(do_cv, vnew_cv, precision), 0.0)
+        daqk_ref[...] = jnp.where(rows_c1 >= cols_1c, dot_nt(do_cv, vnew_cv, precision), 0.0)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -221,18 +220,18 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
     def factors(kb):
         """Decay bookkeeping of one key block, as in the forward kernel (base 2)."""
         c = cols(kb)
-        g = [load(g_ref, i, c) * _LOG2E for i in subs]
+        g = [load(g_ref, i, c) * LOG2E for i in subs]
         local = [jnp.cumsum(gi, axis=0) for gi in g]
         total = [jnp.sum(gi, axis=0) for gi in g]
-        first = [_row(x, 0) for x in local]
-        mid = [_row(x, s // 2) for x in local]
+        first = [take_row(x, 0) for x in local]
+        mid = [take_row(x, s // 2) for x in local]
         zeros_k = jnp.zeros_like(total[0])
         before = [sum(total[:i], zeros_k) for i in subs]
         after = [sum(total[i + 1:], zeros_k) for i in subs]
         to_end = [jnp.exp2(jnp.minimum(total[i][None, :] - local[i], 0.0)) for i in subs]  # 2^(G_end - G)
         f = dict(g_last=before[-1] + total[-1],
                  kg_factor=[to_end[i] * jnp.exp2(after[i])[None, :] for i in subs],  # 2^(G_L - G)
-                 gamma=[_rows_masked(jnp.exp2(before[i][None, :] + local[i]), carry_rows[i]) for i in subs],  # 2^G
+                 gamma=[rows_masked(jnp.exp2(before[i][None, :] + local[i]), carry_rows[i]) for i in subs],  # 2^G
                  left=[jnp.exp2(local[i] - mid[i][None, :]) for i in subs],
                  right=[jnp.exp2(mid[i][None, :] - local[i]) for i in subs],
                  from_first=[jnp.exp2(jnp.minimum(local[i] - first[i][None, :], 0.0)) for i in subs])  # 2^(G - G_n)
@@ -248,16 +247,16 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         f = factors(kb)
         k = [load(k_ref, i, cols(kb)) for i in subs]
         for i in subs:
-            kk[i, i] = kk[i, i] + _dot_nt(k[i] * f["left"][i], k[i] * f["right"][i], precision)
+            kk[i, i] = kk[i, i] + dot_nt(k[i] * f["left"][i], k[i] * f["right"][i], precision)
             k_first = k[i] * f["from_first"][i]
             for j in range(i):
-                kk[i, j] = kk[i, j] + _dot_nt(k_first, k[j] * f["col"][i, j], precision)
+                kk[i, j] = kk[i, j] + dot_nt(k_first, k[j] * f["col"][i, j], precision)
         return [kk[p] for p in pairs]
 
     kk = same_doc(dict(zip(pairs, lax.fori_loop(0, kd // block_k, pass_a, [zeros_ss] * len(pairs)))))
     kk = {(i, j): jnp.where(strict_ss, x, 0.0) if i == j else x for (i, j), x in kk.items()}
     akk = {(i, j): beta[i] * x for (i, j), x in kk.items()}
-    inv = [_INVERSES[solve](akk[i, i]) for i in subs]
+    inv = [UNIT_LOWER_INVERSES[solve](akk[i, i]) for i in subs]
 
     def back_substitute(rhs):
         """``A^T rhs`` with ``A = (I + akk)^-1``: x_i = inv_ii^T (rhs_i - sum_{m > i} akk_mi^T x_m)."""
@@ -265,8 +264,8 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         for i in reversed(subs):
             r = rhs[i]
             for m in range(i + 1, _N_SUB):
-                r = r - _dot_tn(akk[m, i], x[m], precision)
-            x[i] = _dot_tn(inv[i], r, precision)
+                r = r - dot_tn(akk[m, i], x[m], precision)
+            x[i] = dot_tn(inv[i], r, precision)
         return x
 
     # Pass B (value blocks): y = A^T du, dv = beta y; dakk -= y u^T; dbeta += rowsum(y v).
@@ -279,7 +278,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
             dv_ref[pl.ds(i * s, s), c] = (beta[i] * y[i]).astype(dv_ref.dtype)
             dbeta[i] = dbeta[i] + jnp.sum(y[i] * load(v_ref, i, c), axis=1)
             for j in range(i + 1):
-                dakk[i, j] = dakk[i, j] - _dot_nt(y[i], u[j], precision)
+                dakk[i, j] = dakk[i, j] - dot_nt(y[i], u[j], precision)
         return [dakk[p] for p in pairs], dbeta
 
     def z_block(kb):
@@ -295,7 +294,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         for i in subs:
             dbeta[i] = dbeta[i] + jnp.sum(z[i] * load(k_ref, i, c) * gamma[i], axis=1)
             for j in range(i + 1):
-                dakk[i, j] = dakk[i, j] - _dot_nt(z[i], w[j], precision)
+                dakk[i, j] = dakk[i, j] - dot_nt(z[i], w[j], precision)
         return [dakk[p] for p in pairs], dbeta
 
     carry = ([zeros_ss] * len(pairs), [zeros_s] * _N_SUB)
@@ -328,18 +327,18 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref,
         dk_row = [jnp.zeros_like(k[i]) for i in subs]
         dk_col = [jnp.zeros_like(k[i]) for i in subs]
         for i in subs:
-            dqs[i] = dqs[i] + left[i] * _dot(daqk[i, i], k_right[i], precision)
-            dk_row[i] = dk_row[i] + left[i] * _dot(p_blk[i, i], k_right[i], precision)
-            dk_col[i] = dk_col[i] + right[i] * (_dot_tn(daqk[i, i], q_left[i], precision)
-                                                + _dot_tn(p_blk[i, i], k_left[i], precision))
+            dqs[i] = dqs[i] + left[i] * dot(daqk[i, i], k_right[i], precision)
+            dk_row[i] = dk_row[i] + left[i] * dot(p_blk[i, i], k_right[i], precision)
+            dk_col[i] = dk_col[i] + right[i] * (dot_tn(daqk[i, i], q_left[i], precision)
+                                                + dot_tn(p_blk[i, i], k_left[i], precision))
             for j in range(i):
                 k_bridged = k[j] * col[i, j]
-                dqs[i] = dqs[i] + from_first[i] * _dot(daqk[i, j], k_bridged, precision)
-                dk_row[i] = dk_row[i] + from_first[i] * _dot(p_blk[i, j], k_bridged, precision)
-                dk_col[j] = dk_col[j] + col[i, j] * (_dot_tn(daqk[i, j], q_first[i], precision)
-                                                     + _dot_tn(p_blk[i, j], k_first[i], precision))
+                dqs[i] = dqs[i] + from_first[i] * dot(daqk[i, j], k_bridged, precision)
+                dk_row[i] = dk_row[i] + from_first[i] * dot(p_blk[i, j], k_bridged, precision)
+                dk_col[j] = dk_col[j] + col[i, j] * (dot_tn(daqk[i, j], q_first[i], precision)
+                                                     + dot_tn(p_blk[i, j], k_first[i], precision))
         dkg = [load(dkg_ref, i, c) for i in subs]
-        kg_factor = [_rows_masked(f["kg_factor"][i], last_rows[i]) for i in subs]  # 2^(G_L - G)
+        kg_factor = [rows_masked(f["kg_factor"][i], last_rows[i]) for i in subs]  # 2^(G_L - G)
         dg_last = ddecay_ref[c].astype(_F32) * jnp.exp2(f["g_last"])
         dgrow = []
         for i in subs:
@@ -489,7 +488,7 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     b, t, h, kd = q.shape
     vd = v.shape[-1]
     block_v = check_dims(kd, vd, config)
-    inter_dtype, precision = _matmul_policy(q.dtype)
+    inter_dtype, precision = matmul_policy(q.dtype)
     g = g.astype(_F32)
     beta = beta.astype(_F32)
     d_o = d_o.astype(inter_dtype)
@@ -503,7 +502,7 @@ def chunk_kda_bwd(q, k, v, g, beta, initial_state, d_o, d_final_state, *, scale,
     if config.intra_bwd not in ("auto", "tiled", "state_fused"):
         raise ValueError(f"KernelConfig.intra_bwd must be 'auto', 'tiled' or 'state_fused', got {config.intra_bwd!r}")
     tiled = config.intra_bwd == "tiled"
-    split = config.intra in _SPLIT_FAMILY or tiled
+    split = config.intra in SPLIT_FAMILY or tiled
     if intra is None:
         intra = intra_for_backward(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                    documents=documents)

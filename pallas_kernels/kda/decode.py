@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import triton_params
-from pallas_kernels.tiling import is_pow2
+from pallas_kernels.tiling import is_pow2, triton_params
 
 __all__ = ["DECODE_BACKENDS", "kda_decode_step"]
 

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import triton_params
+from pallas_kernels.tiling import triton_params
 
 __all__ = ["kda_decode_fused"]
 

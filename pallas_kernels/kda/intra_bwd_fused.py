@@ -34,23 +34,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
+from pallas_kernels.kda.common import (
     CHUNK,
     SUB_CHUNK,
     ChunkSpecs,
-    _dot_nt,
-    _dot_tn,
-    _rows_masked,
-    triton_params,
+    block_cols,
+    dot_nt,
+    dot_tn,
+    rows_masked,
 )
 from pallas_kernels.kda.intra_bwd_tiled import (
-    _cols,
     key_block_spec,
     key_block_update,
     pair_block,
     store_block,
     value_block_grads,
 )
+from pallas_kernels.tiling import triton_params
 
 __all__ = ["intra_bwd_state_fused", "pair_grads_fused", "state_solve_grads"]
 
@@ -79,35 +79,35 @@ def _state_solve_kernel(a_ref, kk_ref, beta_ref, dvnew_ref, u_ref, v_ref, w_ref,
 
     # daqk = tril(dO v'^T) (state_grads' key-independent part).
     daqk_ref[...] = jnp.where(rows_c1 >= cols_1c,
-                              _dot_nt(do_ref[...].astype(mm_dtype), vnew_ref[...], precision), 0.0)
+                              dot_nt(do_ref[...].astype(mm_dtype), vnew_ref[...], precision), 0.0)
 
     y_block = value_block_grads(a_ref, dvnew_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k,
                                 precision=precision)
 
     def state_block(kb, carry_):
         """dqg, dkg, d(2^G_L) of key block ``kb``: the pair kernel's ``dqg gamma``, ``dkg kgf`` and ``dG_L``."""
-        c = _cols(kb, block_k)
+        c = block_cols(kb, block_k)
         s_kv = s_ref[c, :]  # [BK, V] rows of S_n
         ds_kv = ds_ref[c, :]
-        dqg = _dot_nt(do_ref[...].astype(mm_dtype), s_kv, precision)
-        dkg = _dot_nt(vnew_ref[...], ds_kv, precision)
+        dqg = dot_nt(do_ref[...].astype(mm_dtype), s_kv, precision)
+        dkg = dot_nt(vnew_ref[...], ds_kv, precision)
         d_decay = jnp.sum(s_kv.astype(_F32) * ds_kv.astype(_F32), axis=1)
         if segmented:  # the forward's chunk decay is masked where a document starts inside the chunk
             d_decay = d_decay * chunk_keep
         gc = gc_ref[:, c]
         g_last = gc_ref[pl.ds(CHUNK - 1, 1), c]  # [1, BK]
-        kgf = _rows_masked(jnp.exp2(g_last - gc), last)
+        kgf = rows_masked(jnp.exp2(g_last - gc), last)
         k = k_ref[:, c].astype(_F32)
         dgl_ref[c] = d_decay * jnp.exp2(jnp.sum(g_last, axis=0)) + jnp.sum(dkg * k * kgf, axis=0)
-        dqs_ref[:, c] = dqg * _rows_masked(jnp.exp2(gc), carry)
+        dqs_ref[:, c] = dqg * rows_masked(jnp.exp2(gc), carry)
         dkgf_ref[:, c] = dkg * kgf
         return carry_
 
     def z_block(kb, acc):
         """z = A^T dw with dw = -dv' S^T for key block ``kb``: dakk, dbeta and the pair kernel's ``beta gamma z``."""
-        c = _cols(kb, block_k)
-        dw = -_dot_nt(dvnew_ref[...], s_ref[c, :], precision)
-        z = _dot_tn(a_ref[...], dw, precision)  # A^T dw
+        c = block_cols(kb, block_k)
+        dw = -dot_nt(dvnew_ref[...], s_ref[c, :], precision)
+        z = dot_tn(a_ref[...], dw, precision)  # A^T dw
         acc, gamma = key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)
         bgz_ref[:, c] = beta_c1 * gamma * z
         return acc

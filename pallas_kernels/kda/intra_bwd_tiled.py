@@ -42,17 +42,18 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
+from pallas_kernels.kda.common import (
     CHUNK,
     SUB_CHUNK,
     ChunkSpecs,
-    _dot,
-    _dot_nt,
-    _dot_tn,
-    _rows_masked,
+    block_cols,
     document_operands,
-    triton_params,
+    dot,
+    dot_nt,
+    dot_tn,
+    rows_masked,
 )
+from pallas_kernels.tiling import triton_params
 
 __all__ = ["intra_bwd_tiled", "key_block_spec", "key_block_update", "pair_block", "pair_grads", "solve_grads",
            "store_block", "value_block_grads"]
@@ -61,19 +62,16 @@ _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
 
 
-def _cols(block, width):
-    return pl.ds(pl.multiple_of(block * width, width), width)
-
 
 def value_block_grads(a_ref, dvnew_ref, u_ref, v_ref, dv_ref, beta_c1, *, block_k, precision):
     """The loop body over value blocks shared by the solve-gradient kernels: ``y = A^T dv'``, ``dv = beta y``
     (stored), and the ``(dakk, dbeta)`` accumulator updated by ``- y u^T`` and ``rowsum(y v)``."""
     def body(vb, acc):
         dakk, dbeta = acc
-        c = _cols(vb, block_k)
-        y = _dot_tn(a_ref[...], dvnew_ref[:, c].astype(_F32), precision)  # A^T dv'
+        c = block_cols(vb, block_k)
+        y = dot_tn(a_ref[...], dvnew_ref[:, c].astype(_F32), precision)  # A^T dv'
         dv_ref[:, c] = (beta_c1 * y).astype(dv_ref.dtype)
-        dakk = dakk - _dot_nt(y, u_ref[:, c].astype(_F32), precision)
+        dakk = dakk - dot_nt(y, u_ref[:, c].astype(_F32), precision)
         return dakk, dbeta + jnp.sum(y * v_ref[:, c].astype(_F32), axis=1)
     return body
 
@@ -82,8 +80,8 @@ def key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision):
     """The ``(dakk, dbeta)`` accumulator of the solve-gradient kernels updated for key block ``c`` of ``z = A^T dw``
     (``- z w^T`` and ``rowsum(z k 2^G)``), and ``gamma = 2^G`` (rows outside the carried-in document zero)."""
     dakk, dbeta = acc
-    gamma = _rows_masked(jnp.exp2(gc_ref[:, c]), carry)
-    dakk = dakk - _dot_nt(z, w_ref[:, c].astype(_F32), precision)
+    gamma = rows_masked(jnp.exp2(gc_ref[:, c]), carry)
+    dakk = dakk - dot_nt(z, w_ref[:, c].astype(_F32), precision)
     return (dakk, dbeta + jnp.sum(z * k_ref[:, c].astype(_F32) * gamma, axis=1)), gamma
 
 
@@ -102,8 +100,8 @@ def _solve_grads_kernel(a_ref, kk_ref, beta_ref, du_ref, u_ref, v_ref, dw_ref, w
     y_block = value_block_grads(a_ref, du_ref, u_ref, v_ref, dv_ref, beta_c1, block_k=block_k, precision=precision)
 
     def z_block(kb, acc):
-        c = _cols(kb, block_k)
-        z = _dot_tn(a_ref[...], dw_ref[:, c].astype(_F32), precision)  # A^T dw
+        c = block_cols(kb, block_k)
+        z = dot_tn(a_ref[...], dw_ref[:, c].astype(_F32), precision)  # A^T dw
         z_ref[:, c] = z.astype(z_ref.dtype)
         return key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)[0]
 
@@ -150,14 +148,14 @@ def pair_block(q_ref, k_ref, gc_ref, daqk_ref, dkk_ref, doc_ref, i, *, scale, pr
     # r as the row: columns up to the end of r, referenced to m.
     k_e = (k * jnp.exp2(jnp.where(rows_c1 < start + s, mid - gc, -jnp.inf))).astype(mm)
     f_r = jnp.exp2(gc_r - mid)
-    dq_pairs = f_r * _dot(daqk_row, k_e, precision)
-    dk_row = f_r * _dot(dkk_ref[rows, :].astype(mm), k_e, precision)
+    dq_pairs = f_r * dot(daqk_row, k_e, precision)
+    dk_row = f_r * dot(dkk_ref[rows, :].astype(mm), k_e, precision)
 
     # r as the column: rows from the start of r, referenced to m.
     rr = jnp.exp2(jnp.where(rows_c1 >= start, gc - mid, -jnp.inf))
     q_rr = (q_ref[...].astype(_F32) * (scale * rr)).astype(mm)
-    dk_col = jnp.exp2(mid - gc_r) * (_dot_tn(daqk_col, q_rr, precision)
-                                     + _dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
+    dk_col = jnp.exp2(mid - gc_r) * (dot_tn(daqk_col, q_rr, precision)
+                                     + dot_tn(dkk_ref[:, rows].astype(mm), (k * rr).astype(mm), precision))
     q_r = q_ref[rows, :].astype(_F32) * scale
     return rows, q_r, k_ref[rows, :].astype(_F32), dq_pairs, dk_row, dk_col
 
@@ -189,7 +187,7 @@ def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, 
 
     # dG_L: the chunk decay's cotangent and every row's kg term (all rows' dg include it).
     g_last = gc_ref[pl.ds(CHUNK - 1, 1), :]  # [1, BK]
-    kgf_all = _rows_masked(jnp.exp2(g_last - gc_ref[...]), row_mask(last_ref, Ellipsis))
+    kgf_all = rows_masked(jnp.exp2(g_last - gc_ref[...]), row_mask(last_ref, Ellipsis))
     dg_last = (ddecay_ref[...].astype(_F32) * jnp.exp2(jnp.sum(g_last, axis=0))
                + jnp.sum(dkg_ref[...].astype(_F32) * k_ref[...].astype(_F32) * kgf_all, axis=0))
 
@@ -197,9 +195,9 @@ def _pair_grads_kernel(q_ref, k_ref, gc_ref, beta_ref, z_ref, dqg_ref, dkg_ref, 
         rows, q_r, k_r, dq_pairs, dk_row, dk_col = pair_block(q_ref, k_ref, gc_ref, daqk_ref, dkk_ref, doc_ref, i,
                                                               scale=scale, precision=precision)
         gc_r = gc_ref[rows, :]
-        gamma_r = _rows_masked(jnp.exp2(gc_r), row_mask(carry_ref, rows))
+        gamma_r = rows_masked(jnp.exp2(gc_r), row_mask(carry_ref, rows))
         dqs = dqg_ref[rows, :].astype(_F32) * gamma_r + dq_pairs
-        kg_term = dkg_ref[rows, :].astype(_F32) * _rows_masked(jnp.exp2(g_last - gc_r), row_mask(last_ref, rows))
+        kg_term = dkg_ref[rows, :].astype(_F32) * rows_masked(jnp.exp2(g_last - gc_r), row_mask(last_ref, rows))
         z_term = beta_ref[rows].astype(_F32)[:, None] * gamma_r * z_ref[rows, :].astype(_F32)
         return store_block(dq_ref, dk_ref, dg_ref, rows, acc, q_r, k_r, dqs, dk_row, dk_col, kg_term, z_term,
                            scale=scale)

@@ -11,7 +11,7 @@ pairwise products never leave the chip:
 2. ``A = (I + akk)^-1`` by rows of 16: ``A_i = inv_i (E_i - sum_{j<i} akk_ij A_j)`` with ``inv_i`` the 16x16
    diagonal inverse and ``E_i`` the rows ``16 i ..`` of the identity (the product with ``E_i`` places ``inv_i`` in
    its columns, so no 64x64 tile is ever assembled from blocks); writes ``A`` and ``G``;
-3. ``intra_split.apply_call``: ``u = A (beta v)``, ``w = A (beta k 2^G)`` with 64-row products (few registers).
+3. ``apply_call``: ``u = A (beta v)``, ``w = A (beta k 2^G)`` with 64-row products (few registers).
 
 (Phase 3 inside the same kernel, once ``intra="fused"``, measured slower on an H200 — 4.51 vs 2.46 ms at 1x8192x96
 bf16 — and was removed.) Packed documents are masked exactly as in the split kernels.
@@ -26,27 +26,76 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
-    _INVERSES,
+from pallas_kernels.kda.common import (
     CHUNK,
     SUB_CHUNK,
+    UNIT_LOWER_INVERSES,
     ChunkSpecs,
-    _dot,
-    _dot_nt,
-    _matmul_policy,
-    _row,
-    _rows_masked,
     cumulative_gate_tile,
     document_operands,
+    dot,
+    dot_nt,
     gate_operands,
-    triton_params,
+    matmul_policy,
+    rows_masked,
+    take_row,
 )
-from pallas_kernels.kda.intra_split import apply_call
+from pallas_kernels.tiling import triton_params
 
-__all__ = ["intra_chunk_fused"]
+__all__ = ["apply_call", "intra_chunk_fused"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
+
+
+def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block_k, segmented):
+    """``u = A (beta v)``, ``w = A (beta k 2^G)`` (w rows outside the carried-in document masked)."""
+    if segmented:
+        _, carry_ref, _, u_ref, w_ref = refs
+        carry = carry_ref[...].astype(_F32)[:, None]
+    else:
+        u_ref, w_ref = refs
+        carry = None
+    a_cc = a_ref[...]
+    beta_c1 = beta_ref[...].astype(_F32)[:, None]
+    operand = u_ref.dtype  # dot operands: bf16 for bf16 inputs (A rounded to bf16, as fla's w/u kernel), f32 for f32
+    a_op = a_cc.astype(operand)
+
+    def u_block(vb, carry_):
+        c = pl.ds(pl.multiple_of(vb * block_k, block_k), block_k)
+        rhs = (beta_c1 * v_ref[:, c].astype(_F32)).astype(operand)
+        u_ref[:, c] = dot(a_op, rhs, precision).astype(u_ref.dtype)
+        return carry_
+
+    def w_block(kb, carry_):
+        c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
+        rhs = rows_masked(beta_c1 * k_ref[:, c].astype(_F32) * jnp.exp2(gc_ref[:, c]), carry)
+        w_ref[:, c] = dot(a_op, rhs.astype(operand), precision).astype(w_ref.dtype)
+        return carry_
+
+    lax.fori_loop(0, v_ref.shape[-1] // block_k, u_block, 0)
+    lax.fori_loop(0, k_ref.shape[-1] // block_k, w_block, 0)
+
+
+def apply_call(a, v, k, gc, beta, documents, *, inter_dtype, precision, config, interpret):
+    """Kernel 3 (grid chunk x batch*head): ``(u, w)`` in ``inter_dtype`` from the 64x64 inverse ``a`` and the
+    cumulative gate ``gc`` (shared by the split and "fused2" intra stages)."""
+    b, tp, h, kd = k.shape
+    vd = v.shape[-1]
+    tile = ChunkSpecs(h).tile
+    doc_ops, doc_specs = document_operands(documents, h)
+    return pl.pallas_call(
+        functools.partial(_apply_kernel, precision=precision, block_k=min(config.block_k, kd, vd),
+                          segmented=documents is not None),
+        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
+                   jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype)),
+        grid=(tp // CHUNK, b * h),
+        in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), ChunkSpecs(h).rows] + doc_specs,
+        out_specs=[tile(vd), tile(kd)],
+        interpret=interpret,
+        compiler_params=triton_params(interpret, config.warps[0]),
+        name="kda_chunk_apply",
+    )(a, v, k, gc, beta, *doc_ops)
 
 
 def unpack_refs(refs, lower_bound, segmented, with_solve):
@@ -92,22 +141,22 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
         gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
         gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
-        g_last = _row(gc_sub[-1], s - 1)[None, :]  # [1, BK]
+        g_last = take_row(gc_sub[-1], s - 1)[None, :]  # [1, BK]
         k_all = k_ref[:, c].astype(_F32)
         q_all = q_ref[:, c].astype(_F32) * scale
-        qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
-        kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(g_last - gc_all), last_all).astype(inter_dtype)
+        qg_ref[:, c] = rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
+        kg_ref[:, c] = rows_masked(k_all * jnp.exp2(g_last - gc_all), last_all).astype(inter_dtype)
         for i in subs:
             rows = pl.ds(i * s, s)
-            first = _row(gc_sub[i], 0)[None, :]  # G at the first row of sub-chunk i
+            first = take_row(gc_sub[i], 0)[None, :]  # G at the first row of sub-chunk i
             from_first = jnp.exp2(gc_sub[i] - first)  # exponent <= 0
             # Columns up to the end of sub-chunk i, referenced to its first row (<= 15 tokens of growth).
             k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
             q_i = q_ref[rows, c].astype(_F32) * scale
             k_i = k_ref[rows, c].astype(_F32)
             k_cols_op = k_cols.astype(operand)  # 16-bit operands for 16-bit inputs (as the recurrence's dots)
-            aqk[i] = aqk[i] + _dot_nt((q_i * from_first).astype(operand), k_cols_op, precision)
-            kk[i] = kk[i] + _dot_nt((k_i * from_first).astype(operand), k_cols_op, precision)
+            aqk[i] = aqk[i] + dot_nt((q_i * from_first).astype(operand), k_cols_op, precision)
+            kk[i] = kk[i] + dot_nt((k_i * from_first).astype(operand), k_cols_op, precision)
         decay_ref[c] = jnp.exp2(g_last[0])
         return aqk, kk
 
@@ -131,8 +180,8 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
         akk_blocks = jnp.split(beta_ref[rows].astype(_F32)[:, None] * kk_i, _N_SUB, axis=1)  # [16, 16] each
         rhs = jnp.where(cols_1c == row_ids, 1.0, 0.0).astype(_F32)  # E_i
         for j in range(i):
-            rhs = rhs - _dot(akk_blocks[j], a_rows[j], precision)
-        a_i = _dot(_INVERSES[solve](akk_blocks[i]), rhs, precision)
+            rhs = rhs - dot(akk_blocks[j], a_rows[j], precision)
+        a_i = dot(UNIT_LOWER_INVERSES[solve](akk_blocks[i]), rhs, precision)
         a_ref[rows, :] = a_i
         a_rows.append(a_i)
 
@@ -141,12 +190,12 @@ def _gram_solve_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, s
 def gram_solve_then_apply(kernel, name, q, k, v, g, beta, *, scale, config, interpret, documents, return_solve,
                           gate):
     """Runs a gram + solve ``kernel`` (grid chunk x batch*head; outputs ``qg, kg, aqk, decay, A, G`` + ``kk`` with
-    ``return_solve``; keyword arguments as ``_gram_solve_kernel``'s), then ``intra_split.apply_call``: the results
+    ``return_solve``; keyword arguments as ``_gram_solve_kernel``'s), then ``apply_call``: the results
     of ``intra_split.intra_chunk_split``. Shared by "fused2" and "pairs"."""
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
-    inter_dtype, precision = _matmul_policy(q.dtype)
+    inter_dtype, precision = matmul_policy(q.dtype)
     segmented = documents is not None
     doc_ops, doc_specs = document_operands(documents, h)
     gate_ops, gate_specs = gate_operands(gate, h)

@@ -31,14 +31,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
+from pallas_kernels.kda.common import (
     CHUNK,
     SUB_CHUNK,
-    _dot_nt,
-    _row,
-    _rows_masked,
     block_lower_inverse,
     cumulative_gate_tile,
+    dot_nt,
+    rows_masked,
+    take_row,
 )
 from pallas_kernels.kda.intra_fused import gram_solve_then_apply, unpack_refs
 
@@ -71,11 +71,11 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
         gc_all = cumulative_gate_tile(g_ref, c, gate_refs)  # [64, BK]
         gc_ref[:, c] = gc_all
         gc_sub = jnp.split(gc_all, _N_SUB, axis=0)  # four [16, BK] row blocks
-        ends = [_row(x, s - 1)[None, :] for x in gc_sub]  # [1, BK]: G at the last row e_j of each sub-chunk
+        ends = [take_row(x, s - 1)[None, :] for x in gc_sub]  # [1, BK]: G at the last row e_j of each sub-chunk
         q_all = q_ref[:, c].astype(_F32) * scale
         k_all = k_ref[:, c].astype(_F32)
-        qg_ref[:, c] = _rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
-        kg_ref[:, c] = _rows_masked(k_all * jnp.exp2(ends[-1] - gc_all), last_all).astype(inter_dtype)
+        qg_ref[:, c] = rows_masked(q_all * jnp.exp2(gc_all), carry_all).astype(inter_dtype)
+        kg_ref[:, c] = rows_masked(k_all * jnp.exp2(ends[-1] - gc_all), last_all).astype(inter_dtype)
         decay_ref[c] = jnp.exp2(ends[-1][0])
         # 2^(G_r - G_e(r)), e(r) the last row of r's own sub-chunk: exponent >= 0, <= 15 tokens of decay.
         own_end = jnp.where(rows_c1 < s, ends[0],
@@ -92,8 +92,8 @@ def _pairs_kernel(q_ref, k_ref, g_ref, beta_ref, *refs, scale, precision, solve,
             rows_factor = own
             # Keys of sub-chunk j decayed to its last row: exponent <= 0, >= -15 tokens of decay.
             k_end = k_ref[pl.ds(j * s, s), c].astype(_F32) * jnp.exp2(ends[j] - gc_sub[j])
-            aqk[j] = aqk[j] + _dot_nt(q_all * rows_factor, k_end, precision)
-            kk[j] = kk[j] + _dot_nt(k_all * rows_factor, k_end, precision)
+            aqk[j] = aqk[j] + dot_nt(q_all * rows_factor, k_end, precision)
+            kk[j] = kk[j] + dot_nt(k_all * rows_factor, k_end, precision)
         return aqk, kk
 
     zeros = [jnp.zeros((CHUNK, s), _F32)] * _N_SUB

@@ -24,24 +24,26 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import (
-    _LOG2E,
+from pallas_kernels.kda.common import (
     CHUNK,
+    LOG2E,
     SUB_CHUNK,
     ChunkSpecs,
-    _dot,
-    _dot_nt,
-    _dot_tn,
-    _matmul_policy,
-    _rows_masked,
     block_lower_inverse,
     document_masks,
     document_operands,
-    triton_params,
+    dot,
+    dot_nt,
+    dot_tn,
+    matmul_policy,
+    rows_masked,
 )
 from pallas_kernels.kda.intra_bwd_tiled import key_block_update, value_block_grads
+from pallas_kernels.kda.intra_fused import apply_call, intra_chunk_fused
+from pallas_kernels.kda.intra_pairs import intra_chunk_pairs
+from pallas_kernels.tiling import triton_params
 
-__all__ = ["apply_call", "chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
+__all__ = ["chunk_cumulative_gate", "intra_bwd_split", "intra_chunk_split"]
 
 _N_SUB = CHUNK // SUB_CHUNK
 _F32 = jnp.float32
@@ -51,7 +53,7 @@ _PAIRS = [(i, j) for i in range(_N_SUB) for j in range(i + 1)]
 def chunk_cumulative_gate(g):
     """``[B, Tp, H, K]`` f32: inclusive cumulative sum of ``g * log2(e)`` within each 64-row chunk."""
     b, tp, h, kd = g.shape
-    g_bnchk = (g.astype(_F32) * _LOG2E).reshape(b, tp // CHUNK, CHUNK, h, kd)
+    g_bnchk = (g.astype(_F32) * LOG2E).reshape(b, tp // CHUNK, CHUNK, h, kd)
     return jnp.cumsum(g_bnchk, axis=2).reshape(b, tp, h, kd)
 
 
@@ -87,10 +89,10 @@ def _gram_kernel(q_ref, k_ref, gc_ref, *refs, scale, precision, block_k, segment
             first = gc_ref[pl.ds(i * s, 1), c]  # [1, BK]
             from_first = jnp.exp2(gc_i - first)  # <= 1
             k_cols = k_all * jnp.exp2(jnp.where(rows_c1 < (i + 1) * s, first - gc_all, -jnp.inf))
-            aqk[i] = aqk[i] + _dot_nt(q_i * from_first, k_cols, precision)
-            kk[i] = kk[i] + _dot_nt(k_i * from_first, k_cols, precision)
-            qg_ref[rows, c] = _rows_masked(q_i * jnp.exp2(gc_i), carry_rows[i]).astype(inter_dtype)
-            kg_ref[rows, c] = _rows_masked(k_i * jnp.exp2(g_last - gc_i), last_rows[i]).astype(inter_dtype)
+            aqk[i] = aqk[i] + dot_nt(q_i * from_first, k_cols, precision)
+            kk[i] = kk[i] + dot_nt(k_i * from_first, k_cols, precision)
+            qg_ref[rows, c] = rows_masked(q_i * jnp.exp2(gc_i), carry_rows[i]).astype(inter_dtype)
+            kg_ref[rows, c] = rows_masked(k_i * jnp.exp2(g_last - gc_i), last_rows[i]).astype(inter_dtype)
         decay_ref[c] = jnp.exp2(jnp.sum(g_last, axis=0))  # the single row as [BK]
         return aqk, kk
 
@@ -121,56 +123,6 @@ def _solve_kernel(kk_ref, beta_ref, a_ref, *, precision, solve):
             a_ref[pl.ds(i * s, s), pl.ds(j * s, s)] = blocks.get((i, j), zeros_ss)
 
 
-def _apply_kernel(a_ref, v_ref, k_ref, gc_ref, beta_ref, *refs, precision, block_k, segmented):
-    """``u = A (beta v)``, ``w = A (beta k 2^G)`` (w rows outside the carried-in document masked)."""
-    if segmented:
-        _, carry_ref, _, u_ref, w_ref = refs
-        carry = carry_ref[...].astype(_F32)[:, None]
-    else:
-        u_ref, w_ref = refs
-        carry = None
-    a_cc = a_ref[...]
-    beta_c1 = beta_ref[...].astype(_F32)[:, None]
-    operand = u_ref.dtype  # dot operands: bf16 for bf16 inputs (A rounded to bf16, as fla's w/u kernel), f32 for f32
-    a_op = a_cc.astype(operand)
-
-    def u_block(vb, carry_):
-        c = pl.ds(pl.multiple_of(vb * block_k, block_k), block_k)
-        rhs = (beta_c1 * v_ref[:, c].astype(_F32)).astype(operand)
-        u_ref[:, c] = _dot(a_op, rhs, precision).astype(u_ref.dtype)
-        return carry_
-
-    def w_block(kb, carry_):
-        c = pl.ds(pl.multiple_of(kb * block_k, block_k), block_k)
-        rhs = _rows_masked(beta_c1 * k_ref[:, c].astype(_F32) * jnp.exp2(gc_ref[:, c]), carry)
-        w_ref[:, c] = _dot(a_op, rhs.astype(operand), precision).astype(w_ref.dtype)
-        return carry_
-
-    lax.fori_loop(0, v_ref.shape[-1] // block_k, u_block, 0)
-    lax.fori_loop(0, k_ref.shape[-1] // block_k, w_block, 0)
-
-
-def apply_call(a, v, k, gc, beta, documents, *, inter_dtype, precision, config, interpret):
-    """Kernel 3 (grid chunk x batch*head): ``(u, w)`` in ``inter_dtype`` from the 64x64 inverse ``a`` and the
-    cumulative gate ``gc`` (shared by the split and "fused2" intra stages)."""
-    b, tp, h, kd = k.shape
-    vd = v.shape[-1]
-    tile = ChunkSpecs(h).tile
-    doc_ops, doc_specs = document_operands(documents, h)
-    return pl.pallas_call(
-        functools.partial(_apply_kernel, precision=precision, block_k=min(config.block_k, kd, vd),
-                          segmented=documents is not None),
-        out_shape=(jax.ShapeDtypeStruct((b, tp, h, vd), inter_dtype),
-                   jax.ShapeDtypeStruct((b, tp, h, kd), inter_dtype)),
-        grid=(tp // CHUNK, b * h),
-        in_specs=[tile(CHUNK), tile(vd), tile(kd), tile(kd), ChunkSpecs(h).rows] + doc_specs,
-        out_specs=[tile(vd), tile(kd)],
-        interpret=interpret,
-        compiler_params=triton_params(interpret, config.warps[0]),
-        name="kda_chunk_apply",
-    )(a, v, k, gc, beta, *doc_ops)
-
-
 def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, documents=None, return_solve=False,
                       gate=None):
     """``chunk_fwd.intra_chunk`` through the three kernels above (same arguments and results); ``return_solve``
@@ -178,13 +130,9 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
     backward. ``config.intra`` "fused2" runs the same algebra as two kernels (``intra_fused.py``),
     "pairs" per pair of sub-chunks (``intra_pairs.py``); those take ``gate`` (``chunk_fwd.intra_chunk``)."""
     if config.intra == "pairs":
-        from pallas_kernels.kda.intra_pairs import intra_chunk_pairs
-
         return intra_chunk_pairs(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                  documents=documents, return_solve=return_solve, gate=gate)
     if config.intra == "fused2":
-        from pallas_kernels.kda.intra_fused import intra_chunk_fused
-
         return intra_chunk_fused(q, k, v, g, beta, scale=scale, config=config, interpret=interpret,
                                  documents=documents, return_solve=return_solve, gate=gate)
     if gate is not None:
@@ -192,7 +140,7 @@ def intra_chunk_split(q, k, v, g, beta, *, scale, config, interpret=False, docum
     b, tp, h, kd = q.shape
     vd = v.shape[-1]
     n = tp // CHUNK
-    inter_dtype, precision = _matmul_policy(q.dtype)
+    inter_dtype, precision = matmul_policy(q.dtype)
     block_k = min(config.block_k, kd, vd)
     params = triton_params(interpret, config.warps[0])
     segmented = documents is not None
@@ -275,7 +223,7 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
 
     def z_block(kb, acc):
         c = cols(kb)
-        z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
+        z = dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
         return key_block_update(acc, z, c, w_ref, k_ref, gc_ref, carry, precision)[0]
 
     acc = (jnp.zeros((CHUNK, CHUNK), _F32), jnp.zeros((CHUNK,), _F32))
@@ -297,9 +245,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
         k = k_ref[:, c].astype(_F32)
         gc = gc_ref[:, c]
         g_last = gc_ref[pl.ds(CHUNK - 1, 1), c]
-        gamma = _rows_masked(jnp.exp2(gc), carry)
-        kg_factor = _rows_masked(jnp.exp2(g_last - gc), last)
-        z = _dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
+        gamma = rows_masked(jnp.exp2(gc), carry)
+        kg_factor = rows_masked(jnp.exp2(g_last - gc), last)
+        z = dot_tn(a_cc, dw_ref[:, c].astype(_F32), precision)
 
         def sub_chunk(i, acc):
             dqs, dk_row, dk_col = acc
@@ -310,9 +258,9 @@ def _intra_bwd_kernel(q_ref, k_ref, v_ref, beta_ref, u_ref, w_ref, gc_ref, kk_re
             k_e = k * e_cols
             daqk_i = jnp.where(in_i, daqk, 0.0)  # row block i of the [64, 64] cotangents
             dkk_i = jnp.where(in_i, dkk, 0.0)
-            dqs = dqs + f_rows * _dot(daqk_i, k_e, precision)
-            dk_row = dk_row + f_rows * _dot(dkk_i, k_e, precision)
-            dk_col = dk_col + e_cols * (_dot_tn(daqk_i, q * f_rows, precision) + _dot_tn(dkk_i, k * f_rows, precision))
+            dqs = dqs + f_rows * dot(daqk_i, k_e, precision)
+            dk_row = dk_row + f_rows * dot(dkk_i, k_e, precision)
+            dk_col = dk_col + e_cols * (dot_tn(daqk_i, q * f_rows, precision) + dot_tn(dkk_i, k * f_rows, precision))
             return dqs, dk_row, dk_col
 
         acc = (dqg_ref[:, c].astype(_F32) * gamma, jnp.zeros_like(k), jnp.zeros_like(k))

@@ -49,19 +49,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.kda.chunk_fwd import (
-    _LOG2E,
+from pallas_kernels.kda.common import (
     CHUNK,
+    LOG2E,
     SUB_CHUNK,
-    _dot,
-    _dot_nt,
-    _dot_tn,
-    _unit_lower_inverse_doubling,
     chunk_layout,
     document_layout,
+    dot,
+    dot_nt,
+    dot_tn,
+    unit_lower_inverse_doubling,
 )
 
-__all__ = ["SOLVES", "chunk_kda_bwd_tpu", "chunk_kda_fwd_tpu", "compile_for_topology"]
+__all__ = ["SOLVES", "chunk_kda_bwd_tpu", "chunk_kda_fwd_tpu"]
 
 SOLVES = ("doubling", "substitution")
 _N_SUB = CHUNK // SUB_CHUNK
@@ -105,15 +105,15 @@ def _unit_lower_inverse(l_cc, solve):
     l_diag = jnp.where(same_block, l_cc, 0.0)
     l_off = jnp.where(same_block, 0.0, l_cc)
     if solve == "doubling":
-        inv_diag = _unit_lower_inverse_doubling(l_diag)  # the GPU kernels' doubling, on all four blocks at once
+        inv_diag = unit_lower_inverse_doubling(l_diag)  # the GPU kernels' doubling, on all four blocks at once
     else:
         inv_diag = eye
         row_in_block = jnp.bitwise_and(rows, SUB_CHUNK - 1)
         for s in range(1, SUB_CHUNK):
-            inv_diag = jnp.where(row_in_block == s, eye - _dot(l_diag, inv_diag, _HI), inv_diag)
+            inv_diag = jnp.where(row_in_block == s, eye - dot(l_diag, inv_diag, _HI), inv_diag)
     inv = inv_diag
     for b in range(1, c // SUB_CHUNK):
-        inv = jnp.where(block_r == b, _dot(inv_diag, eye - _dot(l_off, inv, _HI), _HI), inv)
+        inv = jnp.where(block_r == b, dot(inv_diag, eye - dot(l_off, inv, _HI), _HI), inv)
     return inv
 
 
@@ -128,8 +128,8 @@ def _pair_factors(gate, b):
     def relative(rows, cols):
         return jnp.where((cols > r) & (cols <= rows), 1.0, jnp.where((cols <= r) & (cols > rows), -1.0, 0.0))
 
-    rel_rows = _dot(relative(_iota((s, c), 0, b * s), _iota((s, c), 1)).astype(_F32), gate, _HI)
-    rel_all = _dot(relative(_iota((c, c), 0), _iota((c, c), 1)).astype(_F32), gate, _HI)
+    rel_rows = dot(relative(_iota((s, c), 0, b * s), _iota((s, c), 1)).astype(_F32), gate, _HI)
+    rel_all = dot(relative(_iota((c, c), 0), _iota((c, c), 1)).astype(_F32), gate, _HI)
     return jnp.exp2(rel_rows), jnp.exp2(jnp.where(_iota((c, 1), 0) < end, -rel_all, 0.0))
 
 
@@ -158,9 +158,9 @@ def _chunk_terms(q_ref, k_ref, g_ref, beta_ref, docs, aqk_ref, kk_ref, *, scale,
     keep), all f32."""
     c, s = CHUNK, SUB_CHUNK
     rows_cc, cols_cc = _iota((c, c), 0), _iota((c, c), 1)
-    gate = g_ref[...].astype(_F32) * _LOG2E
-    cum = _dot(jnp.where(cols_cc <= rows_cc, 1.0, 0.0).astype(_F32), gate, _HI)  # G
-    to_end_exp = _dot(jnp.where(cols_cc > rows_cc, 1.0, 0.0).astype(_F32), gate, _HI)  # G_L - G (<= 0)
+    gate = g_ref[...].astype(_F32) * LOG2E
+    cum = dot(jnp.where(cols_cc <= rows_cc, 1.0, 0.0).astype(_F32), gate, _HI)  # G
+    to_end_exp = dot(jnp.where(cols_cc > rows_cc, 1.0, 0.0).astype(_F32), gate, _HI)  # G_L - G (<= 0)
     k_all = k_ref[...].astype(_F32)
     for b in range(_N_SUB):
         up, down = _pair_factors(gate, b)
@@ -169,8 +169,8 @@ def _chunk_terms(q_ref, k_ref, g_ref, beta_ref, docs, aqk_ref, kk_ref, *, scale,
         q_up = (q_ref[sub, :].astype(_F32) * (scale * up)).astype(mm_dtype)
         k_up = (k_ref[sub, :].astype(_F32) * up).astype(mm_dtype)
         incl, strict = _pair_masks(b, docs)
-        aqk_ref[sub, :] = jnp.where(incl, _dot_nt(q_up, k_down, precision), 0.0)
-        kk_ref[sub, :] = jnp.where(strict, _dot_nt(k_up, k_down, precision), 0.0)
+        aqk_ref[sub, :] = jnp.where(incl, dot_nt(q_up, k_down, precision), 0.0)
+        kk_ref[sub, :] = jnp.where(strict, dot_nt(k_up, k_down, precision), 0.0)
     beta_c1 = beta_ref[...].astype(_F32)
     terms = {"gate": gate, "beta": beta_c1, "inv": _unit_lower_inverse(beta_c1 * kk_ref[...], solve),
              "gamma": jnp.exp2(cum), "to_end": jnp.exp2(to_end_exp),
@@ -218,13 +218,13 @@ def _forward_kernel(*refs, scale, n_chunks, mm_dtype, solve, segmented, varlen, 
     if save_states:
         states_ref[...] = state_mm
     k_all = k_ref[...].astype(_F32)
-    rhs = t["beta"] * (v_ref[...].astype(_F32) - _dot((k_all * t["gamma"]).astype(mm_dtype), state_mm, precision))
-    v_new = _dot(t["inv"].astype(mm_dtype), rhs.astype(mm_dtype), precision).astype(mm_dtype)
+    rhs = t["beta"] * (v_ref[...].astype(_F32) - dot((k_all * t["gamma"]).astype(mm_dtype), state_mm, precision))
+    v_new = dot(t["inv"].astype(mm_dtype), rhs.astype(mm_dtype), precision).astype(mm_dtype)
     q_in = (q_ref[...].astype(_F32) * (scale * t["gamma"])).astype(mm_dtype)
-    o = _dot(q_in, state_mm, precision) + _dot(aqk_ref[...].astype(mm_dtype), v_new, precision)
+    o = dot(q_in, state_mm, precision) + dot(aqk_ref[...].astype(mm_dtype), v_new, precision)
     o_ref[...] = o.astype(o_ref.dtype)
     state_kv = (_as_column(t["decay_1k"]) * state_kv
-                + _dot_tn((k_all * t["to_end"]).astype(mm_dtype), v_new, precision))
+                + dot_tn((k_all * t["to_end"]).astype(mm_dtype), v_new, precision))
     state_ref[...] = state_kv
 
     @pl.when((last_chunk_ref[n] != 0) if varlen else (n == n_chunks - 1))
@@ -270,8 +270,8 @@ def _backward_kernel(*refs, scale, n_chunks, mm_dtype, solve, segmented, varlen)
     state_mm = states_ref[...]
     state_kv = state_mm.astype(_F32)
     q_in, k_in, k_out = q_t * t["gamma"], k_all * t["gamma"], k_all * t["to_end"]
-    rhs_base = v_ref[...].astype(_F32) - _dot(mm(k_in), state_mm, precision)
-    v_new = mm(_dot(mm(inv_cc), mm(beta_c1 * rhs_base), precision))
+    rhs_base = v_ref[...].astype(_F32) - dot(mm(k_in), state_mm, precision)
+    v_new = mm(dot(mm(inv_cc), mm(beta_c1 * rhs_base), precision))
 
     ds_kv = ds_ref[...]
     ds_mm = mm(ds_kv)
@@ -281,28 +281,28 @@ def _backward_kernel(*refs, scale, n_chunks, mm_dtype, solve, segmented, varlen)
     if docs is not None:
         same_cc = docs["doc_ref"][...] == docs["doc_1c"]
         incl_cc, strict_cc = incl_cc & same_cc, strict_cc & same_cc
-    dv_new = _dot_tn(mm(aqk_ref[...]), d_o, precision) + _dot(mm(k_out), ds_mm, precision)
-    y = _dot_tn(inv_cc, dv_new, _HI)  # A^T dv' (A is f32)
-    d_akk = -jnp.where(strict_cc, _dot_nt(mm(y), v_new, precision), 0.0)
+    dv_new = dot_tn(mm(aqk_ref[...]), d_o, precision) + dot(mm(k_out), ds_mm, precision)
+    y = dot_tn(inv_cc, dv_new, _HI)  # A^T dv' (A is f32)
+    d_akk = -jnp.where(strict_cc, dot_nt(mm(y), v_new, precision), 0.0)
     dbeta = jnp.sum(y * rhs_base, axis=1, keepdims=True) + jnp.sum(d_akk * kk_ref[...], axis=1, keepdims=True)
     beta_y = beta_c1 * y
     dv_ref[...] = beta_y
     dbeta_ref[...] = dbeta
-    pq_ref[...] = jnp.where(incl_cc, _dot_nt(d_o, v_new, precision), 0.0)  # d aqk
+    pq_ref[...] = jnp.where(incl_cc, dot_nt(d_o, v_new, precision), 0.0)  # d aqk
     pk_ref[...] = beta_c1 * d_akk  # d kk
 
     # Through the state products.
-    dq_in = _dot_nt(d_o, state_mm, precision)  # d(q~ gamma)
-    dk_in = -_dot_nt(mm(beta_y), state_mm, precision)  # d(k gamma)
-    dk_out = _dot_nt(v_new, ds_mm, precision)  # d(k to_end)
+    dq_in = dot_nt(d_o, state_mm, precision)  # d(q~ gamma)
+    dk_in = -dot_nt(mm(beta_y), state_mm, precision)  # d(k gamma)
+    dk_out = dot_nt(v_new, ds_mm, precision)  # d(k to_end)
     kout_dkout = k_out * dk_out
     d_decay_1k = _as_row(jnp.sum(state_kv * ds_kv, axis=1, keepdims=True))
     dg_last_1k = jnp.sum(kout_dkout, axis=0, keepdims=True) + t["decay_1k"] * d_decay_1k
     dq_t = dq_in * t["gamma"]
     dk = dk_in * t["gamma"] + dk_out * t["to_end"]
     d_cum = q_in * dq_in + k_in * dk_in - kout_dkout  # dG (natural-log units)
-    ds_ref[...] = (_as_column(t["decay_1k"]) * ds_kv + _dot_tn(mm(q_in), d_o, precision)
-                   - _dot_tn(mm(k_in), mm(beta_y), precision))
+    ds_ref[...] = (_as_column(t["decay_1k"]) * ds_kv + dot_tn(mm(q_in), d_o, precision)
+                   - dot_tn(mm(k_in), mm(beta_y), precision))
     dq_ref[...] = dq_t
     dk_ref[...] = dk
     dg_ref[...] = d_cum
@@ -317,18 +317,18 @@ def _backward_kernel(*refs, scale, n_chunks, mm_dtype, solve, segmented, varlen)
         k_up = k_ref[sub, :].astype(_F32) * up
         p_q, p_k = mm(pq_ref[sub, :]), mm(pk_ref[sub, :])
         k_down_mm = mm(k_down)
-        dq_up = _dot(p_q, k_down_mm, precision)
-        dk_up = _dot(p_k, k_down_mm, precision)
+        dq_up = dot(p_q, k_down_mm, precision)
+        dk_up = dot(p_k, k_down_mm, precision)
         dq_ref[sub, :] += dq_up * up
         dk_ref[sub, :] += dk_up * up
         dg_ref[sub, :] += q_up * dq_up + k_up * dk_up
-        dk_down = _dot_tn(p_q, mm(q_up), precision) + _dot_tn(p_k, mm(k_up), precision)
+        dk_down = dot_tn(p_q, mm(q_up), precision) + dot_tn(p_k, mm(k_up), precision)
         dk_ref[...] += dk_down * down
         dg_ref[...] -= k_down * dk_down
 
     # dg_t = sum_{i >= t} dG_i + dG_L (dG is per natural-log unit already: 2^(g log2(e)) = e^g).
     suffix = jnp.where(cols_cc >= rows_cc, 1.0, 0.0).astype(_F32)
-    dg_ref[...] = _dot(suffix, dg_ref[...], _HI) + dg_last_1k
+    dg_ref[...] = dot(suffix, dg_ref[...], _HI) + dg_last_1k
     dq_ref[...] = dq_ref[...] * scale
 
     @pl.when((first_ref[n] != 0) if varlen else (n == 0))
@@ -538,94 +538,3 @@ def chunk_kda_bwd_tpu(q, k, v, g, beta, initial_state, d_o, d_final_state, *, sc
     if prep.varlen:
         dh0 = jnp.where(prep.empty_sequences(), d_final_state.astype(_F32), dh0)
     return back(dq, kd), back(dk, kd), back(dv, vd), back(dg, kd), dbeta, dh0
-
-
-def compile_for_topology(topology: str = "v5p:2x2x1", t: int = 1000, h: int = 2, d: int = 128,
-                         vmem: bool = False) -> dict:
-    """Compile-only check (no TPU needed, libtpu needed): lowers forward + gradients of
-    ``chunk_kda(backend="tpu")`` (the TPU backward kernels) for one chip of ``topology`` and compiles them with the
-    real XLA/Mosaic TPU compiler: bf16 K = V = d, f32 with traced segment ids, bf16 with cu_seqlens, and f32 at
-    K = V = 64 (the transposed layout). Returns the device kind and per case the Mosaic call count and XLA temp
-    bytes; ``vmem`` also bisects the smallest scoped-VMEM limit under which the bf16 forward kernel, and the
-    backward (forward saving states + reverse kernel), compile: their VMEM footprints."""
-    from pallas_kernels.kda.dispatch import chunk_kda
-    from sharding.aot import tpu_topology
-
-    device = tpu_topology(topology).devices[0]
-    single = jax.sharding.SingleDeviceSharding(device)
-
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=single)
-
-    def inputs(dtype, width, n_states=1, segmented=False):
-        args = (sds((1, t, h, width), dtype), sds((1, t, h, width), dtype), sds((1, t, h, width), dtype),
-                sds((1, t, h, width), _F32), sds((1, t, h), _F32), sds((n_states, h, width, width), _F32))
-        return args + ((sds((1, t), jnp.int32),) if segmented else ())
-
-    def fwd_bwd(cu_seqlens=None):
-        def run(*a):
-            seg = a[6] if len(a) > 6 else None
-
-            def core(*x):
-                o, s = chunk_kda(*x[:5], initial_state=x[5], output_final_state=True, cu_seqlens=cu_seqlens,
-                                 segment_ids=seg, backend="tpu")
-                return jnp.sum(o.astype(_F32)) + jnp.sum(s)
-
-            return jax.value_and_grad(core, argnums=tuple(range(6)))(*a[:6])
-        return run
-
-    cu = (0, t // 3, t // 3, t)
-    cases = {
-        "bf16_fwd_bwd": (fwd_bwd(), inputs(jnp.bfloat16, d)),
-        "f32_segment_ids_fwd_bwd": (fwd_bwd(), inputs(_F32, d, segmented=True)),
-        "bf16_cu_seqlens_fwd_bwd": (fwd_bwd(cu), inputs(jnp.bfloat16, d, n_states=len(cu) - 1)),
-        "f32_k64_fwd_bwd": (fwd_bwd(), inputs(_F32, 64)),
-    }
-    result = {"topology": topology, "device_kind": device.device_kind, "shape": [1, t, h, d]}
-    for name, (fn, args) in cases.items():
-        lowered = jax.jit(fn).lower(*args)
-        mem = lowered.compile().memory_analysis()
-        result[name] = {"mosaic_calls": lowered.as_text().count("tpu_custom_call"),
-                        "temp_bytes": int(getattr(mem, "temp_size_in_bytes", -1)) if mem is not None else -1}
-    if vmem:
-        args = inputs(jnp.bfloat16, d)
-        cotangents = (sds((1, t, h, d), jnp.bfloat16), sds((1, h, d, d), _F32))
-        kernels = {"fwd": (lambda limit: lambda *a: chunk_kda_fwd_tpu(*a, scale=d ** -0.5, vmem_limit_bytes=limit),
-                           args),
-                   "bwd": (lambda limit: lambda *a: chunk_kda_bwd_tpu(*a, scale=d ** -0.5, vmem_limit_bytes=limit),
-                           args + cotangents)}
-        for name, (make, kernel_args) in kernels.items():
-            def compiles(limit, make=make, kernel_args=kernel_args):
-                try:
-                    jax.jit(make(limit)).lower(*kernel_args).compile()
-                    return True
-                except Exception:  # noqa: BLE001 - the compiler's scoped-VMEM OOM is the signal
-                    return False
-
-            low, high = 16 * 1024, 64 * 2**20
-            if compiles(high):
-                while high - low > 16 * 1024:
-                    mid = (low + high) // 2 // 1024 * 1024
-                    low, high = (low, mid) if compiles(mid) else (mid, high)
-                result[f"bf16_{name}_min_scoped_vmem_kib"] = high // 1024
-    return result
-
-
-def main(argv=None) -> None:
-    """``python -m pallas_kernels.kda.tpu [--topology=v5p:2x2x1] [--t=1000 --h=2 --d=128] [--vmem]``: prints
-    ``compile_for_topology``'s JSON line."""
-    import argparse
-    import json
-
-    p = argparse.ArgumentParser(description=compile_for_topology.__doc__.split("\n")[0])
-    p.add_argument("--topology", default="v5p:2x2x1")
-    p.add_argument("--t", type=int, default=1000)
-    p.add_argument("--h", type=int, default=2)
-    p.add_argument("--d", type=int, default=128)
-    p.add_argument("--vmem", action="store_true", help="also bisect the kernel's scoped-VMEM footprint")
-    args = p.parse_args(argv)
-    print(json.dumps(compile_for_topology(args.topology, args.t, args.h, args.d, args.vmem)), flush=True)
-
-
-if __name__ == "__main__":
-    main()

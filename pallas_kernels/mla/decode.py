@@ -36,8 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels.kda.chunk_fwd import triton_params
-from pallas_kernels.tiling import is_pow2
+from pallas_kernels.tiling import is_pow2, triton_params
 
 __all__ = ["BACKENDS", "DecodeConfig", "gpu_compatible", "paged_latent_attention"]
 

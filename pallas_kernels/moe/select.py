@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.chunk_fwd import triton_params
 from pallas_kernels.moe.topk import MAX_EXPERTS, MAX_TOKENS, check_scores, top_k_rounds
-from pallas_kernels.tiling import next_pow2
+from pallas_kernels.tiling import next_pow2, triton_params
 
 __all__ = ["BACKENDS", "MAX_EXPERTS", "MAX_TOKENS", "select_experts"]
 

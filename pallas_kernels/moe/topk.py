@@ -1,4 +1,4 @@
-"""The top-k selection shared by the decode routing kernels (`route_plan`, `select`): k rounds of max /
+"""The top-k selection of the decode routing kernel (`select`): k rounds of max /
 first-argmax inside a kernel, and the argument checks of their [N, E] score inputs."""
 
 from __future__ import annotations
