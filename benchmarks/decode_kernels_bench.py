@@ -40,7 +40,17 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jax.experimental import pallas as pl  # noqa: E402
 from timing import median_ms  # noqa: E402
+from trace_summary import traced_summary  # noqa: E402
+
+import configs  # noqa: E402
+from k3jax.layers import moe  # noqa: E402
+from k3jax.ops import backend as backend_lib  # noqa: E402
+from pallas_kernels.gmm import Tiling, epilogue, gmm, gmm_glu  # noqa: E402
+from pallas_kernels.kda.decode_fused import kda_decode_fused  # noqa: E402
+from pallas_kernels.moe import assigned  # noqa: E402
+from pallas_kernels.tiling import next_pow2, triton_params  # noqa: E402
 
 
 def _emit(out: list, row: dict) -> None:
@@ -58,7 +68,6 @@ def _device_us(f, arg, iters: int, chain: int) -> dict:
     """From a profiler trace of `iters` calls of the chained `f(arg)` (GPU only): busy time per chained call (the
     loop's own small kernels included, its host round trips not) and the longest kernel's mean time; the wall clock
     of a `fori_loop` chain also counts the loop's per-iteration predicate copy back to the host (~10 µs on an H200)."""
-    from trace_summary import traced_summary
 
     if jax.default_backend() != "gpu" or os.environ.get("K3_BENCH_NO_TRACE"):
         return {}
@@ -90,7 +99,6 @@ def _rel_err(got, want) -> float:
 
 
 def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
-    from pallas_kernels.kda.decode_fused import kda_decode_fused
 
     rng = np.random.default_rng(2)
     p = heads * kd
@@ -150,9 +158,7 @@ def bench_kda(rows, heads, kd, wm1, variants, backend, chain, iters, rotate):
 def _stream_sum(w_ekn, tk: int, tn: int, warps: int, stages: int, interpret: bool):
     """[E, K, N] -> [E, N] f32 column sums: reads every weight once in (1, tk, tn) tiles, program (e, column tile)
     walking K in a pipelined loop, i.e. the grouped matmul's weight traffic without its matmul (a read ceiling)."""
-    from jax.experimental import pallas as pl
 
-    from pallas_kernels.tiling import triton_params
 
     e, k, n = w_ekn.shape
 
@@ -174,7 +180,6 @@ def bench_hbm(cfg, rows, chain, iters, backend, stream_tilings, rotate):
     """How fast weights stream on this GPU, on the routed experts' shapes: an XLA reduction, a Pallas read-only
     stream (`_stream_sum`, per tiling tk-tn-warps-stages) and our grouped matmuls on `rows` balanced tokens (top-k
     rows per token), each call depending on the last (no hoisting out of the chain)."""
-    from pallas_kernels.gmm import gmm, gmm_glu
 
     e, latent, inter = cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size, cfg.moe_intermediate_size
     m = rows * cfg.num_experts_per_token
@@ -228,11 +233,7 @@ def _glu_lhs_variant(z_nl, experts_nk, w_gate, w_up, *, lhs: str, tiling, splits
     z is read: ``contiguous`` loads z's first tm rows instead of the gathered ones (wrong result; what the kernel
     would cost if its activation rows needed no gather), ``onehot`` loads the whole [N, tk] z slice (contiguous)
     and picks the tile's rows with a one-hot [tm, N] matmul (exact: one nonzero bf16 product per output)."""
-    from jax.experimental import pallas as pl
 
-    from pallas_kernels.gmm import epilogue
-    from pallas_kernels.moe import assigned
-    from pallas_kernels.tiling import next_pow2
 
     tiling = assigned.fit_tiling(tiling, *w_gate.shape[1:])
     tm, tk, tn = tiling.tm, tiling.tk, tiling.tn
@@ -268,7 +269,6 @@ def _glu_lhs_variant(z_nl, experts_nk, w_gate, w_up, *, lhs: str, tiling, splits
 def bench_glu_lhs(cfg, rows, chain, iters, backend, rotate):
     """The plan-free GLU kernel alone (its default tiling) beside its two diagnostic twins (`_glu_lhs_variant`):
     how much of its time the gathered activation rows cost."""
-    from pallas_kernels.moe import assigned
 
     e, lat, inter, k = (cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size,
                         cfg.moe_intermediate_size, cfg.num_experts_per_token)
@@ -308,8 +308,6 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
     (`moe.experts_dropless`: argsort plan, row gather, `gmm_glu`, `gmm`, combine) vs the plan-free kernels
     (`moe.experts_assigned`'s `assigned_glu` + `assigned_down` + combine) per tiling tm-tk-tn-warps-stages-splits;
     each chained call feeds its output back as the next z and goes through `rotate` weight copies."""
-    from k3jax.layers import moe
-    from pallas_kernels.gmm import Tiling
 
     e, lat, inter, k = (cfg.num_experts, cfg.routed_expert_hidden_size or cfg.hidden_size,
                         cfg.moe_intermediate_size, cfg.num_experts_per_token)
@@ -340,7 +338,6 @@ def bench_experts(cfg, rows, chain, iters, backend, tilings, rotate):
             ref["planned"] = got
         _emit(out, row)
 
-    from k3jax.ops import backend as backend_lib
 
     real_backend = backend_lib.kernel_backend_here
     if interpret:  # the planned path's kernels through the interpreter as well (restored below)
@@ -378,7 +375,6 @@ def main(argv=None):
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--backend", default="gpu", choices=("gpu", "interpret"))
     args = ap.parse_args(argv)
-    import configs
 
     cfg = configs.get_config(args.config)
     print(f"devices: {jax.devices()}  config {args.config}: D={cfg.hidden_size}, "
