@@ -1,5 +1,5 @@
 """Grouped matmul for the latent MoE experts (`jax.lax.ragged_dot` semantics) with Pallas kernels for GPU and
-TPU; one dispatch point (backend=None picks by platform, see api.py):
+TPU; the backend is named by the caller (`k3jax.ops.gmm` picks it by platform, see api.py):
 - `gmm` (differentiable) and `tgmm` (its weight gradient): api.py;
 - `gmm_glu`: the fused expert up-projection act(x @ w_gate, x @ w_up), differentiable: glu.py;
 - `gmm_mxfp4`: inference with MXFP4 weights decoded inside the kernel: quantized.py."""
@@ -9,12 +9,11 @@ from pallas_kernels.gmm.api import (
     DECODE_ROWS_PER_GROUP,
     DECODE_TILING,
     Tiling,
-    default_backend,
     gmm,
     tgmm,
 )
 from pallas_kernels.gmm.glu import gmm_glu
 from pallas_kernels.gmm.quantized import gmm_mxfp4
 
-__all__ = ["BACKENDS", "DECODE_ROWS_PER_GROUP", "DECODE_TILING", "Tiling", "default_backend",
+__all__ = ["BACKENDS", "DECODE_ROWS_PER_GROUP", "DECODE_TILING", "Tiling",
            "gmm", "gmm_glu", "gmm_mxfp4", "tgmm"]

@@ -2,7 +2,7 @@
 
 Backends: 'gpu' (Pallas Triton kernels), 'tpu' (Pallas Mosaic TPU kernels), 'interpret' (the GPU kernels
 interpreted on CPU), 'tpu_interpret' (the TPU kernels under the TPU interpreter), 'xla' (`jax.lax.ragged_dot`).
-`backend=None` picks by `jax.default_backend()`: gpu -> 'gpu', tpu -> 'tpu', anything else -> 'xla'.
+The caller names the backend (`k3jax.ops.gmm` picks it from the traced platform).
 
 Semantics are `jax.lax.ragged_dot`'s: group i owns the next group_sizes[i] rows of lhs and multiplies them by
 rhs[i]; groups may be empty; rows past sum(group_sizes) give zeros. Accumulation is f32. Gradients: d_lhs is a
@@ -56,13 +56,9 @@ DECODE_ROWS_PER_GROUP = 32
 _FAMILY = {"gpu": "gpu", "interpret": "gpu", "tpu": "tpu", "tpu_interpret": "tpu"}
 
 
-def default_backend() -> str:
-    platform = jax.default_backend()
-    return {"gpu": "gpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}.get(platform, "xla")
-
-
 def _resolve_backend(backend):
-    backend = default_backend() if backend is None else backend
+    if backend is None:
+        raise ValueError(f"gmm needs a backend, one of {', '.join(BACKENDS)} (k3jax.ops.gmm picks one by platform)")
     if backend not in BACKENDS:
         raise ValueError(f"unknown gmm backend {backend!r}; available: {', '.join(BACKENDS)}")
     return backend
