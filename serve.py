@@ -32,6 +32,17 @@ from absl import app, flags
 
 import configs
 from k3jax.config import ConfigError
+from k3jax.inference.batch import BatchOptions, load_model, make_tokenizer, read_prompts, run_batch, validate
+from k3jax.inference.chat import load_chat_template
+from k3jax.inference.engine import Engine
+from k3jax.inference.engine_loop import EngineLoop
+from k3jax.inference.scheduler import Scheduler
+from k3jax.inference.server import K3Server, ServerOptions, run_server, warm_up
+from k3jax.inference.sharded import mesh_from_spec
+from k3jax.inference.xla_flags import apply_serving_flags
+from k3jax.loading import load_checkpoint, load_hf
+from sharding.mesh import describe
+from sharding.rules import SERVING_AXIS_RULES
 
 _CONFIG = flags.DEFINE_string("config", "tiny", f"Named config (ignored with --hf_dir/--checkpoint): "
                               f"{', '.join(configs.names())}.")
@@ -86,12 +97,6 @@ _MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id
 
 
 def _serve(log, mesh) -> None:
-    from k3jax.inference.batch import make_tokenizer
-    from k3jax.inference.chat import load_chat_template
-    from k3jax.inference.engine_loop import EngineLoop
-    from k3jax.inference.scheduler import Scheduler
-    from k3jax.inference.server import K3Server, ServerOptions, run_server, warm_up
-
     for name, flag, low in (("--slots", _SLOTS, 1), ("--max_queue", _MAX_QUEUE, 0), ("--decode_steps",
                                                                                        _DECODE_STEPS, 1),
                             ("--default_max_tokens", _DEFAULT_MAX, 1), ("--max_prefill_batch", _PREFILL_BATCH, 1),
@@ -125,20 +130,14 @@ def _serve(log, mesh) -> None:
 def _load_model(opts, mesh, log):
     """(config, model): `k3jax.inference.batch.load_model`, except that with a mesh the weights are loaded straight
     into their shardings on it (a random init is built on one device and placed by the Engine / Scheduler)."""
-    from k3jax.inference.batch import load_model
-
     if mesh is None or not (opts.hf_dir or opts.checkpoint):
         return load_model(opts, log)
-    import k3jax
-    from sharding.mesh import describe
-    from sharding.rules import SERVING_AXIS_RULES
-
     if opts.checkpoint and opts.hf_dir:
         raise ValueError("give --checkpoint or --hf_dir, not both")
     log(f"loading onto the mesh {describe(mesh)}")
     if opts.hf_dir:
-        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
-    return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
+        return load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
+    return load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
 
 
 class _Opts:
@@ -162,31 +161,22 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if _XLA_DEFAULTS.value and not _MESH.value:  # measured on one GPU only (not with NCCL inside the graphs)
-        from k3jax.inference.xla_flags import apply_serving_flags
-
         added = apply_serving_flags()
         if added:
             log(f"serve.py: XLA_FLAGS += {' '.join(added)} (--noxla_defaults to leave XLA_FLAGS as it is)")
     try:
         if not (_CHECKPOINT.value or _HF_DIR.value):
             configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override
-        from k3jax.inference.sharded import mesh_from_spec
-
         mesh = mesh_from_spec(_MESH.value)
         if _PORT.value is not None:
             _serve(log, mesh)
             return
-        from k3jax.inference.batch import BatchOptions, run_batch
-        from k3jax.inference.engine import Engine
-
         opts = BatchOptions(config=_CONFIG.value, overrides=_overrides(), checkpoint=_CHECKPOINT.value,
                             hf_dir=_HF_DIR.value, prompts_file=_PROMPTS.value or "", out=_OUT.value or "",
                             max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)
         engine = None
         if mesh is not None:
-            from k3jax.inference.batch import read_prompts, validate
-
             validate(opts)  # flag and prompts-file errors before loading
             read_prompts(opts.prompts_file)
             engine = Engine(_load_model(opts, mesh, log)[1], mesh=mesh)

@@ -21,9 +21,20 @@ import dataclasses
 import functools
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError, ModelConfig
+from k3jax.convert.checkpoint import (abstract_model, checkpoint_values, convert_item, hf_values, make_plan, open_hf,
+                                      restore_item)
+from k3jax.convert.checkpoint import save_checkpoint as _save_converted
+from k3jax.convert.hf_config import RUNTIME_FIELDS
+from k3jax.data.tokenizer import load_tokenizer as _load_tokenizer
+from k3jax.ops.gmm import MXFP4Experts
+from sharding.shard import plan_shardings
 
 EXPERT_WEIGHTS = ("bf16", "mxfp4")
 _QUANTIZE_CHUNK_BYTES = 256 << 20  # f32 bytes of dense experts quantized per host call
@@ -38,17 +49,9 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=Non
     allocated sharded and filled one layer row at a time by a donated in-place update), without a mesh the
     default device. Missing or unknown parameters are errors naming them.
     """
-    import jax
-    from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    from k3jax.convert.checkpoint import _abstract_model
-
-    graphdef, state = nnx.split(_abstract_model(plan.cfg if cfg is None else cfg))
+    graphdef, state = nnx.split(abstract_model(plan.cfg if cfg is None else cfg))
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(state)}
     if mesh is not None:
-        from sharding.shard import plan_shardings
-
         shard_plan = plan_shardings(state, mesh) if rules is None else plan_shardings(state, mesh, rules=rules)
         shardings = {tuple(str(p) for p in path): v.get_value() if isinstance(v, nnx.Variable) else v
                      for path, v in nnx.to_flat_state(shard_plan.shardings)}
@@ -98,17 +101,12 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=Non
 def _row_setter(sharding):
     """Jitted in-place `stack[i] = row` (donated) with the output in `sharding`; kept across loads, so loading the
     same model again in one process reuses the compiled programs."""
-    import jax
-
     return jax.jit(lambda s, i, r: jax.lax.dynamic_update_index_in_dim(s, r, i, 0), out_shardings=sharding,
                    donate_argnums=0)
 
 
 @functools.lru_cache(maxsize=None)
 def _zeros_maker(shape: tuple, dtype: np.dtype, sharding):
-    import jax
-    import jax.numpy as jnp
-
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
 
 
@@ -131,8 +129,6 @@ def _expert_weights_choice(overrides, expert_weights, config=None):
 
 
 def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
-    from k3jax.convert.hf_config import RUNTIME_FIELDS
-
     if not overrides:
         return cfg
     bad = [o for o in overrides if o.split("=", 1)[0].strip() not in RUNTIME_FIELDS - {"param_dtype", "dtype"}]
@@ -154,8 +150,6 @@ def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, ov
     `expert_weights`: "bf16" (default: MXFP4 experts decoded exactly to the parameter dtype) or "mxfp4" (kept
     packed; inference only, see the module docstring).
     """
-    from k3jax.convert.checkpoint import hf_values, make_plan, open_hf
-
     overrides, chosen = _expert_weights_choice(overrides, expert_weights, config)
     if isinstance(config, ModelConfig):
         config = config.replace(expert_weights="bf16")  # the plan (HF names) is for the parameter layout
@@ -173,8 +167,6 @@ def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_
     """(config, model) from a k3jax Orbax checkpoint. `expert_weights`: "bf16" (default: experts kept MXFP4 by
     `--experts mxfp4` are decoded to the parameter dtype) or "mxfp4" (kept packed, byte for byte; bf16 experts are
     quantized). `overrides`, `mesh`, `rules`: as for `load_hf`."""
-    from k3jax.convert.checkpoint import checkpoint_values
-
     overrides, chosen = _expert_weights_choice(overrides, expert_weights)
     plan, values = checkpoint_values(orbax_dir, _dtype_name(dtype), lambda c: _runtime(c, overrides))
     if chosen != "mxfp4":
@@ -186,8 +178,6 @@ def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_
 
 def _hf_packed_values(src):
     """`(slot, value)` of an opened HF directory with the routed experts as MXFP4 bytes, one layer at a time."""
-    from k3jax.convert.checkpoint import convert_item
-
     for slots in src.plan.items.values():
         item = convert_item(src, slots, "mxfp4")  # MXFP4 sources: experts come back packed, unread by any decoder
         for slot in slots:
@@ -197,10 +187,8 @@ def _hf_packed_values(src):
 
 def _checkpoint_packed_values(ckpt: str, plan):
     """`(slot, value)` of a k3jax checkpoint with the routed experts as MXFP4 bytes, one item at a time."""
-    from k3jax.convert.checkpoint import _restore_item
-
     for name, slots in plan.items.items():
-        item = _restore_item(os.path.join(ckpt, "params", name))
+        item = restore_item(os.path.join(ckpt, "params", name))
         for slot in slots:
             yield from _packed_slot_values(slot, item)
         del item
@@ -224,8 +212,6 @@ def _packed_slot_values(slot, item: dict):
 def quantize_experts_on_host(w_ein: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Dense experts [E, in, out] -> MXFP4 (packed u8 [E, out, in/2], scales u8 [E, out, in/32]), computed on the
     host CPU a few experts at a time (never on the accelerator, never the whole f32 stack at once)."""
-    import jax
-
     e_count, in_f, out_f = w_ein.shape
     packed = np.empty((e_count, out_f, in_f // 2), np.uint8)
     scales = np.empty((e_count, out_f, in_f // 32), np.uint8)
@@ -240,32 +226,24 @@ def quantize_experts_on_host(w_ein: np.ndarray) -> tuple[np.ndarray, np.ndarray]
 
 @functools.lru_cache(maxsize=None)
 def _host_quantizer():
-    import jax
-
-    from k3jax.ops.gmm import MXFP4Experts
-
     return jax.jit(lambda w: tuple(MXFP4Experts.quantize(w)))
 
 
 def save_checkpoint(model, out: str, overwrite: bool = False) -> str:
     """Writes `model` as a k3jax Orbax checkpoint (convertible to HF with `python -m k3jax.convert --to_hf`)."""
-    from k3jax.convert.checkpoint import save_checkpoint as _save
-
     if model.cfg.expert_weights != "bf16":
         raise ConfigError(f"save_checkpoint writes parameter (bf16/f32) experts; this model holds them as "
                           f"{model.cfg.expert_weights!r} (inference-only). Keep MXFP4 experts in a checkpoint by "
                           f"converting the HF release with `python -m k3jax.convert --experts mxfp4`")
 
-    return _save(model, out, overwrite=overwrite)
+    return _save_converted(model, out, overwrite=overwrite)
 
 
 def load_tokenizer(path: str, config: ModelConfig):
-    """The tokenizer of an HF directory or k3jax checkpoint (see `k3jax.convert.tokenizer.load_tokenizer`)."""
-    from k3jax.convert.tokenizer import load_tokenizer as _load
-
+    """The tokenizer of an HF directory or k3jax checkpoint (see `k3jax.data.tokenizer.load_tokenizer`)."""
     if os.path.isdir(os.path.join(path, "tokenizer")):
         path = os.path.join(path, "tokenizer")
-    return _load(path, config)
+    return _load_tokenizer(path, config)
 
 
 def _dtype_name(dtype):

@@ -12,15 +12,15 @@ import math
 from absl import app, flags
 from flax import nnx
 
+import configs
 from k3jax.config import ModelConfig
+from k3jax.model import K3Model
 
 _ROUTED = ("w1", "w2", "w3")
 
 
 def count_params(cfg: ModelConfig) -> dict[str, int]:
     """Returns {'total_params', 'active_params', 'routed_expert_params', 'embedding_params'}."""
-    from k3jax.model import K3Model
-
     abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
     total = routed = embedding = 0
     for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param)):
@@ -41,8 +41,6 @@ def count_params(cfg: ModelConfig) -> dict[str, int]:
 
 def main(argv):
     del argv
-    import configs
-
     counts = count_params(configs.get_config(flags.FLAGS.config))
     for key, value in counts.items():
         print(f"{key}: {value} ({value / 1e9:.4f}B)")

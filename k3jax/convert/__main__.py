@@ -15,6 +15,10 @@ import time
 
 from absl import app, flags
 
+from k3jax.config import ConfigError
+from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from k3jax.convert.safetensors_io import CheckpointError
+
 flags.DEFINE_string("hf_dir", None, "HF directory: config.json + *.safetensors (+ model.safetensors.index.json)")
 flags.DEFINE_string("out", None, "output directory (must not exist unless --overwrite)")
 flags.DEFINE_string("config", None, "registry config name to check config.json against (and to use)")
@@ -30,10 +34,6 @@ FLAGS = flags.FLAGS
 
 def main(argv):
     del argv
-    from k3jax.config import ConfigError
-    from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
-    from k3jax.convert.safetensors_io import CheckpointError
-
     if not FLAGS.out:
         raise app.UsageError("--out is required")
     start = time.time()

@@ -26,7 +26,9 @@ from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
 import numpy as np
+from flax import nnx
 
+import configs
 from k3jax.atomic import AtomicDir  # noqa: F401  (re-exported: conversion's atomic output)
 from k3jax.config import ConfigError, ModelConfig
 from k3jax.convert import mxfp4
@@ -34,6 +36,7 @@ from k3jax.convert.hf_config import check_config, config_from_hf, config_to_hf, 
 from k3jax.convert.hf_names import _to_hf, _to_ours, param_entries
 from k3jax.convert.safetensors_io import (DTYPES, CheckpointError, TensorInfo, index_directory, plan_shards,
                                           read_tensor, write_shard)
+from k3jax.model import K3Model
 
 FORMAT = "k3jax-orbax-v1"
 K3_PREFIX = "language_model."
@@ -75,19 +78,14 @@ class Plan:
     params: dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]  # full path -> (full shape, dtype)
 
 
-def _abstract_model(cfg: ModelConfig):
-    from flax import nnx
-
-    from k3jax.model import K3Model
-
+def abstract_model(cfg: ModelConfig):
+    """A shape-only `K3Model` for `cfg` (`nnx.eval_shape`: nothing is allocated)."""
     return nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
 
 
 def make_plan(cfg: ModelConfig) -> Plan:
     """Items and slots for `cfg`, from `hf_names.param_entries` on an abstract (never allocated) model."""
-    from flax import nnx
-
-    model = _abstract_model(cfg)
+    model = abstract_model(cfg)
     dtypes = {tuple(str(p) for p in path): np.dtype(var.get_value().dtype)
               for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
     layers: dict[int, list[Slot]] = {}
@@ -187,8 +185,6 @@ def open_hf(hf_dir: str, *, config: ModelConfig | str | None = None, dtype: str 
     cfg = config_from_hf(hf_config, name=os.path.basename(os.path.normpath(hf_dir)) or "hf")
     if config is not None:
         if isinstance(config, str):
-            import configs
-
             config = configs.get_config(config)
         check_config(cfg, config)
         cfg = config
@@ -338,7 +334,8 @@ def _save_item(path: str, arrays: dict[str, np.ndarray]) -> None:
     ocp.PyTreeCheckpointer().save(path, dict(arrays))
 
 
-def _restore_item(path: str) -> dict[str, np.ndarray]:
+def restore_item(path: str) -> dict[str, np.ndarray]:
+    """One checkpoint item (`OUT/params/<item>`) as host arrays, keyed by local parameter name."""
     import orbax.checkpoint as ocp
 
     return dict(ocp.PyTreeCheckpointer().restore(path))
@@ -390,8 +387,6 @@ def _write_meta(tmp: str, cfg: ModelConfig, items, experts: str, hf: dict) -> No
 
 def save_checkpoint(model, out: str, *, overwrite: bool = False) -> str:
     """Writes a live K3Model as a k3jax Orbax checkpoint (same layout as `hf_to_orbax`, one item at a time)."""
-    from flax import nnx
-
     cfg = model.cfg
     plan = make_plan(cfg)
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
@@ -453,7 +448,7 @@ def checkpoint_values(ckpt: str, dtype: str | None = None,
 
     def values():
         for name, slots in plan.items.items():
-            item = _restore_item(os.path.join(ckpt, "params", name))
+            item = restore_item(os.path.join(ckpt, "params", name))
             for slot in slots:
                 if slot.local + ".packed" in item:
                     value = _decode_stack(item[slot.local + ".packed"], item[slot.local + ".scale"], slot.dtype)
@@ -521,7 +516,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         hf_name, dt, shape, item_name, (key, e, how) = by_name[full_name]
         if cache["name"] != item_name:
             cache["item"], cache["name"] = None, None
-            cache["item"], cache["name"] = _restore_item(os.path.join(ckpt, "params", item_name)), item_name
+            cache["item"], cache["name"] = restore_item(os.path.join(ckpt, "params", item_name)), item_name
         arr = cache["item"][key]
         if how == "raw":
             return arr[e]

@@ -36,6 +36,7 @@ import grain
 import numpy as np
 
 from k3jax.data import prepare as prep
+from k3jax.data.text import stdlib_corpus
 
 log = logging.getLogger("k3jax.data.pipeline")
 
@@ -199,8 +200,6 @@ def default_data_dir(cache_root: str | None = None, *, max_bytes: int = 8 << 20,
                      eos_id: int = prep.BYTE_EOS, pad_id: int = prep.BYTE_PAD) -> str:
     """Prepares the embedded standard-library corpus (`k3jax.data.text.stdlib_corpus`, byte tokens) once into a
     cache directory keyed by the Python version and the arguments; returns its path."""
-    from k3jax.data.text import stdlib_corpus
-
     key = hashlib.sha1(repr((sys.version, sysconfig.get_paths()["stdlib"], max_bytes, bos_id, eos_id, pad_id,
                              prep.FORMAT)).encode()).hexdigest()[:12]
     root = cache_root or os.path.join(tempfile.gettempdir(), "k3jax_data")

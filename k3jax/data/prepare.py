@@ -12,7 +12,7 @@ Output directory (written as `OUT.tmp-<pid>-<rand>` and renamed when complete, s
 
 Tokenizers: `byte` (UTF-8 bytes 0..255, specials BOS=256 EOS=257 PAD=258 as in the tiny configs), or an HF
 directory holding `tiktoken.model` (+ `config.json` for vocab_size and special ids, K3's when absent), loaded by
-`k3jax.convert.tokenizer`.
+`k3jax.data.tokenizer`.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from k3jax.atomic import AtomicDir
-
+from k3jax.config import ModelConfig
 from k3jax.data.text import ByteTokenizer
+from k3jax.data.tokenizer import TiktokenTokenizer
 
 FORMAT = "k3jax-tokens-v1"
 METADATA_FILE = "metadata.json"
@@ -82,8 +83,6 @@ def byte_tokenizer(bos_id: int = BYTE_BOS, eos_id: int = BYTE_EOS, pad_id: int =
 
 def _hf_special_ids(directory: str):
     """A ModelConfig carrying the HF directory's vocab_size and special ids (K3 defaults for what it omits)."""
-    from k3jax.config import ModelConfig
-
     cfg_path = os.path.join(directory, "config.json")
     fields = {}
     if os.path.exists(cfg_path):
@@ -104,8 +103,6 @@ def load_text_tokenizer(spec: str, *, eos_id: int | None = None) -> TextTokenize
         if not os.path.exists(os.path.join(spec, "tiktoken.model")):
             raise DataPrepError(f"tokenizer directory {spec!r} has no tiktoken.model (use --tokenizer byte for "
                                 f"byte-level tokens)")
-        from k3jax.convert.tokenizer import TiktokenTokenizer
-
         cfg = _hf_special_ids(spec)
         tok = TextTokenizer(TiktokenTokenizer(spec, cfg), os.path.abspath(spec), cfg.vocab_size,
                             cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id)

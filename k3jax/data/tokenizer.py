@@ -17,6 +17,7 @@ import json
 import os
 
 from k3jax.config import ModelConfig
+from k3jax.data.text import ByteTokenizer
 
 DEFAULT_PATTERN = "|".join([
     r"[\p{Han}]+",
@@ -70,6 +71,4 @@ def load_tokenizer(directory: str, config: ModelConfig):
     """TiktokenTokenizer when `directory/tiktoken.model` exists, else ByteTokenizer for `config`'s special ids."""
     if os.path.exists(os.path.join(directory, "tiktoken.model")):
         return TiktokenTokenizer(directory, config)
-    from k3jax.data.text import ByteTokenizer
-
     return ByteTokenizer(config.bos_token_id, config.eos_token_id, config.pad_token_id, config.vocab_size)

@@ -9,8 +9,13 @@ import sys
 from typing import Callable
 
 import jax
+from flax import nnx
 
+import configs
+from k3jax.data.text import ByteTokenizer
 from k3jax.inference.engine import Engine, SamplingParams
+from k3jax.loading import load_checkpoint, load_hf, load_tokenizer
+from k3jax.model import K3Model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,18 +75,12 @@ def read_prompts(path: str) -> list[dict]:
 def load_model(opts, log: Callable[[str], None]):
     """(config, model): from `--hf_dir` via `k3jax.load_hf`, from `--checkpoint` via `k3jax.load_checkpoint`, else
     randomly initialised (warned). `opts` needs config, overrides, checkpoint, hf_dir and seed."""
-    from flax import nnx
-
-    import configs
-    import k3jax
-    from k3jax.model import K3Model
-
     if opts.checkpoint and opts.hf_dir:
         raise ValueError("give --checkpoint or --hf_dir, not both")
     if opts.hf_dir:
-        return k3jax.load_hf(opts.hf_dir, overrides=list(opts.overrides))
+        return load_hf(opts.hf_dir, overrides=list(opts.overrides))
     if opts.checkpoint:
-        return k3jax.load_checkpoint(opts.checkpoint, overrides=list(opts.overrides))
+        return load_checkpoint(opts.checkpoint, overrides=list(opts.overrides))
     cfg = configs.get_config(opts.config, list(opts.overrides))
     log(f"WARNING: no --checkpoint or --hf_dir given: using RANDOMLY INITIALISED weights for config {cfg.name!r} "
         f"(seed {opts.seed}); the output is noise.")
@@ -91,12 +90,9 @@ def load_model(opts, log: Callable[[str], None]):
 def make_tokenizer(cfg, checkpoint: str | None):
     """The tokenizer of `checkpoint` (an Orbax checkpoint or HF directory) when it has one
     (`k3jax.load_tokenizer`), else the byte tokenizer (tiny configs)."""
-    import k3jax
-    from k3jax.data.text import ByteTokenizer
-
     if checkpoint:
         try:
-            return k3jax.load_tokenizer(checkpoint, cfg)
+            return load_tokenizer(checkpoint, cfg)
         except (FileNotFoundError, OSError, ValueError):
             pass
     if cfg.vocab_size > 4096:

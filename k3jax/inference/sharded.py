@@ -36,7 +36,10 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.layers.kda import KDAState
-from sharding.rules import LOGICAL_AXIS_RULES, MESH_AXES
+from k3jax.model import init_cache
+from sharding.mesh import make_mesh, parse_mesh
+from sharding.rules import LOGICAL_AXIS_RULES, MESH_AXES, SERVING_AXIS_RULES
+from sharding.shard import mesh_context, plan_shardings, resolve_spec
 
 BATCH_RULE = "batch"
 
@@ -81,8 +84,6 @@ def context(mesh: Mesh | None):
     no-op without one."""
     if mesh is None:
         return contextlib.nullcontext()
-    from sharding.shard import mesh_context
-
     return mesh_context(mesh)
 
 
@@ -90,15 +91,10 @@ def place_params(params: Any, mesh: Mesh) -> Any:
     """`params` (an nnx.State) placed by the serving rules (`sharding.rules.SERVING_AXIS_RULES`: tensor and expert
     parallel, no FSDP) on `mesh` (no copy for arrays already placed so, e.g. loaded with
     `k3jax.load_hf(..., mesh=mesh, rules=SERVING_AXIS_RULES)`)."""
-    from sharding.rules import SERVING_AXIS_RULES
-    from sharding.shard import plan_shardings
-
     return jax.device_put(params, plan_shardings(params, mesh, rules=SERVING_AXIS_RULES).shardings)
 
 
 def _spec(logical, shape, mesh: Mesh) -> PartitionSpec:
-    from sharding.shard import resolve_spec
-
     return resolve_spec(logical, shape, mesh, path="decode cache")[0]
 
 
@@ -178,8 +174,6 @@ def init_cache_on(cfg, mesh: Mesh, batch_size: int, max_len: int, *, page_size: 
 
 @functools.lru_cache(maxsize=32)
 def _cache_maker(cfg, mesh, batch_size, max_len, page_size, num_pages):
-    from k3jax.model import init_cache
-
     make = functools.partial(init_cache, cfg, batch_size, max_len, page_size=page_size, num_pages=num_pages)
     return jax.jit(make, out_shardings=cache_shardings(jax.eval_shape(make), mesh))
 
@@ -190,8 +184,6 @@ def mesh_from_spec(text: str | None, devices=None) -> Mesh | None:
     device count, so that error is the one reported)."""
     if text is None or not str(text).strip():
         return None
-    from sharding.mesh import make_mesh, parse_mesh
-
     sizes = parse_mesh(str(text))
     if sizes["context"] != 1:
         raise InferenceMeshError(f"--mesh={text}: inference needs context = 1 (the third size), got "
