@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.inference.scheduler import TRACE_COUNTS, Request, Scheduler
+from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.slot_steps import TRACE_COUNTS
 from k3jax.layers.kda import KDAState
 from k3jax.model import NO_PAGE, init_cache
 from tests.test_inference_cache import tiny_model

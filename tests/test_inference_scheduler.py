@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 import configs
+from k3jax.inference.cache import SHARED, cache_batch_axes, write_slots
 from k3jax.inference.engine import SamplingParams
-from k3jax.inference.scheduler import (SHARED, TRACE_COUNTS, Request, Scheduler, cache_batch_axes,
-                                      write_slots)
+from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.slot_steps import TRACE_COUNTS
 from k3jax.model import init_cache
 from tests.test_inference_cache import tiny_model
 

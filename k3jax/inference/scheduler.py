@@ -7,7 +7,7 @@ bucket, prompt length bucket).
 
 MLA latents are paged: each MLA layer has one pool of `num_pages` pages of `page_size` tokens shared by all slots,
 and the cache's page table maps each slot's positions to pages (the same page ids in every layer). A host-side
-`PageAllocator` (free list + reference counts) RESERVES a request's pages on admission for its whole budget,
+`PageAllocator` (`k3jax.inference.cache`: free list + reference counts) RESERVES a request's pages on admission for its whole budget,
 prompt + max_tokens - 1 positions (so decode never runs out mid-request and needs no preemption), and releases them
 when it finishes or is cancelled. When the free pages do not cover the next waiting request, it waits (first come,
 first served: later requests do not overtake it) until running requests free theirs; prefix-cache entries, which
@@ -17,7 +17,8 @@ needs more pages than the whole pool is rejected by `validate`.
 Admission prefills the new prompts (right-padded) with fresh per-sequence states (KDA, length) and the slots' page
 tables, writing their latent rows straight into the shared pools, then scatters the per-sequence states into the
 slots along each leaf's batch axis (axis 0, or 1 for scanned groups whose states carry a leading [repeats] axis;
-found from the cache's shapes, not assumed). Pages are not cleared between requests: rows past a sequence's length
+found from the cache's shapes, `k3jax.inference.cache.CacheLayout`; the jitted programs are in
+`k3jax.inference.slot_steps`). Pages are not cleared between requests: rows past a sequence's length
 are masked (queries see positions <= their own) until overwritten.
 
 Token i of a request is drawn with `fold_in(request.key, i)` exactly as `Engine.generate` does with one key per
@@ -39,28 +40,25 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import itertools
 import logging
-from typing import Any, Hashable, Iterator, NamedTuple, Sequence
+from typing import Hashable, Iterator, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.inference import sampling as sampling_lib
 from k3jax.inference import sharded
+from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
+from k3jax.inference.slot_steps import (MAX_EOS_IDS, SlotState, admit_slots, copy_page, decode_slots,
+                                        extend_sequences, install_slots, intern_static)
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, pages_per_sequence
-from k3jax.model import NO_PAGE, DecodeCache, K3Model, init_cache
+from k3jax.model import K3Model, init_cache
 
 log = logging.getLogger(__name__)
-
-TRACE_COUNTS: collections.Counter = collections.Counter()  # traces (= compilations) of _admit / _decode
-MAX_EOS_IDS = 8  # EOS ids per request (static width of the per-slot EOS table)
-SHARED = -1  # "batch axis" of a cache leaf shared by every slot (an MLA page pool)
 
 FINISH_STOP = "stop"  # an EOS id was sampled (not emitted as a token)
 FINISH_LENGTH = "length"  # max_tokens reached
@@ -90,128 +88,10 @@ class TokenEvent(NamedTuple):
     finish_reason: str | None
 
 
-class SlotState(NamedTuple):
-    """Per-slot decode fields on device (S = num_slots). Free and finished slots have done_s True."""
-
-    last_s: jax.Array  # int32: token to feed next
-    done_s: jax.Array  # bool
-    count_s: jax.Array  # int32: tokens generated so far
-    max_new_s: jax.Array  # int32
-    temperature_s: jax.Array  # f32
-    top_k_s: jax.Array  # int32
-    top_p_s: jax.Array  # f32
-    keys_s: jax.Array  # PRNG keys
-    eos_se: jax.Array  # int32 [S, MAX_EOS_IDS], padded with -1
-
-
 @dataclasses.dataclass
 class _Running:
     request: Request
     num_emitted: int = 0
-
-
-class PageAllocator:
-    """Host-side bookkeeping of the MLA page pool: a free list and a reference count per page.
-
-    A page is free at count 0. `allocate` hands out pages at count 1 (most recently freed first); `ref` adds a
-    holder to pages in use (a prefix-cache entry, a request sharing a prefix); `release` drops one holder per page
-    and returns pages reaching 0 to the free list. Misuse (releasing a free page) raises: it would mean two
-    requests writing one page.
-    """
-
-    def __init__(self, num_pages: int):
-        if num_pages < 1:
-            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.num_pages = num_pages
-        self.refcount = np.zeros((num_pages,), np.int64)
-        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives page 0 first
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int] | None:
-        """n free pages (count 1), or None (nothing taken) when fewer than n are free."""
-        if n > len(self._free):
-            return None
-        pages = [self._free.pop() for _ in range(n)]
-        self.refcount[pages] = 1
-        return pages
-
-    def ref(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if self.refcount[p] < 1:
-                raise AssertionError(f"page {p} is free: cannot share it")
-            self.refcount[p] += 1
-
-    def release(self, pages: Sequence[int]) -> None:
-        for p in pages:
-            if self.refcount[p] < 1:
-                raise AssertionError(f"page {p} released more often than it was taken")
-            self.refcount[p] -= 1
-            if self.refcount[p] == 0:
-                self._free.append(p)
-
-
-def cache_batch_axes(cfg, max_len: int, page_size: int | None = None) -> DecodeCache:
-    """The batch axis of every leaf of a `DecodeCache` (a DecodeCache of ints), found by comparing the shapes of
-    caches for batch 1 and 2 over the same page pool: exactly one axis differs, or none (SHARED: a page pool)."""
-    one = jax.eval_shape(lambda: init_cache(cfg, 1, max_len, page_size=page_size, num_pages=1))
-    two = jax.eval_shape(lambda: init_cache(cfg, 2, max_len, page_size=page_size, num_pages=1))
-
-    def axis(a, b):
-        diff = [i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y]
-        if len(diff) > 1:
-            raise ValueError(f"cannot find the batch axis of a cache leaf {a.shape} / {b.shape}")
-        return diff[0] if diff else SHARED
-
-    return jax.tree.map(axis, one, two)
-
-
-def write_slots(cache: DecodeCache, new: DecodeCache, slots_n: jax.Array, axes: DecodeCache) -> DecodeCache:
-    """`cache` with sequence i of `new` (batch n) written into slot slots_n[i] (out-of-range slots are dropped),
-    and the SHARED leaves (page pools) of `new`, which already hold the new sequences' latent rows."""
-
-    def put(c, x, axis):
-        if axis == SHARED:
-            return x
-        index = (slice(None),) * axis + (slots_n,)
-        return c.at[index].set(x.astype(c.dtype), mode="drop")
-
-    return jax.tree.map(put, cache, new, axes)
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheLayout:
-    """A `DecodeCache`'s flattened structure and per-leaf batch axes: splits a cache into its per-sequence leaves
-    and its shared page pools (so jitted functions can donate the pools alone) and joins them back."""
-
-    treedef: Any
-    axes: tuple[int, ...]
-
-    @classmethod
-    def of(cls, cfg, max_len: int, page_size: int) -> "CacheLayout":
-        leaves, treedef = jax.tree.flatten(cache_batch_axes(cfg, max_len, page_size))
-        return cls(treedef, tuple(leaves))
-
-    def axes_tree(self) -> DecodeCache:
-        return jax.tree.unflatten(self.treedef, self.axes)
-
-    def split(self, cache: DecodeCache) -> tuple[tuple, tuple]:
-        """(per-sequence leaves, page pools) in leaf order."""
-        leaves = self.treedef.flatten_up_to(cache)
-        seq = tuple(x for x, a in zip(leaves, self.axes) if a != SHARED)
-        pools = tuple(x for x, a in zip(leaves, self.axes) if a == SHARED)
-        return seq, pools
-
-    def join(self, seq: Sequence, pools: Sequence) -> DecodeCache:
-        seq, pools = iter(seq), iter(pools)
-        return jax.tree.unflatten(self.treedef, [next(pools) if a == SHARED else next(seq) for a in self.axes])
-
-    def without_pools(self, cache: DecodeCache) -> DecodeCache:
-        """The per-sequence part alone (pools replaced by empty placeholders): what a prefix entry keeps."""
-        seq, pools = self.split(cache)
-        return self.join(seq, [np.zeros((0,), np.float32)] * len(pools))
 
 
 class Scheduler:
@@ -221,7 +101,8 @@ class Scheduler:
     `max_prefill_batch`: most requests prefilled in one call (a power of two; more compiles, fewer calls).
     `decode_steps`: decode steps per device call (> 1 syncs less often; a request finishing mid-call idles its slot
     for the rest of the call). The jitted functions are module-level with the model's graphdef as a static
-    argument, so schedulers of the same model and shapes share compilations (`TRACE_COUNTS` counts traces).
+    argument, so schedulers of the same model and shapes share compilations (`slot_steps.TRACE_COUNTS` counts
+    traces).
     `prefix_block`: enables the prefix cache (`prefix_cache.PrefixCache`, at most `prefix_capacity` snapshots):
     prompts are then admitted one at a time, prefilled in `prefix_block`-token chunks (a power of two >= 16); a hit
     shares the prefix's full latent pages.
@@ -251,7 +132,7 @@ class Scheduler:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.cfg = model.cfg
         self.mesh = None if mesh is None else sharded.check_mesh(mesh)
-        self._mesh = _intern(self.mesh)
+        self._mesh = intern_static(self.mesh)
         if num_slots % sharded.batch_ways(self.mesh):
             log.warning("num_slots=%d is not a multiple of data * expert = %d: the slot axis is replicated over the "
                         "mesh and the MoE runs without expert parallelism in decode", num_slots,
@@ -266,11 +147,11 @@ class Scheduler:
             params = sharded.place_params(params, self.mesh)
         leaves, treedef = jax.tree.flatten(params)
         self.params = tuple(leaves)  # flat: cheap to pass per call (an nnx State flattens in ~0.5 ms)
-        self.model_spec = _intern((graphdef, treedef))
+        self.model_spec = intern_static((graphdef, treedef))
         self.page_size = min(page_size, max_len)
         self.pages_per_seq = pages_per_sequence(max_len, self.page_size)
         self.num_pages = num_pages or num_slots * self.pages_per_seq
-        self.layout = _intern(CacheLayout.of(self.cfg, max_len, self.page_size))
+        self.layout = intern_static(CacheLayout.of(self.cfg, max_len, self.page_size))
         self.allocator = PageAllocator(self.num_pages)
         self.page_copies = 0  # partial prefix pages copied on prefix-cache hits (full pages are shared, not copied)
         self.prefix_cache = None
@@ -343,10 +224,7 @@ class Scheduler:
 
     def pages_needed(self, request: Request) -> int:
         """Pages reserved for a request: its prompt + max_tokens - 1 positions (the last token is not fed back)."""
-        return self._pages_for(len(request.prompt_ids) + int(request.max_tokens) - 1)
-
-    def _pages_for(self, positions: int) -> int:
-        return -(-positions // self.page_size)
+        return pages_for(len(request.prompt_ids) + int(request.max_tokens) - 1, self.page_size)
 
     # ------------------------------------------------------------------ API
 
@@ -363,7 +241,7 @@ class Scheduler:
         if len(ids) + int(request.max_tokens) - 1 > self.max_len:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {request.max_tokens} exceeds the maximum "
                              f"length of {self.max_len} tokens")
-        need = self._pages_for(len(ids) + int(request.max_tokens) - 1)
+        need = pages_for(len(ids) + int(request.max_tokens) - 1, self.page_size)
         if need > self.num_pages:
             raise ValueError(f"prompt of {len(ids)} tokens + max_tokens {request.max_tokens} needs {need} latent "
                              f"pages of {self.page_size} tokens but the page pool has only {self.num_pages}")
@@ -475,13 +353,6 @@ class Scheduler:
             pass
         return self.allocator.allocate(n)
 
-    def _table_rows(self, pages: list[list[int]], n: int) -> np.ndarray:
-        """int32 [n, pages_per_seq] page-table rows (NO_PAGE past each list; rows past the lists: all NO_PAGE)."""
-        table = np.full((n, self.pages_per_seq), NO_PAGE, np.int32)
-        for i, p in enumerate(pages):
-            table[i, :len(p)] = p
-        return table
-
     def _set_pools(self, pools) -> None:
         layout = self.layout.value
         self.cache = layout.join(layout.split(self.cache)[0], pools)
@@ -571,10 +442,11 @@ class Scheduler:
         new, slot_n = self._new_fields(batch, slots, n)
         greedy_only = all(r.sampling.temperature == 0 for r in batch)
         with sharded.context(self.mesh):
-            self.cache, self.state, tok_n, done_n = _admit(
+            self.cache, self.state, tok_n, done_n = admit_slots(
                 self.params, self.cache, self.state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(slot_n),
-                jnp.asarray(self._table_rows(pages, n)), new, spec=self.model_spec, layout=self.layout,
-                max_len=self.max_len, page_size=self.page_size, greedy_only=greedy_only, mesh=self._mesh)
+                jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)), new, spec=self.model_spec,
+                layout=self.layout, max_len=self.max_len, page_size=self.page_size, greedy_only=greedy_only,
+                mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n)
 
     def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
@@ -595,21 +467,22 @@ class Scheduler:
         pages = shared + own
         if partial is not None:  # the sharer writes the rest of this page: it gets its own copy
             with sharded.context(self.mesh):
-                self._set_pools(_copy_page(layout.split(self.cache)[1], jnp.int32(partial), jnp.int32(own[0]),
+                self._set_pools(copy_page(layout.split(self.cache)[1], jnp.int32(partial), jnp.int32(own[0]),
                                            mesh=self._mesh))
             self.page_copies += 1
             self.allocator.release([partial])
         if entry is not None:
             pc.record_hit(pos)
         start = entry.state if entry is not None else self._fresh1
-        seq1 = layout.split(start._replace(page_table=jnp.asarray(self._table_rows([pages], 1))))[0]
+        table_1p = page_table_rows([pages], 1, self.pages_per_seq)
+        seq1 = layout.split(start._replace(page_table=jnp.asarray(table_1p)))[0]
         end = pc.last_boundary(len(ids))
         while pos < end:
             chunk = np.asarray([ids[pos:pos + pc.block]], np.int32)
             with sharded.context(self.mesh):
-                seq1, pools, _ = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
-                                         jnp.asarray([pc.block], jnp.int32), spec=self.model_spec,
-                                         layout=self.layout, mesh=self._mesh)
+                seq1, pools, _ = extend_sequences(self.params, seq1, layout.split(self.cache)[1],
+                                                  jnp.asarray(chunk), jnp.asarray([pc.block], jnp.int32),
+                                                  spec=self.model_spec, layout=self.layout, mesh=self._mesh)
             self._set_pools(pools)
             pos += pc.block
             entry_pages = tuple(pages[:-(-pos // ps)])
@@ -620,11 +493,11 @@ class Scheduler:
         chunk[0, :len(rest)] = rest
         new, slot_n = self._new_fields([r], [slot], 1)
         with sharded.context(self.mesh):
-            seq1, pools, logits_nv = _extend(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
-                                             jnp.asarray([len(rest)], jnp.int32), spec=self.model_spec,
-                                             layout=self.layout, mesh=self._mesh)
+            seq1, pools, logits_nv = extend_sequences(self.params, seq1, layout.split(self.cache)[1],
+                                                      jnp.asarray(chunk), jnp.asarray([len(rest)], jnp.int32),
+                                                      spec=self.model_spec, layout=self.layout, mesh=self._mesh)
             self._set_pools(pools)
-            self.cache, self.state, tok_n, done_n = _install(
+            self.cache, self.state, tok_n, done_n = install_slots(
                 self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
                 greedy_only=r.sampling.temperature == 0, mesh=self._mesh)
         return self._started([r], [slot], [pages], tok_n, done_n)
@@ -632,7 +505,7 @@ class Scheduler:
     def _decode_running(self) -> list[TokenEvent]:
         greedy_only = all(s.request.sampling.temperature == 0 for s in self._slots if s is not None)
         with sharded.context(self.mesh):
-            self.cache, self.state, tok_ks, ran_ks, done_ks = _decode(
+            self.cache, self.state, tok_ks, ran_ks, done_ks = decode_slots(
                 self.params, self.cache, self.state, spec=self.model_spec, greedy_only=greedy_only,
                 steps=self.decode_steps, mesh=self._mesh)
         tok_ks, ran_ks, done_ks = jax.device_get((tok_ks, ran_ks, done_ks))
@@ -647,133 +520,3 @@ def _typed_key(key) -> jax.Array:
     if jnp.issubdtype(jnp.asarray(key).dtype, jax.dtypes.prng_key):
         return key
     return jax.random.wrap_key_data(jnp.asarray(key, jnp.uint32))
-
-
-# ---------------------------------------------------------------------- jitted (shared by all schedulers)
-
-
-class _Static:
-    """An identity-hashed holder for a static jit argument: hashing a GraphDef costs ~1 ms per call."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value):
-        self.value = value
-
-
-_INTERNED: dict = {}
-
-
-def _intern(value) -> _Static:
-    """One holder per distinct value, so schedulers of the same model share compilations."""
-    if value not in _INTERNED:
-        _INTERNED[value] = _Static(value)
-    return _INTERNED[value]
-
-
-def _merge(spec: _Static, params) -> K3Model:
-    graphdef, treedef = spec.value
-    return nnx.merge(graphdef, jax.tree.unflatten(treedef, params))
-
-
-def _sample(logits_bv, keys_b, index_b, temperature_b, top_k_b, top_p_b, greedy_only):
-    if greedy_only:
-        return sampling_lib.greedy(logits_bv)
-    step_keys = jax.vmap(jax.random.fold_in)(keys_b, index_b)
-    return sampling_lib.sample(logits_bv, step_keys, temperature_b, top_k_b, top_p_b)
-
-
-def _install_impl(cache, state: SlotState, cache_n, logits_nv, slot_n, new: SlotState, layout: CacheLayout,
-                  greedy_only):
-    """Samples the first tokens from the prompts' last logits and writes caches and slot fields into the slots
-    (cache_n: the prefilled sequences over the updated page pools)."""
-    n = logits_nv.shape[0]
-    tok_n = _sample(logits_nv, new.keys_s, jnp.zeros((n,), jnp.int32), new.temperature_s, new.top_k_s,
-                    new.top_p_s, greedy_only)
-    done_n = jnp.any(tok_n[:, None] == new.eos_se, axis=-1) | (new.max_new_s <= 1)
-    cache = write_slots(cache, cache_n, slot_n, layout.axes_tree())
-    new = new._replace(last_s=tok_n, done_s=done_n, count_s=jnp.ones((n,), jnp.int32))
-    state = jax.tree.map(lambda s, x: s.at[slot_n].set(x, mode="drop"), state, new)
-    return cache, state, tok_n, done_n
-
-
-def _prefill_impl(model: K3Model, cache_n, ids_nt, lens_n):
-    """Runs the prompts' tokens (right-padded, valid lengths lens_n) on cache_n; the logits of each last token."""
-    h_ntd, cache_n = model.hidden_states_cached(ids_nt, cache_n, lens_n)
-    last = jnp.take_along_axis(h_ntd, (lens_n - 1)[:, None, None], axis=1)
-    return cache_n, model.logits(last)[:, 0]
-
-
-def _pinned(cache, state, mesh: _Static):
-    """The slots' cache and fields pinned to their mesh layouts (`k3jax.inference.sharded`; identity without)."""
-    return sharded.constrain_cache(cache, mesh.value), sharded.constrain_batch(state, mesh.value)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "layout", "max_len", "page_size", "greedy_only", "mesh"),
-                   donate_argnums=(1, 2))
-def _admit(params, cache, state: SlotState, ids_nt, lens_n, slot_n, table_np, new: SlotState, *, spec, layout,
-           max_len, page_size, greedy_only, mesh):
-    """Prefills n prompts (fresh per-sequence states, page-table rows table_np, the shared page pools), samples
-    their first tokens and writes both into their slots."""
-    TRACE_COUNTS["admit"] += 1
-    model = _merge(spec, params)
-    layout = layout.value
-    fresh = init_cache(model.cfg, ids_nt.shape[0], max_len, page_size=page_size, num_pages=1)
-    fresh = layout.join(layout.split(fresh._replace(page_table=table_np))[0], layout.split(cache)[1])
-    fresh, logits_nv = _prefill_impl(model, fresh, ids_nt, lens_n)
-    cache, state, tok_n, done_n = _install_impl(cache, state, fresh, logits_nv, slot_n, new, layout, greedy_only)
-    return (*_pinned(cache, state, mesh), tok_n, done_n)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "layout", "mesh"), donate_argnums=(2,))
-def _extend(params, seq_n, pools, ids_nt, lens_n, *, spec, layout, mesh):
-    """Continues sequences (per-sequence leaves seq_n, not donated: they may be a prefix-cache entry's) over the
-    page pools (donated) with a chunk of prompt tokens. Returns (seq_n, pools, last-token logits)."""
-    TRACE_COUNTS["extend"] += 1
-    layout = layout.value
-    cache_n, logits_nv = _prefill_impl(_merge(spec, params), layout.join(seq_n, pools), ids_nt, lens_n)
-    return (*layout.split(sharded.constrain_cache(cache_n, mesh.value)), logits_nv)
-
-
-@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnums=(0,))
-def _copy_page(pools, src, dst, *, mesh):
-    """Every pool ([..., num_pages, page_size, C]) with page dst overwritten by page src."""
-    TRACE_COUNTS["copy_page"] += 1
-    pools = tuple(p.at[..., dst, :, :].set(p[..., src, :, :]) for p in pools)
-    if mesh.value is None:
-        return pools
-    return jax.lax.with_sharding_constraint(pools, (sharded.replicated(mesh.value),) * len(pools))
-
-
-@functools.partial(jax.jit, static_argnames=("layout", "greedy_only", "mesh"), donate_argnums=(0, 1))
-def _install(cache, state: SlotState, seq_n, logits_nv, slot_n, new: SlotState, *, layout, greedy_only, mesh):
-    """Installs prefilled sequences (per-sequence leaves seq_n; their rows are already in cache's pools)."""
-    TRACE_COUNTS["install"] += 1
-    layout = layout.value
-    cache_n = layout.join(seq_n, layout.split(cache)[1])
-    cache, state, tok_n, done_n = _install_impl(cache, state, cache_n, logits_nv, slot_n, new, layout, greedy_only)
-    return (*_pinned(cache, state, mesh), tok_n, done_n)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "greedy_only", "steps", "mesh"), donate_argnums=(1, 2))
-def _decode(params, cache, state: SlotState, *, spec, greedy_only, steps, mesh):
-    """`steps` decode steps of every slot; slots with done_s run with valid length 0 (caches frozen).
-    Returns (cache, state, tokens [steps, S], ran [steps, S], done after each step [steps, S])."""
-    TRACE_COUNTS["decode"] += 1
-
-    def one(carry, _):
-        params, cache, st = carry  # params ride in the carry: nnx modules must live at the loop's trace level
-        model = _merge(spec, params)
-        run = ~st.done_s
-        logits, cache = model.forward_cached(st.last_s[:, None], cache, run.astype(jnp.int32))
-        tok = _sample(logits[:, 0], st.keys_s, st.count_s, st.temperature_s, st.top_k_s, st.top_p_s, greedy_only)
-        count = st.count_s + run.astype(jnp.int32)
-        hit_eos = jnp.any(tok[:, None] == st.eos_se, axis=-1)
-        done = st.done_s | (run & (hit_eos | (count >= st.max_new_s)))
-        st = st._replace(last_s=jnp.where(run, tok, st.last_s), done_s=done, count_s=count)
-        return (params, cache, st), (tok, run, done)
-
-    unroll = min(_merge(spec, params).cfg.decode_loop_unroll, steps)
-    (_, cache, state), (tok_ks, ran_ks, done_ks) = jax.lax.scan(one, (params, cache, state), None, length=steps,
-                                                                unroll=unroll)
-    return (*_pinned(cache, state, mesh), tok_ks, ran_ks, done_ks)
