@@ -6,6 +6,7 @@ tests/test_multiprocess.py.)"""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import numpy as np
@@ -111,3 +112,18 @@ def test_assemble_names_missing_shards():
     layout = data_parallel_layout(mesh, 4)
     with pytest.raises(ValueError, match=r"shards \[1\] are missing"):
         assemble_global_batch({0: {"x": np.zeros((2, 3))}}, mesh, layout)
+
+
+def test_remote_data_dirs_read_metadata_through_epath(data_dir, monkeypatch):
+    """A gs:// directory's metadata is read with etils.epath (here mapped onto the local prepared directory)."""
+    seen = []
+
+    def fake_path(text):
+        seen.append(text)
+        return pathlib.Path(str(text).replace("gs://bucket/prepared", data_dir))
+
+    monkeypatch.setattr(pipeline.epath, "Path", fake_path)
+    assert pipeline.read_metadata("gs://bucket/prepared") == prepare.read_metadata(data_dir)
+    assert seen == ["gs://bucket/prepared"]
+    with pytest.raises(FileNotFoundError, match="gs://bucket/missing is not a prepared data directory"):
+        pipeline.read_metadata("gs://bucket/missing")

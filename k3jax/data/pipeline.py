@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from etils import epath
 
 from k3jax.data import prepare as prep
 from k3jax.data.text import stdlib_corpus
@@ -120,6 +122,22 @@ class _PackDataset(grain.IterDataset):
         return _JsonStateIterator(self._packed.__iter__())
 
 
+def read_metadata(data_dir: str) -> dict:
+    """`prepare.read_metadata` for a local directory; a remote one (`gs://bucket/dir`, any `scheme://`) is read
+    through `etils.epath`. The ArrayRecord shards of a remote directory are opened by ArrayRecord's own file layer,
+    which is handed the `gs://` paths as they are (where that layer cannot reach the bucket, mount it, e.g. with
+    gcsfuse, and pass the local mount path)."""
+    if "://" not in str(data_dir):
+        return prep.read_metadata(data_dir)
+    path = epath.Path(data_dir) / prep.METADATA_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{data_dir} is not a prepared data directory (no {prep.METADATA_FILE})")
+    meta = json.loads(path.read_text())
+    if meta.get("format") != prep.FORMAT:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {prep.FORMAT!r}")
+    return meta
+
+
 def _process_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
     if shard_index is None and shard_count is None:
         options = grain.sharding.ShardByJaxProcess()
@@ -140,7 +158,7 @@ def build_dataset(data_dir: str, *, batch_size: int, seq_len: int, seed: int = 0
         raise ValueError(f"batch_size and seq_len must be >= 1, got batch_size={batch_size} seq_len={seq_len}")
     if num_epochs is not None and num_epochs < 1:
         raise ValueError(f"num_epochs must be >= 1 or None (repeat forever), got {num_epochs}")
-    meta = prep.read_metadata(data_dir)
+    meta = read_metadata(data_dir)
     if vocab_size is not None and meta["vocab_size"] > vocab_size:
         raise ValueError(f"{data_dir} was tokenized with {meta['tokenizer']!r} (vocab_size={meta['vocab_size']}), "
                          f"larger than the model's vocab_size={vocab_size}")
