@@ -46,6 +46,8 @@ from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
 from k3jax.numerics import upcast
+from sharding.rules import MESH_AXES
+from sharding.shard import resolve_spec
 
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
@@ -175,7 +177,8 @@ def make_optimizer(model_or_params: Any, *, learning_rate: float | optax.Schedul
                    ns_coeffs: tuple[float, float, float] = NS_COEFFS, ns_steps: int = NS_STEPS,
                    rms_scale: float = MUON_RMS_SCALE, adamw_b1: float = 0.9, adamw_b2: float = 0.95,
                    eps: float = 1e-8, mu_dtype: Any = None, max_grad_norm: float | None = None,
-                   per_head_names: Iterable[str] = PER_HEAD_PROJECTIONS) -> optax.GradientTransformation:
+                   per_head_names: Iterable[str] = PER_HEAD_PROJECTIONS, ns_dtype: str = "float32",
+                   ns_distributed: bool = True) -> optax.GradientTransformation:
     """Per-head Muon + AdamW for a K3 model.
 
     `model_or_params`: an nnx.Module, or an nnx.State of its nnx.Param variables (the labels need each Param's
@@ -186,7 +189,9 @@ def make_optimizer(model_or_params: Any, *, learning_rate: float | optax.Schedul
     `learning_rate`: a schedule, or the peak learning rate; with `total_steps` the peak becomes
     `lr_schedule(peak, total_steps)` (1% linear warmup, cosine decay), without it a constant. Muon and AdamW share
     it (the 0.2·√max(fan_in, fan_out) scale matches Muon's update RMS to AdamW's). `max_grad_norm` optionally clips
-    the global gradient norm first.
+    the global gradient norm first. `ns_dtype`: Newton–Schulz matmuls in "float32" or "bfloat16" (f32
+    accumulation); `ns_distributed`: under a multi-device mesh each rank orthogonalises only its share of the blocks
+    (`distributed_orthogonalize`; off: the single-program computation, partitioned by GSPMD).
     """
     if callable(learning_rate):
         schedule = learning_rate
@@ -207,7 +212,7 @@ def make_optimizer(model_or_params: Any, *, learning_rate: float | optax.Schedul
 
     muon = optax.chain(
         scale_by_blockwise_muon(lookup, ns_coeffs=ns_coeffs, ns_steps=ns_steps, beta=momentum, eps=eps,
-                                mu_dtype=mu_dtype, nesterov=nesterov),
+                                mu_dtype=mu_dtype, nesterov=nesterov, ns_dtype=ns_dtype, distributed=ns_distributed),
         optax.add_decayed_weights(weight_decay),
         optax.scale_by_learning_rate(schedule))
     adamw = optax.adamw(schedule, b1=adamw_b1, b2=adamw_b2, eps=eps, weight_decay=weight_decay, mu_dtype=mu_dtype)
@@ -218,18 +223,31 @@ def make_optimizer(model_or_params: Any, *, learning_rate: float | optax.Schedul
 
 
 def newton_schulz(x_mn: jax.Array, ns_coeffs: Sequence[float] = NS_COEFFS, ns_steps: int = NS_STEPS,
-                  eps: float = 1e-8) -> jax.Array:
+                  eps: float = 1e-8, ns_dtype: str = "float32") -> jax.Array:
     """Quintic Newton–Schulz orthogonalisation of one [m, n] block in f32 (f64 for f64 input; on its wide
-    orientation, after dividing by its Frobenius norm): X ← aX + (bA + cA²)X with A = XXᵀ."""
+    orientation, after dividing by its Frobenius norm): X ← aX + (bA + cA²)X with A = XXᵀ.
+
+    `ns_dtype="bfloat16"`: the three matmuls of each step take bf16 operands and accumulate in f32
+    (`preferred_element_type`); X, A and the linear combinations stay f32 (see `NS_DTYPES` for the error)."""
     a, b, c = ns_coeffs
     x = upcast(x_mn)
     transposed = x.shape[0] > x.shape[1]
     if transposed:
         x = x.T
     x = x / (jnp.linalg.norm(x) + eps)
+    if _ns_dtype(ns_dtype) == "float32":
+        for _ in range(ns_steps):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if transposed else x
+    acc = x.dtype
+
+    def mm(p, q):
+        return jnp.matmul(p.astype(jnp.bfloat16), q.astype(jnp.bfloat16), preferred_element_type=acc)
+
     for _ in range(ns_steps):
-        gram = x @ x.T
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        gram = mm(x, x.T)
+        x = a * x + mm(b * gram + c * mm(gram, gram), x)
     return x.T if transposed else x
 
 
@@ -258,18 +276,168 @@ def orthogonalize_blocks(x: jax.Array, dim_nums: MuonDimensionNumbers, map_axes:
     return jnp.transpose(y, tuple(inverse))
 
 
+class NSMove(NamedTuple):
+    """One step of `ns_plan` that brings whole blocks onto a rank. kind 'a2a': `axis` shards matrix dim `dim`; one
+    all_to_all splits the blocks over it and gathers that dim. 'gather': too few blocks to split; `dim` is
+    all-gathered (each rank then orthogonalises the same blocks). 'slice': the leaf is replicated over `axis`; each
+    rank takes its share of the blocks (no communication; the results are all-gathered afterwards)."""
+
+    kind: str
+    axis: str
+    size: int
+    dim: int  # matrix dim in the local [blocks, *reduction dims, *output dims] layout ('a2a' / 'gather'), else 0
+    blocks: int  # blocks per rank before this step
+    padded: int  # `blocks` padded to a multiple of `size` with zero blocks ('a2a' / 'slice')
+
+
+def ns_plan(shape: Sequence[int], dim_nums: MuonDimensionNumbers, spec: Sequence[Any],
+            mesh_shape: Mapping[str, int]) -> list[NSMove]:
+    """How one Muon leaf laid out by PartitionSpec `spec` is orthogonalised on a mesh (`distributed_orthogonalize`).
+
+    Mesh axes on batch axes (experts, heads, stacked layers) need nothing: each rank holds whole blocks. Each mesh
+    axis on a matrix dim (tensor parallel over 'model', FSDP over 'data'/'expert') is an 'a2a' move (blocks split
+    over it, the dim gathered), or a 'gather' when a rank has a single block left; axes minor-to-major within a dim,
+    so the gathered pieces land in order. Then each mesh axis the leaf is replicated over is a 'slice' move while
+    a rank has two or more blocks. Block counts are padded up to the axis size with zero blocks (NS maps 0 to 0).
+    """
+    n = len(shape)
+    red = tuple(a % n for a in _as_tuple(dim_nums.reduction_axis))
+    out = tuple(a % n for a in _as_tuple(dim_nums.output_axis))
+    spec = tuple(spec) + (None,) * (n - len(tuple(spec)))
+    used = {a for entry in spec for a in _mesh_axes(entry)}
+    blocks = math.prod(shape[i] // _ways(spec[i], mesh_shape) for i in range(n) if i not in red + out)
+    moves = []
+    for j, d in enumerate(red + out):
+        for axis in reversed(_mesh_axes(spec[d])):
+            size = mesh_shape[axis]
+            if size == 1:
+                continue
+            if blocks >= 2:
+                padded = -(-blocks // size) * size
+                moves.append(NSMove("a2a", axis, size, 1 + j, blocks, padded))
+                blocks = padded // size
+            else:
+                moves.append(NSMove("gather", axis, size, 1 + j, blocks, blocks))
+    for axis, size in mesh_shape.items():
+        if axis in used or size == 1 or blocks < 2:
+            continue
+        padded = -(-blocks // size) * size
+        moves.append(NSMove("slice", axis, size, 0, blocks, padded))
+        blocks = padded // size
+    return moves
+
+
+def distributed_orthogonalize(x: jax.Array, dim_nums: MuonDimensionNumbers, spec: Sequence[Any], mesh,
+                              map_axes: Sequence[int] = (), **ns_kwargs) -> jax.Array:
+    """`orthogonalize_blocks` of a leaf sharded by `spec` on `mesh`, inside `jax.shard_map`: each rank
+    orthogonalises only its own blocks (`ns_plan`), so no Newton–Schulz work is repeated across ranks that own
+    different blocks, and no rank gathers blocks it does not orthogonalise (a rank's experts stay local). The
+    result has `x`'s dtype and layout `spec`; each block's result is the single-device one.
+
+    Memory: a rank's blocks go through Newton–Schulz in chunks of at most one stacked layer's local blocks (with a
+    scan-stacking axis in `map_axes`, like `orthogonalize_blocks`), one chunk after another (`lax.map`)."""
+    shape = tuple(x.shape)
+    n = len(shape)
+    red = tuple(a % n for a in _as_tuple(dim_nums.reduction_axis))
+    out = tuple(a % n for a in _as_tuple(dim_nums.output_axis))
+    mapped = tuple(a % n for a in map_axes if a % n not in red + out)
+    batch = tuple(a for a in range(n) if a not in red + out + mapped)
+    perm = mapped + batch + red + out
+    inverse = tuple(sorted(range(n), key=lambda i: perm[i]))
+    spec = tuple(spec) + (None,) * (n - len(tuple(spec)))
+    mesh_shape = dict(mesh.shape)
+    moves = ns_plan(shape, dim_nums, spec, mesh_shape)
+    local = [shape[i] // _ways(spec[i], mesh_shape) for i in range(n)]
+    blocks = math.prod(local[i] for i in mapped + batch)
+    chunk = math.prod(local[i] for i in batch) if mapped else blocks  # one stacked layer's local blocks
+    fan_in = math.prod(shape[i] for i in red)
+
+    def body(x_local):
+        xt = jnp.transpose(x_local, perm)
+        lead, mat = xt.shape[:len(mapped + batch)], xt.shape[len(mapped + batch):]
+        y = xt.reshape((blocks,) + mat)
+        for m in moves:
+            y = _move_in(y, m)
+        y = _ns_in_chunks(y.reshape(y.shape[0], fan_in, -1), chunk, ns_kwargs).astype(x.dtype).reshape(y.shape)
+        for m in reversed(moves):
+            y = _move_out(y, m)
+        return jnp.transpose(y.reshape(lead + mat), inverse)
+
+    pspec = jax.sharding.PartitionSpec(*spec)
+    return jax.shard_map(body, mesh=mesh, in_specs=pspec, out_specs=pspec, check_vma=False)(x)
+
+
+def _move_in(y: jax.Array, m: NSMove) -> jax.Array:
+    if m.kind == "gather":
+        return jax.lax.all_gather(y, m.axis, axis=m.dim, tiled=True)
+    y = _pad_blocks(y, m.padded)
+    if m.kind == "a2a":
+        return jax.lax.all_to_all(y, m.axis, 0, m.dim, tiled=True)
+    share = m.padded // m.size
+    return jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(m.axis) * share, share, axis=0)
+
+
+def _move_out(y: jax.Array, m: NSMove) -> jax.Array:
+    if m.kind == "gather":
+        width = y.shape[m.dim] // m.size
+        return jax.lax.dynamic_slice_in_dim(y, jax.lax.axis_index(m.axis) * width, width, axis=m.dim)
+    if m.kind == "a2a":
+        y = jax.lax.all_to_all(y, m.axis, m.dim, 0, tiled=True)
+    else:
+        y = jax.lax.all_gather(y, m.axis, axis=0, tiled=True)
+    return y[:m.blocks]
+
+
+def _pad_blocks(y: jax.Array, count: int) -> jax.Array:
+    if count == y.shape[0]:
+        return y
+    return jnp.pad(y, [(0, count - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
+
+
+def _ns_in_chunks(blocks_bmn: jax.Array, chunk: int, ns_kwargs) -> jax.Array:
+    """Newton–Schulz on every [m, n] block of [blocks, m, n], `chunk` blocks at a time (vmap inside, lax.map over
+    chunks; the last chunk padded with zero blocks)."""
+    count = blocks_bmn.shape[0]
+    one_chunk = jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs))
+    chunk = max(1, min(chunk, count))
+    if chunk == count:
+        return one_chunk(blocks_bmn)
+    steps = -(-count // chunk)
+    y = _pad_blocks(blocks_bmn, steps * chunk).reshape((steps, chunk) + blocks_bmn.shape[1:])
+    y = jax.lax.map(one_chunk, y)
+    return y.reshape((steps * chunk,) + y.shape[2:])[:count]
+
+
+def ns_mesh():
+    """The mesh Newton–Schulz is distributed over: the context mesh of the trace (`jax.set_mesh`, as the sharded
+    train step sets it) when it has the rules' axes and more than one device, outside `shard_map`; else None
+    (the single-device computation, partitioned by GSPMD if at all)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes or math.prod(mesh.shape.values()) == 1:
+        return None
+    if not set(MESH_AXES) <= set(mesh.axis_names):
+        return None
+    return mesh
+
+
 class BlockwiseMuonState(NamedTuple):
     count: jax.Array
     mu: Any
 
 
 def scale_by_blockwise_muon(lookup, *, ns_coeffs=NS_COEFFS, ns_steps: int = NS_STEPS, beta: float = MUON_MOMENTUM,
-                            eps: float = 1e-8, mu_dtype: Any = None, nesterov: bool = True
-                            ) -> optax.GradientTransformation:
+                            eps: float = 1e-8, mu_dtype: Any = None, nesterov: bool = True,
+                            ns_dtype: str = "float32", distributed: bool = True) -> optax.GradientTransformation:
     """Muon's direction (the computation of `optax.contrib.scale_by_muon` + `scale_by_shape(consistent_rms)`),
     block by block: EMA momentum μ ← βμ + (1−β)g, the bias-corrected Nesterov mix β·μ̂ + (1−β)·ĝ, Newton–Schulz per
     block (`orthogonalize_blocks`, scan-stacked layers one at a time), times 0.2·√max(fan_in, fan_out).
-    `lookup(path) -> ParamLabel` gives each leaf's block layout and scale."""
+    `lookup(path) -> ParamLabel` gives each leaf's block layout and scale.
+
+    Traced under a multi-device mesh (`ns_mesh`) with `distributed`, each leaf goes through
+    `distributed_orthogonalize` with the layout the rules give its logical axes (`sharding.shard.resolve_spec`,
+    what `plan_shardings` places it with): every rank orthogonalises only its share of the blocks. `ns_dtype`:
+    "float32" (the matmuls in f32) or "bfloat16" (bf16 operands, f32 accumulation)."""
+    ns_dtype = _ns_dtype(ns_dtype)
 
     def init_fn(params):
         return BlockwiseMuonState(jnp.zeros([], jnp.int32), optax.tree.zeros_like(params, dtype=mu_dtype))
@@ -285,11 +453,18 @@ def scale_by_blockwise_muon(lookup, *, ns_coeffs=NS_COEFFS, ns_steps: int = NS_S
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
 
+        mesh = ns_mesh() if distributed else None
+        ns_kwargs = {"ns_coeffs": tuple(ns_coeffs), "ns_steps": ns_steps, "eps": eps, "ns_dtype": ns_dtype}
+
         def direction(path, x):
             row = lookup(path)
             stacking = tuple(i for i, a in enumerate(row.axes) if a in STACKING_AXES)
-            y = orthogonalize_blocks(x, row.dimension_numbers, stacking, ns_coeffs=tuple(ns_coeffs),
-                                     ns_steps=ns_steps, eps=eps)
+            spec = None if mesh is None else resolve_spec(row.axes, x.shape, mesh, path=row.path)[0]
+            if spec is None or not (any(e is not None for e in spec)
+                                    or ns_plan(x.shape, row.dimension_numbers, spec, dict(mesh.shape))):
+                y = orthogonalize_blocks(x, row.dimension_numbers, stacking, **ns_kwargs)
+            else:
+                y = distributed_orthogonalize(x, row.dimension_numbers, spec, mesh, stacking, **ns_kwargs)
             return (y * row.update_scale).astype(x.dtype)
 
         updates = jax.tree_util.tree_map_with_path(direction, mu_hat)
@@ -304,6 +479,27 @@ def scale_by_blockwise_muon(lookup, *, ns_coeffs=NS_COEFFS, ns_steps: int = NS_S
 
 def _as_tuple(axis: Sequence[int] | int) -> tuple[int, ...]:
     return (axis,) if isinstance(axis, int) else tuple(axis)
+
+
+def _mesh_axes(entry) -> tuple[str, ...]:
+    """One PartitionSpec entry (None, a mesh axis, or a tuple of them, major first) as a tuple."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _ways(entry, mesh_shape: Mapping[str, int]) -> int:
+    return math.prod(mesh_shape[a] for a in _mesh_axes(entry))
+
+
+NS_DTYPES = ("float32", "bfloat16")
+
+
+def _ns_dtype(ns_dtype) -> str:
+    name = jnp.dtype(ns_dtype).name
+    if name not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be one of {NS_DTYPES}, got {ns_dtype!r}")
+    return name
 
 
 def _key_part(k) -> Any:
