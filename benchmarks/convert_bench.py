@@ -1,6 +1,6 @@
 """Conversion throughput and peak host memory on a multi-GB synthetic K3-format checkpoint.
 
-    python benchmarks/convert_bench.py [--workdir /tmp/k3_convert_bench] [--keep]
+    python -m benchmarks.convert_bench [--workdir /tmp/k3_convert_bench] [--keep]
 
 Generates a K3-layout HF directory (`language_model.` prefix, MXFP4 routed experts, bf16/f32 as released, A_log
 with a zero tail, nested config.json, one shard per layer) for a K3-shaped config scaled down in depth but with
@@ -24,13 +24,12 @@ import time
 import ml_dtypes
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from configs import k3
+from k3jax.convert.checkpoint import K3_PREFIX, hf_shape, make_plan
+from k3jax.convert.hf_config import config_to_hf
+from k3jax.convert.safetensors_io import plan_shards, write_shard
 
-from configs import k3  # noqa: E402
-from k3jax.convert.checkpoint import K3_PREFIX, hf_shape, make_plan  # noqa: E402
-from k3jax.convert.hf_config import config_to_hf  # noqa: E402
-from k3jax.convert.safetensors_io import plan_shards, write_shard  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 F32_SUFFIXES = ("A_log", "dt_bias", "conv1d.weight", "o_norm.weight", "e_score_correction_bias",
                 "routed_expert_norm.weight")

@@ -1,9 +1,9 @@
 """Prefill and decode throughput of the serving path on one GPU, with the decode step's memory-bandwidth floor.
 
-    python benchmarks/decode_bench.py --config=k3_gpu --batches=1,16,64,256 --context=512 [--decode_steps=16]
+    python -m benchmarks.decode_bench --config=k3_gpu --batches=1,16,64,256 --context=512 [--decode_steps=16]
         [--iters=5] [--prefill_iters=3] [--prefill_max_batch=64] [--budget_s=240] [--out_dir=$OUT]
 
-Decode: the continuous-batching scheduler's own jitted decode (`k3jax.inference.scheduler._decode`: recurrent KDA
+Decode: the continuous-batching scheduler's own jitted decode (`k3jax.inference.slot_steps.decode_slots`: recurrent KDA
 step, absorbed MLA over the latent cache, greedy sampling, `--decode_steps` steps per device call) for B slots whose
 caches hold `--context` tokens (cache capacity context + room for the timed steps). Decode time does not depend on
 the cached values (KDA states are fixed-size; MLA attends over the whole buffer under a mask), so the caches are
@@ -43,7 +43,7 @@ broken one moves all of them; list the baseline twice, e.g. "base:;base2:", to s
 Variants whose compile would start after --budget_s are skipped.
 
 --device_smoke: tiny shapes everywhere (CPU check of every path): `--config=tiny --hf_peer --profile --device_smoke`.
-    python benchmarks/decode_bench.py --config=k3_gpu --batches= --hf_peer --profile --out_dir=$OUT
+    python -m benchmarks.decode_bench --config=k3_gpu --batches= --hf_peer --profile --out_dir=$OUT
 """
 
 from __future__ import annotations
@@ -57,8 +57,6 @@ import sys
 import time
 import traceback
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "--hf_peer" in sys.argv:  # torch shares the device: JAX must not grab 75% of it at start-up
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -68,9 +66,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
-from trace_summary import (load_profile, overlap_by_group, scope_group, short_source, step_idle,  # noqa: E402
-                           summarize_xplane, trace_xplane)
-from k3jax.inference import scheduler as sched_lib  # noqa: E402
+from benchmarks import hf_generate_peer as peer_lib  # noqa: E402  (torch + transformers are imported inside, lazily)
+from benchmarks.trace_summary import (load_profile, overlap_by_group, scope_group, short_source,  # noqa: E402
+                                      step_idle, summarize_xplane, trace_xplane)
+from k3jax.inference import slot_steps  # noqa: E402
+from k3jax.inference.xla_flags import apply_serving_flags  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
@@ -98,7 +98,7 @@ def build_params(cfg, init_on: str = "cpu"):
     print(f"init on {init_device.platform}: trace+lower {t1 - t0:.1f}s, compile {t2 - t1:.1f}s, run {t3 - t2:.1f}s, "
           f"copy to {jax.devices()[0].platform} {time.perf_counter() - t3:.1f}s", flush=True)
     leaves, treedef = jax.tree.flatten(state)
-    return sched_lib._intern((graphdef, treedef)), tuple(leaves), abstract
+    return slot_steps.intern_static((graphdef, treedef)), tuple(leaves), abstract
 
 
 def weight_bytes(abstract, cfg) -> dict:
@@ -135,18 +135,18 @@ def floor_bytes(cfg, wb: dict, batch: int, context: int) -> dict:
 
 
 def slot_state(batch: int, max_new: int):
-    return sched_lib.SlotState(
+    return slot_steps.SlotState(
         last_s=jnp.arange(batch, dtype=jnp.int32) % 1000, done_s=jnp.zeros((batch,), bool),
         count_s=jnp.ones((batch,), jnp.int32), max_new_s=jnp.full((batch,), max_new, jnp.int32),
         temperature_s=jnp.zeros((batch,), jnp.float32), top_k_s=jnp.zeros((batch,), jnp.int32),
         top_p_s=jnp.ones((batch,), jnp.float32), keys_s=jax.random.split(jax.random.key(0), batch),
-        eos_se=jnp.full((batch, sched_lib.MAX_EOS_IDS), -1, jnp.int32))
+        eos_se=jnp.full((batch, slot_steps.MAX_EOS_IDS), -1, jnp.int32))
 
 
 def _decode(params, cache, state, spec, steps):
     """The scheduler's jitted decode call (greedy, no mesh): (cache, state, tokens, ran, done)."""
-    return sched_lib._decode(params, cache, state, spec=spec, greedy_only=True, steps=steps,
-                             mesh=sched_lib._intern(None))
+    return slot_steps.decode_slots(params, cache, state, spec=spec, greedy_only=True, steps=steps,
+                                   mesh=slot_steps.intern_static(None))
 
 
 def bench_decode(cfg, spec, params, batch, context, steps, iters):
@@ -175,7 +175,7 @@ def _two_step_logits(params, cache, spec, vocab: int) -> list[np.ndarray]:
     with distinct tokens per row: the exactness check of a variant against the first one."""
     @jax.jit
     def two_steps(params, cache):
-        model = sched_lib._merge(spec, params)
+        model = slot_steps.merge_model(spec, params)
         b = cache.lengths.shape[0]
         ones = jnp.ones((b,), jnp.int32)
         out = []
@@ -215,7 +215,7 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
             continue
         cfg_v = configs.get_config(config_name, base_sets + sets)
         graphdef_v, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg_v, rngs=nnx.Rngs(0))))
-        spec_v = sched_lib._intern((graphdef_v, treedef))
+        spec_v = slot_steps.intern_static((graphdef_v, treedef))
         max_len = context + steps * (rounds + 2)
         cache = jax.tree.map(lambda x: jnp.array(x, copy=True), init_cache(cfg_v, batch, max_len))._replace(
             lengths=jnp.full((batch,), context, jnp.int32))
@@ -272,7 +272,7 @@ def bench_variants(config_name, base_sets, variants, params, treedef, batch, con
 
 def bench_prefill(cfg, spec, params, n, context, iters):
     def prefill(params, ids):
-        model = sched_lib._merge(spec, params)
+        model = slot_steps.merge_model(spec, params)
         fresh = init_cache(model.cfg, ids.shape[0], ids.shape[1])
         h, fresh = model.hidden_states_cached(ids, fresh)
         return model.logits(h[:, -1:]), fresh
@@ -325,8 +325,8 @@ def profile_decode(cfg, spec, params, batch, context, steps, calls, out_dir):
     summary = summarize_xplane(trace, steps * calls)
     sources = {}
     try:  # map kernel names to model source lines through the optimised HLO (one more compile, best effort)
-        hlo = sched_lib._decode.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
-                                      mesh=sched_lib._intern(None)).compile().as_text()
+        hlo = slot_steps.decode_slots.lower(params, cache, state, spec=spec, greedy_only=True, steps=steps,
+                                            mesh=slot_steps.intern_static(None)).compile().as_text()
         sources = hlo_sources(hlo)
         annotate_kernels(summary, sources)
         summary["large_concatenates"] = large_concatenates(hlo)
@@ -532,8 +532,6 @@ def main():
             if k not in explicit:
                 setattr(args, k, v)
     if not args.no_xla_defaults:  # as serve.py does, before the backend starts
-        from k3jax.inference.xla_flags import apply_serving_flags
-
         apply_serving_flags()
     start = time.perf_counter()
     if not any(s.split("=")[0].strip() == "scan_layers" for s in args.set):
@@ -584,8 +582,6 @@ def main():
             continue
         if kind == "hf_peer":
             try:
-                import hf_generate_peer as peer_lib  # torch + transformers are imported inside, lazily
-
                 peer_rows = peer_lib.run_peer(
                     peer=args.peer_config, batches=[int(b) for b in args.peer_batches.split(",") if b.strip()],
                     prompt_len=args.peer_prompt_len, new_tokens=args.peer_new_tokens, iters=args.peer_iters,

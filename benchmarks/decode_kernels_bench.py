@@ -1,7 +1,7 @@
 """Decode-sized kernels one at a time, each side by side with the XLA ops it replaces (same process, same inputs).
 
-    python benchmarks/decode_kernels_bench.py                     # k3_gpu shapes, B = 64 rows, on a GPU
-    python benchmarks/decode_kernels_bench.py --rows=64,16 --ops=kda --kda_variants=128-4o,32-4
+    python -m benchmarks.decode_kernels_bench                     # k3_gpu shapes, B = 64 rows, on a GPU
+    python -m benchmarks.decode_kernels_bench --rows=64,16 --ops=kda --kda_variants=128-4o,32-4
 
 Ops (`--ops`):
 - ``kda``: the fused one-token KDA decode (`pallas_kernels.kda.decode_fused`; variants block_v-warps, suffix ``o``
@@ -32,25 +32,23 @@ import argparse
 import functools
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from jax.experimental import pallas as pl  # noqa: E402
-from timing import median_ms  # noqa: E402
-from trace_summary import traced_summary  # noqa: E402
+from jax.experimental import pallas as pl
 
-import configs  # noqa: E402
-from k3jax.layers import moe  # noqa: E402
-from k3jax.ops import backend as backend_lib  # noqa: E402
-from pallas_kernels.gmm import Tiling, epilogue, gmm, gmm_glu  # noqa: E402
-from pallas_kernels.kda.decode_fused import kda_decode_fused  # noqa: E402
-from pallas_kernels.moe import assigned  # noqa: E402
-from pallas_kernels.tiling import next_pow2, triton_params  # noqa: E402
+import configs
+from benchmarks.timing import median_ms
+from benchmarks.trace_summary import traced_summary
+from k3jax.layers import moe
+from k3jax.ops import backend as backend_lib
+from pallas_kernels.gmm import Tiling, epilogue, gmm, gmm_glu
+from pallas_kernels.kda.decode_fused import kda_decode_fused
+from pallas_kernels.moe import assigned
+from pallas_kernels.tiling import next_pow2, triton_params
 
 
 def _emit(out: list, row: dict) -> None:

@@ -1,9 +1,9 @@
 """Grouped matmul on one GPU: our Pallas kernel vs `jax.lax.ragged_dot` vs one dense XLA matmul of the same FLOPs.
 
-    python benchmarks/gmm_bench.py [--shapes=32768x3584x6144x56,...] [--routing=balanced,skewed] [--iters=20]
+    python -m benchmarks.gmm_bench [--shapes=32768x3584x6144x56,...] [--routing=balanced,skewed] [--iters=20]
                                    [--check] [--ragged_max_rows=32768] [--sweep] [--glu | --mxfp4]
-    python benchmarks/gmm_bench.py --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4-groups,...  # decode
-    python benchmarks/gmm_bench.py --chain=50 --glu --shapes=512x768x768x64 --tilings=16-64-64-4-4  # decode GLU
+    python -m benchmarks.gmm_bench --chain=50 --shapes=512x768x768x64 --tilings=16-64-128-4-4-groups,...  # decode
+    python -m benchmarks.gmm_bench --chain=50 --glu --shapes=512x768x768x64 --tilings=16-64-64-4-4  # decode GLU
 
 Shapes are rows×k×n×groups (K3 latent experts: up k=3584 n=2·3072, down k=3072 n=3584; rows per rank 8k–64k,
 groups = 896 / expert-parallel degree). bf16 inputs, f32 accumulation, bf16 outputs for all three. Forward and
@@ -32,20 +32,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.gmm import Tiling, gmm, gmm_glu, gmm_mxfp4  # noqa: E402
-from pallas_kernels.gmm import mxfp4 as mxfp4_jnp  # noqa: E402
-from pallas_kernels.gmm.epilogue import glu_f32  # noqa: E402
-from pallas_kernels.gmm.quantized import gmm_mxfp4_reference_xla  # noqa: E402
-from timing import median_ms  # noqa: E402
+from k3jax.convert import mxfp4 as lut  # the converter's LUT decoder, independent of the kernel's bit decode
+from pallas_kernels.gmm import Tiling, gmm, gmm_glu, gmm_mxfp4
+from pallas_kernels.gmm import mxfp4 as mxfp4_jnp
+from pallas_kernels.gmm.epilogue import glu_f32
+from pallas_kernels.gmm.quantized import gmm_mxfp4_reference_xla
+from benchmarks.timing import median_ms
 
 
 def group_sizes_for(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:
@@ -333,8 +331,6 @@ def _random_mxfp4(key, g, n, k, scale_lo=118, scale_hi=124):
 
 
 def check_mxfp4(backend: str) -> bool:
-    from k3jax.convert import mxfp4 as lut  # the converter's LUT decoder: independent of the kernel's bit decode
-
     m, k, n, g = 1000, 384, 320, 8
     gs = np.array([130, 0, 257, 3, 0, 311, 64, 100], np.int32)
     packed, scales = (np.asarray(a) for a in _random_mxfp4(jax.random.key(3), g, n, k, 110, 135))  # 2^-17..2^8

@@ -1,6 +1,6 @@
 """What this GPU's HBM delivers to plain streaming kernels: the practical ceiling behind the decode floor's 4.8 TB/s.
 
-    python benchmarks/hbm_ceiling.py [--gb=2] [--iters=20]
+    python -m benchmarks.hbm_ceiling [--gb=2] [--iters=20]
 
 The decode benchmark's floor (`decode_bench.py`) divides a step's bytes by the H200's nominal 4.8 TB/s. This
 times, on the same GPU and in one process, kernels that do nothing but move bytes, so the floor can be read
@@ -16,16 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
+import jax
+import jax.numpy as jnp
 
-from timing import median_ms  # noqa: E402
+from benchmarks.timing import median_ms
 
 
 def _torch_rows(n_elems: int, iters: int) -> list[dict]:

@@ -37,7 +37,11 @@ import numpy as np
 from flax import nnx
 
 import configs
-from k3jax.convert.transformers_names import kimi_linear_config_kwargs
+from k3jax.convert.hf_names import load_hf_weights
+from k3jax.convert.transformers_names import kimi_linear_config_kwargs, release_weights_from_transformers
+from k3jax.inference import Engine
+from k3jax.inference.engine import MIN_CACHE_BUCKET, bucket
+from k3jax.model import K3Model
 
 # Kimi-Linear-shaped, GPU-meaningful, small enough to build and convert in well under a minute.
 PEER_PRESETS = {
@@ -182,10 +186,6 @@ def hf_backend_info(model) -> dict:
 
 def ours_from_hf(cfg, hf_model):
     """Our K3Model holding the HF model's weights (built abstractly, so no random init is spent)."""
-    from k3jax.convert.hf_names import load_hf_weights
-    from k3jax.convert.transformers_names import release_weights_from_transformers
-    from k3jax.model import K3Model
-
     abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
     load_hf_weights(abstract, release_weights_from_transformers(hf_model.state_dict(), cfg))
     graphdef, state = nnx.split(abstract)
@@ -210,9 +210,6 @@ def run_peer(*, peer: str = "kimi_linear_small", batches=(1, 16, 64), prompt_len
     HF uses fla's KDA kernels when fla imports (unless `no_fla`); if its first generate fails with them, the row
     says so and the run continues on HF's torch fallback (same weights)."""
     import torch
-
-    from k3jax.inference import Engine
-    from k3jax.inference.engine import MIN_CACHE_BUCKET, bucket
 
     agree_prompt_len = agree_prompt_len or prompt_len  # default: the B=1 timing shapes (no extra compile)
     agree_new_tokens = agree_new_tokens or new_tokens

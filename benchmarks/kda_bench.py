@@ -1,6 +1,6 @@
 """KDA forward / forward+backward on one GPU: our Pallas kernel, our pure-XLA chunked path and fla `chunk_kda`.
 
-    python benchmarks/kda_bench.py --shapes=1x8192x96,1x8192x64 --fla_shapes=1x8192x96 [--iters=20] [--check]
+    python -m benchmarks.kda_bench --shapes=1x8192x96,1x8192x64 --fla_shapes=1x8192x96 [--iters=20] [--check]
         [--impls=pallas,xla] [--variants=64-4-4,32-4-4,64-4-4-doubling] [--breakdown]
 
 Inputs are K3's: raw gate input + A_log + dt_bias with the lower-bounded gate (−5), L2 norm and β sigmoid done
@@ -25,19 +25,19 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 import traceback
 
 # JAX and torch share the GPU in this process: stop JAX from preallocating 75% of it (fla OOMs at T=32768 otherwise).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.kda_check import run_on_gpu
+from benchmarks.trace_summary import summarize_xplane, trace_xplane
 from k3jax.ops.kda import KernelConfig, chunk_kda_gated, kda_chunked, l2_normalize
 from pallas_kernels.kda.chunk_fwd import intra_chunk
 
@@ -117,10 +117,6 @@ def _print_kernels(label, kernels):
 
 def profile_jax(label, fn, args):
     """Device time per GPU kernel of `fn(*args)` (already compiled), from a jax.profiler trace."""
-    import tempfile
-
-    from trace_summary import summarize_xplane, trace_xplane
-
     path = trace_xplane(lambda: jax.block_until_ready(fn(*args)), PROFILE_CALLS,
                         tempfile.mkdtemp(prefix="kda_profile_"))
     summary = summarize_xplane(path, PROFILE_CALLS, top=40)

@@ -1,8 +1,8 @@
 """The fused one-token KDA decode kernel vs the XLA step, side by side in one process (one GPU).
 
-    python benchmarks/kda_decode_bench.py [--shapes=64x12,1x96,256x12] [--block_v=16,32,64,128] [--warps=4]
+    python -m benchmarks.kda_decode_bench [--shapes=64x12,1x96,256x12] [--block_v=16,32,64,128] [--warps=4]
         [--steps=16] [--iters=20] [--no_check]
-    python benchmarks/kda_decode_bench.py --interpret        # CPU smoke run at tiny shapes (Pallas interpreter)
+    python -m benchmarks.kda_decode_bench --interpret        # CPU smoke run at tiny shapes (Pallas interpreter)
 
 Per shape ``BxH`` (K = V = ``--dim``, default 128; bf16 q/k/v, f32 g / beta / state): the XLA step
 (``k3jax.ops.kda.kda_step``) and the kernel (``pallas_kernels.kda.kda_decode_step``, one row per ``block_v``) are each
@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

@@ -1,6 +1,6 @@
 """Per-kernel times of the Pallas KDA forward and backward on one GPU (where the time goes, for tuning).
 
-    python benchmarks/kda_stages.py --shape=1x8192x96 --variants=64-4-4,32-4-4-doubling-1-32-split [--iters=10]
+    python -m benchmarks.kda_stages --shape=1x8192x96 --variants=64-4-4,32-4-4-doubling-1-32-split [--iters=10]
         [--check] [--stages=intra,recurrence]
 
 Each stage (forward: intra, recurrence; backward: states, reverse, state_grads, intra_bwd, or with
@@ -19,13 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax
 import jax.numpy as jnp

@@ -2,18 +2,15 @@
 Triton kernels by name and the StableHLO ops around them (sorts, scatters, dots). A static check that the decode
 fusions are chosen on the GPU path and how much XLA work they remove; not a timing.
 
-    python benchmarks/lower_decode.py k3_gpu [key=value ...]      # e.g. kda_decode_fusion=step
+    python -m benchmarks.lower_decode k3_gpu [key=value ...]      # e.g. kda_decode_fusion=step
 """
 import collections
-import os
 import re
 import sys
 
 import jax
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import k3jax.ops.backend as kernel_backend  # noqa: E402
 
 kernel_backend.traced_platform = lambda: "gpu"  # trace as for a GPU on this host
@@ -21,8 +18,8 @@ import k3jax.ops.kda as kda_ops  # noqa: E402
 
 kda_ops.decode_kernel_backend = lambda: "gpu"
 import configs  # noqa: E402
-import decode_bench as db  # noqa: E402
-from k3jax.inference import scheduler as sched_lib  # noqa: E402
+from benchmarks import decode_bench as db  # noqa: E402
+from k3jax.inference import slot_steps  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
 
 sets = ["scan_layers=False"] + sys.argv[2:]
@@ -31,12 +28,12 @@ abstract = nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
 graphdef, state = nnx.split(abstract)
 leaves, treedef = jax.tree.flatten(state)
 leaves = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in leaves)
-spec = sched_lib._intern((graphdef, treedef))
+spec = slot_steps.intern_static((graphdef, treedef))
 b = 64
 cache = jax.eval_shape(lambda: db.init_cache(cfg, b, 640))
 state_s = jax.eval_shape(lambda: db.slot_state(b, 100))
-text = sched_lib._decode.trace(leaves, cache, state_s, spec=spec, greedy_only=True, steps=1,
-                               mesh=sched_lib._intern(None)).lower(lowering_platforms=("cuda",)).as_text()
+text = slot_steps.decode_slots.trace(leaves, cache, state_s, spec=spec, greedy_only=True, steps=1,
+                                    mesh=slot_steps.intern_static(None)).lower(lowering_platforms=("cuda",)).as_text()
 names = re.findall(r'name = "([a-z0-9_]+)"', text)
 print(sets, "triton calls:", text.count("__gpu$xla.gpu.triton"))
 print(collections.Counter(n for n in names if n.startswith(("k3_", "kda_"))))

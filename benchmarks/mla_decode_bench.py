@@ -2,9 +2,9 @@
 of `MLA.forward_cached` (gather every sequence's pages into [B, P * page_size, C], then the absorbed einsums), side
 by side in one process.
 
-    python benchmarks/mla_decode_bench.py [--batches=1,16,64] [--tokens=512,4096] [--heads=12] [--page_size=64]
+    python -m benchmarks.mla_decode_bench [--batches=1,16,64] [--tokens=512,4096] [--heads=12] [--page_size=64]
                                           [--variants=auto,16-32-1-4-2] [--reps=50] [--iters=5]
-    python benchmarks/mla_decode_bench.py --interpret       # CPU smoke test at tiny shapes (kernel interpreted)
+    python -m benchmarks.mla_decode_bench --interpret       # CPU smoke test at tiny shapes (kernel interpreted)
 
 Per (batch B, cached tokens S): one query token per sequence, H heads of width C = 512 + 64 (k3_gpu: H = 12),
 bf16 cache and queries, f32 outputs [B, H, 512]; every sequence holds S tokens (its current one included) in a
@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,7 +31,7 @@ from jax import lax  # noqa: E402
 
 from k3jax.layers.mla import _masked_softmax, gather_latent_rows  # noqa: E402
 from pallas_kernels.mla import DecodeConfig, paged_latent_attention  # noqa: E402
-from timing import median_ms  # noqa: E402
+from benchmarks.timing import median_ms  # noqa: E402
 
 
 def parse_variant(text: str) -> DecodeConfig:

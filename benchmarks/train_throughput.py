@@ -1,6 +1,6 @@
 """Training throughput of the real train step (per-head Muon, Quantile Balancing, MTP, packed batches) on GPUs.
 
-    python benchmarks/train_throughput.py --config=k3_gpu --batch_per_device=1 --seq_len=4096 \
+    python -m benchmarks.train_throughput --config=k3_gpu --batch_per_device=1 --seq_len=4096 \
         --meshes=1,1,1,1 2,1,1,1 1,2,1,1 [--set key=value ...] [--no_mtp] [--optimizer=adamw]
 
 For each mesh (data,expert,context,model) it builds the model on that many devices (the first N), runs

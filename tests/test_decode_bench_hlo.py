@@ -2,12 +2,7 @@
 (fused or not, any dtype, with or without a layout) and ignores activation-sized ones, so a profile can show
 whether the step still copies weights (fused input projections remove the dot merger's copies)."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import decode_bench  # noqa: E402
+from benchmarks import decode_bench
 
 HLO = """
 fused_computation.3 {

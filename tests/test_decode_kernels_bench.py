@@ -3,15 +3,10 @@ what a float64 NumPy sum gives, the `kda` / `hbm` ops run end to end with every 
 first (the script's own check), and the `experts` op's plan-free kernels equal the planned path, so a GPU session
 does not spend device time on a broken script."""
 
-import os
-import sys
-
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
-
-import decode_kernels_bench as bench  # noqa: E402
+from benchmarks import decode_kernels_bench as bench
 
 
 def test_stream_probe_sums_every_weight_once():
