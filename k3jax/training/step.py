@@ -13,13 +13,15 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from k3jax.training.accumulate import accumulated_value_and_grad
 from sharding.shard import TracedUnderMesh, batch_spec, plan_shardings
 
 
 def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: Mesh, loss_fn: Callable, *,
                             wrt=nnx.Param, batch_ndim: int = 2, donate: bool = True,
                             compiler_options: dict | None = None, has_aux: bool = False,
-                            after_update: Callable | None = None):
+                            after_update: Callable | None = None, grad_accum: int = 1,
+                            accumulate_context: Callable | None = None):
     """`step(model, optimizer, batch) -> loss`: one optimizer step on `loss_fn(model, batch)`, updating `model` and
     `optimizer` in place.
 
@@ -33,6 +35,11 @@ def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: M
     `after_update(model, grads) -> dict` runs inside the jitted step after the optimizer update (e.g. Quantile
     Balancing's bias update); its dict is merged into the metrics (and the step returns `(loss, metrics)`).
     Traced (called or lowered) under `mesh` as the context mesh.
+
+    With `grad_accum` = N > 1 the batch is split into N micro-batches run one after another inside the step
+    (`k3jax.training.accumulate`): gradients, loss, metrics and routing statistics are summed, then one optimizer
+    update and one `after_update`. `accumulate_context(batch) -> dict` (e.g. the whole batch's token counts, so
+    that `loss_fn` normalises each micro-batch's loss by them) is computed once and merged into every micro-batch.
     """
     graphdef, state = nnx.split((model, optimizer))
     plan = plan_shardings(state, mesh)
@@ -42,7 +49,13 @@ def make_sharded_train_step(model: nnx.Module, optimizer: nnx.Optimizer, mesh: M
 
     def pure(state, batch_bt):
         model, optimizer = nnx.merge(graphdef, state)
-        out, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)(model, batch_bt)
+        if grad_accum > 1:
+            context = accumulate_context(batch_bt) if accumulate_context is not None else {}
+            out, grads = accumulated_value_and_grad(lambda m, mb: loss_fn(m, {**mb, **context}), model, batch_bt,
+                                                    grad_accum, wrt=wrt, has_aux=has_aux,
+                                                    micro_batch_sharding=batch)
+        else:
+            out, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt), has_aux=has_aux)(model, batch_bt)
         loss, metrics = out if has_aux else (out, {})
         optimizer.update(model, grads)
         if after_update is not None:

@@ -33,7 +33,7 @@ from k3jax.mtp import MTPLayer
 from k3jax.param_count import count_params
 from k3jax.training import checkpointing
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
-from k3jax.training.loss import mtp_loss, next_token_loss
+from k3jax.training.loss import mtp_loss, next_token_loss, token_counts
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
 from k3jax.training.step import make_sharded_train_step
@@ -68,10 +68,14 @@ class TrainOptions:
     halt_at_step: int | None = None  # stop (and save) after this step, as a preemption would
     context_stages: tuple[tuple[int, int], ...] = ()  # ((after_step, seq_len), ...): the context curriculum
     init_from: str | None = None  # a k3jax checkpoint (python -m k3jax.convert) to start from instead of random init
+    grad_accum: int = 1  # micro-batches per optimizer step (batch_size rows split into grad_accum micro-batches)
 
     def __post_init__(self):
         if self.optimizer not in ("muon", "adamw"):
             raise ValueError(f"optimizer must be 'muon' or 'adamw', got {self.optimizer!r}")
+        if self.grad_accum < 1 or self.batch_size % self.grad_accum:
+            raise ValueError(f"grad_accum must be >= 1 and divide batch_size={self.batch_size}, "
+                             f"got {self.grad_accum}")
         for name in ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -103,15 +107,17 @@ class Trainable(nnx.Module):
 
 
 def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
-    """LM loss (+ mtp_weight · MTP loss) over the unmasked positions of a packed batch."""
+    """LM loss (+ mtp_weight · MTP loss) over the unmasked positions of a packed batch. A micro-batch of gradient
+    accumulation carries its whole batch's `token_counts` ("lm_tokens", "mtp_tokens") as the denominators."""
     model = trainable.model
     segment_ids = batch.get("segment_ids")
     h = model.hidden_states(batch["input_ids"], segment_ids)
-    lm = next_token_loss(model.logits(h), batch["targets"], batch["loss_mask"])
+    lm = next_token_loss(model.logits(h), batch["targets"], batch["loss_mask"], denominator=batch.get("lm_tokens"))
     metrics = {"lm_loss": lm}
     loss = lm
     if trainable.mtp is not None:
-        extra = mtp_loss(model, trainable.mtp, h, batch["targets"], batch["loss_mask"], segment_ids)
+        extra = mtp_loss(model, trainable.mtp, h, batch["targets"], batch["loss_mask"], segment_ids,
+                         denominator=batch.get("mtp_tokens"))
         metrics["mtp_loss"] = extra
         loss = lm + mtp_weight * extra
     return loss, metrics
@@ -164,7 +170,8 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
         trainable, optimizer = nnx.merge(graphdef, state)
     step = make_sharded_train_step(
         trainable, optimizer, mesh, lambda t, b: loss_fn(t, b, opts.mtp_weight), has_aux=True,
-        after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing))
+        after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing), grad_accum=opts.grad_accum,
+        accumulate_context=lambda b: token_counts(b["targets"], b["loss_mask"]))
     return trainable, optimizer, step, opts.schedule()
 
 
