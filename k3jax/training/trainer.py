@@ -69,6 +69,7 @@ class TrainOptions:
     context_stages: tuple[tuple[int, int], ...] = ()  # ((after_step, seq_len), ...): the context curriculum
     init_from: str | None = None  # a k3jax checkpoint (python -m k3jax.convert) to start from instead of random init
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size rows split into grad_accum micro-batches)
+    muon_ns_dtype: str = "float32"  # Newton–Schulz matmul operands: "float32" or "bfloat16" (f32 accumulation)
 
     def __post_init__(self):
         if self.optimizer not in ("muon", "adamw"):
@@ -138,7 +139,7 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
     schedule = opts.schedule()
     if opts.optimizer == "muon":
         tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
-                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32)  # f32 state for bf16 params
+                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32, ns_dtype=opts.muon_ns_dtype)  # f32 state for bf16 params
     else:
         tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
         if opts.max_grad_norm is not None:
