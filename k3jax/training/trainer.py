@@ -139,7 +139,8 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
     schedule = opts.schedule()
     if opts.optimizer == "muon":
         tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
-                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32, ns_dtype=opts.muon_ns_dtype)  # f32 state for bf16 params
+                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32,  # f32 state for bf16 params
+                            ns_dtype=opts.muon_ns_dtype)
     else:
         tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
         if opts.max_grad_norm is not None:
