@@ -145,14 +145,6 @@ def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True,
     return ShardingPlan(mesh, nnx.from_flat_state(out), specs, fallbacks)
 
 
-def shard_model(model: nnx.Module, mesh: Mesh) -> ShardingPlan:
-    """Places every Variable of `model` on `mesh` per the rules (in place) and returns the plan used."""
-    state = nnx.state(model)
-    plan = plan_shardings(state, mesh)
-    nnx.update(model, jax.device_put(state, plan.shardings))
-    return plan
-
-
 def batch_spec(ndim: int = 2) -> PartitionSpec:
     """Input batches: the leading (batch) axis over the 'batch' rule's mesh axes, the rest replicated."""
     return PartitionSpec(LOGICAL_AXIS_RULES["batch"], *([None] * (ndim - 1)))

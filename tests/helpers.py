@@ -1,16 +1,21 @@
-"""Test-only training helpers: a plain jitted train step, the default next-token objective and a sharded
-loss-and-gradient function (the trainer itself uses `k3jax.training.step.make_sharded_train_step`)."""
+"""Test-only helpers: a plain jitted train step, the default next-token objective, a sharded loss-and-gradient
+function (the trainer itself uses `k3jax.training.step.make_sharded_train_step`), placing a model on a mesh, routing
+load statistics and the embedded-corpus dataset."""
 
 from __future__ import annotations
 
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from k3jax.data.pipeline import default_data_dir, make_dataset
+from k3jax.data.prepare import BYTE_BOS, BYTE_EOS, BYTE_PAD
+from k3jax.layers.routing import token_scores
 from k3jax.training.loss import next_token_loss
-from sharding.shard import TracedUnderMesh, batch_spec, plan_shardings
+from sharding.shard import ShardingPlan, TracedUnderMesh, batch_spec, plan_shardings
 
 
 def next_token_loss_fn(model: nnx.Module, batch_bt: jax.Array) -> jax.Array:
@@ -63,3 +68,36 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
 
     loss_and_grad.jitted = jitted
     return loss_and_grad
+
+
+def shard_model(model: nnx.Module, mesh: Mesh) -> ShardingPlan:
+    """Places every Variable of `model` on `mesh` per the rules (in place) and returns the plan used."""
+    state = nnx.state(model)
+    plan = plan_shardings(state, mesh)
+    nnx.update(model, jax.device_put(state, plan.shardings))
+    return plan
+
+
+def route_top_k(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
+    """Selected experts per token, int32 [m, k]: top-k of the biased scores (the bias only selects)."""
+    return jax.lax.top_k(token_scores(scores) + bias.astype(jnp.float32), k)[1]
+
+
+def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
+    """Load statistics of a routing: experts_nk int [N, k] (or any shape) of selected expert ids, n experts.
+
+    `max_load` / `mean_load` (= N·k/n) / `max_over_mean` (1 = perfectly balanced), plus `loads` [n].
+    """
+    ids = experts_nk.reshape(-1).astype(jnp.int32)
+    loads = jnp.zeros((n,), jnp.float32).at[ids].add(1.0)
+    mean = jnp.float32(ids.shape[0]) / n
+    max_load = loads.max()
+    return {"max_load": max_load, "mean_load": mean, "max_over_mean": max_load / mean, "loads": loads}
+
+
+def default_dataset(*, batch_size: int, seq_len: int, seed: int = 0, cache_root: str | None = None,
+                    max_bytes: int = 8 << 20, bos_id: int = BYTE_BOS, eos_id: int = BYTE_EOS,
+                    pad_id: int = BYTE_PAD, **kwargs):
+    """`make_dataset` over the embedded standard-library corpus (prepared on first use, see `default_data_dir`)."""
+    data_dir = default_data_dir(cache_root, max_bytes=max_bytes, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
+    return make_dataset(data_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, **kwargs)

@@ -234,11 +234,3 @@ def default_data_dir(cache_root: str | None = None, *, max_bytes: int = 8 << 20,
     except FileExistsError:  # another process prepared it at the same time
         prep.read_metadata(out)
     return out
-
-
-def default_dataset(*, batch_size: int, seq_len: int, seed: int = 0, cache_root: str | None = None,
-                    max_bytes: int = 8 << 20, bos_id: int = prep.BYTE_BOS, eos_id: int = prep.BYTE_EOS,
-                    pad_id: int = prep.BYTE_PAD, **kwargs: Any) -> grain.DatasetIterator:
-    """`make_dataset` over the embedded standard-library corpus (prepared on first use, see `default_data_dir`)."""
-    data_dir = default_data_dir(cache_root, max_bytes=max_bytes, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
-    return make_dataset(data_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, **kwargs)

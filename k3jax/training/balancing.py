@@ -31,8 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.moe import LatentMoE
-from k3jax.layers.routing import (DEFAULT_MARGIN_RANGE, DEFAULT_NUM_BINS, margin_histogram, routing_margins,
-                                  token_scores)
+from k3jax.layers.routing import DEFAULT_MARGIN_RANGE, DEFAULT_NUM_BINS, margin_histogram, routing_margins
 
 def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
     """Next router bias from this step's scores (exact quantile: sort-based, linear interpolation). f32 [n]."""
@@ -74,23 +73,6 @@ def quantile_balancing_bias_histogram(scores: jax.Array, bias: jax.Array, k: int
     counts = margin_histogram(r, num_bins=num_bins, margin_range=margin_range, axis_name=axis_name)
     b_hat = -histogram_quantile(counts, 1.0 - k / r.shape[-1], margin_range=margin_range)
     return b_hat - b_hat.mean()
-
-
-def route_top_k(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
-    """Selected experts per token, int32 [m, k]: top-k of the biased scores (the bias only selects)."""
-    return jax.lax.top_k(token_scores(scores) + bias.astype(jnp.float32), k)[1]
-
-
-def expert_load_stats(experts_nk: jax.Array, n: int) -> dict[str, jax.Array]:
-    """Load statistics of a routing: experts_nk int [N, k] (or any shape) of selected expert ids, n experts.
-
-    `max_load` / `mean_load` (= N·k/n) / `max_over_mean` (1 = perfectly balanced), plus `loads` [n].
-    """
-    ids = experts_nk.reshape(-1).astype(jnp.int32)
-    loads = jnp.zeros((n,), jnp.float32).at[ids].add(1.0)
-    mean = jnp.float32(ids.shape[0]) / n
-    max_load = loads.max()
-    return {"max_load": max_load, "mean_load": mean, "max_over_mean": max_load / mean, "loads": loads}
 
 
 def next_bias_from_counts(counts_ne: jax.Array, k: int) -> jax.Array:
