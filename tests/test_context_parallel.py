@@ -264,8 +264,8 @@ def packed_batch():
 
 
 def _loss_and_grads(mesh, batch):
-    from sharding.shard import shard_batch, shard_model
-    from tests.helpers import make_sharded_loss_and_grad
+    from sharding.shard import shard_batch
+    from tests.helpers import make_sharded_loss_and_grad, shard_model
 
     model = _build_tiny()
     shard_model(model, mesh)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from k3jax.data import pipeline, prepare
+from tests.helpers import default_dataset
 
 BOS, EOS, PAD = 256, 257, 258
 SEQ_LEN, BATCH = 16, 3
@@ -266,13 +267,13 @@ def test_default_dataset_prepares_stdlib_corpus_once(tmp_path):
 
     kwargs = dict(batch_size=2, seq_len=32, cache_root=str(tmp_path), max_bytes=1 << 15, shuffle=False,
                   shard_index=0, shard_count=1)
-    batch = next(pipeline.default_dataset(**kwargs))
+    batch = next(default_dataset(**kwargs))
     (cache,) = os.listdir(tmp_path)
     meta_mtime = os.path.getmtime(tmp_path / cache / "metadata.json")
     first_doc = next(d for d in stdlib_corpus(max_bytes=1 << 15) if d)
     assert batch["input_ids"][0].tolist() == [BOS] + list(first_doc[:31])
     assert batch["targets"][0].tolist() == list(first_doc[:32])
-    next(pipeline.default_dataset(**kwargs))
+    next(default_dataset(**kwargs))
     assert os.listdir(tmp_path) == [cache] and os.path.getmtime(tmp_path / cache / "metadata.json") == meta_mtime
 
 

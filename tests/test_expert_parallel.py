@@ -26,8 +26,8 @@ from k3jax.config import ConfigError
 from k3jax.layers.moe import experts_dense
 from sharding import expert_parallel as ep
 from sharding.mesh import make_mesh
-from sharding.shard import mesh_context, shard_batch, shard_model
-from tests.helpers import make_sharded_loss_and_grad
+from sharding.shard import mesh_context, shard_batch
+from tests.helpers import make_sharded_loss_and_grad, shard_model
 
 CFG = configs.get_config("tiny")  # E=8 experts, k=2, latent L=32, expert width M=32, f32
 E, K, L, M = CFG.num_experts, CFG.num_experts_per_token, CFG.routed_expert_hidden_size, CFG.moe_intermediate_size

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.training import balancing as qb
+from tests.helpers import expert_load_stats, route_top_k
 
 # Report Fig. 5 setting: m=8 tokens, n=4 experts, k=1 → target load 2 per expert, quantile at 75%.
 # Expert popularity 0.8 > 0.6 > 0.4 > 0.2 plus a +0.1 fit of token pair (2j, 2j+1) to expert j: with zero bias
@@ -27,7 +28,7 @@ EXAMPLE_SCORES = np.array([
 
 def _loads(scores, bias, k):
     n = scores.shape[-1]
-    return np.asarray(qb.expert_load_stats(qb.route_top_k(jnp.asarray(scores), jnp.asarray(bias), k), n)["loads"])
+    return np.asarray(expert_load_stats(route_top_k(jnp.asarray(scores), jnp.asarray(bias), k), n)["loads"])
 
 
 def _margins_np(s, b, k):
@@ -51,12 +52,12 @@ def test_report_example_balances_to_two_tokens_per_expert():
     assert np.all(sorted_desc[2] <= -b_hat) and np.all(-b_hat <= sorted_desc[1])
     # ...and routing with the new bias gives exactly 2 tokens per expert, each pair on its own expert, with a clear
     # gap between every token's chosen and next-best biased score (no ties).
-    routes = np.asarray(qb.route_top_k(jnp.asarray(s), jnp.asarray(b), k))[:, 0]
+    routes = np.asarray(route_top_k(jnp.asarray(s), jnp.asarray(b), k))[:, 0]
     assert routes.tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
     assert _loads(s, b, k).tolist() == [2, 2, 2, 2]
     top2 = -np.sort(-(s + b), axis=1)[:, :2]
     assert (top2[:, 0] - top2[:, 1]).min() > 0.02
-    stats = qb.expert_load_stats(jnp.asarray(routes[:, None]), 4)
+    stats = expert_load_stats(jnp.asarray(routes[:, None]), 4)
     assert float(stats["max_over_mean"]) == 1.0 and float(stats["mean_load"]) == 2.0
     # The histogram estimate (bin width 1/128) lands in the same gap: same routing.
     bh = np.asarray(qb.quantile_balancing_bias_histogram(jnp.asarray(s), jnp.asarray(b0), k))
@@ -107,11 +108,11 @@ def test_bias_balances_the_batch_it_was_computed_on(estimator):
     m, n, k = 8192, 64, 8
     s = jnp.asarray(_skewed_scores(rng, m, n, skew=1.0))
     b0 = jnp.zeros(n, jnp.float32)
-    before = qb.expert_load_stats(qb.route_top_k(s, b0, k), n)
+    before = expert_load_stats(route_top_k(s, b0, k), n)
     assert float(before["max_over_mean"]) > 2.5  # zero bias: badly unbalanced
     b = jax.jit(fn, static_argnums=2)(s, b0, k)
     assert abs(float(b.mean())) < 1e-6
-    after = qb.expert_load_stats(qb.route_top_k(s, b, k), n)
+    after = expert_load_stats(route_top_k(s, b, k), n)
     assert float(after["mean_load"]) == m * k / n
     assert float(after["max_over_mean"]) < 1.15, after
 
@@ -129,7 +130,7 @@ def test_iterating_on_one_batch_converges_to_balance(estimator):
     b = jnp.zeros(n, jnp.float32)
     ratios = []
     for _ in range(10):
-        ratios.append(float(qb.expert_load_stats(qb.route_top_k(s, b, k), n)["max_over_mean"]))
+        ratios.append(float(expert_load_stats(route_top_k(s, b, k), n)["max_over_mean"]))
         b = update(s, b, k)
     assert ratios[0] > 2.5 and ratios[1] < 1.4
     assert ratios[-1] < (1.03 if estimator == "exact" else 1.1), ratios
@@ -156,7 +157,7 @@ def test_repeated_balancing_on_fresh_batches():
     ratios = []
     for _ in range(6):
         s = jnp.asarray(_skewed_scores(rng, m, n))
-        ratios.append(float(qb.expert_load_stats(qb.route_top_k(s, b, k), n)["max_over_mean"]))
+        ratios.append(float(expert_load_stats(route_top_k(s, b, k), n)["max_over_mean"]))
         b = update(s, b, k)
     assert ratios[0] > 2.0 and max(ratios[3:]) < 1.2, ratios
 
@@ -193,7 +194,7 @@ def test_psum_histogram_equals_single_device_histogram():
 
 def test_expert_load_stats():
     ids = jnp.asarray([[0, 1], [0, 2], [0, 3], [1, 2]])
-    st = qb.expert_load_stats(ids, 4)
+    st = expert_load_stats(ids, 4)
     assert float(st["max_load"]) == 3.0 and float(st["mean_load"]) == 2.0
     assert float(st["max_over_mean"]) == 1.5
     assert np.asarray(st["loads"]).tolist() == [3, 2, 2, 1]

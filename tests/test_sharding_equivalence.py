@@ -24,8 +24,8 @@ from k3jax.layers.params import RouterBias
 from k3jax.model import K3Model
 from k3jax.training.step import make_sharded_train_step
 from sharding.mesh import make_mesh
-from sharding.shard import shard_batch, shard_model
-from tests.helpers import make_sharded_loss_and_grad, next_token_loss_fn
+from sharding.shard import shard_batch
+from tests.helpers import make_sharded_loss_and_grad, next_token_loss_fn, shard_model
 
 # Each mesh compiles the whole tiny model (~20 s on 2 CPU cores): two in the default suite, the rest marked slow.
 MESHES = [
