@@ -65,9 +65,14 @@ class _UpdateHarness:
         return result
 
 
+# `tiny` cut to one scanned (KDA, MLA) x 2 group: stacked KDA / MLA projections, routed experts [layers, E, L, M],
+# dense and shared-expert weights, in a compile the 2-core test budget allows (unstacked leaves: DATA_MESH_SPECS).
+TINY = ["num_hidden_layers=4", "full_attn_layers=(2,4)", "first_k_dense_replace=0"]
+
+
 @pytest.fixture(scope="module")
 def tiny_harness():
-    cfg = configs.get_config("tiny")
+    cfg = configs.get_config("tiny", TINY)
     return _UpdateHarness(lambda: K3Model(cfg, rngs=nnx.Rngs(0)))
 
 
@@ -108,7 +113,7 @@ def test_expert_sharded_mesh_never_gathers_a_whole_expert_tensor(tiny_harness):
     all-reduce other than the scalar gradient norm (the NS iterations themselves communicate nothing; GSPMD's
     partitioned NS all-reduces partial matmuls inside every iteration)."""
     _, hlo = tiny_harness.update((1, 4, 1, 2))
-    model = nnx.eval_shape(lambda: K3Model(configs.get_config("tiny"), rngs=nnx.Rngs(0)))
+    model = nnx.eval_shape(lambda: K3Model(configs.get_config("tiny", TINY), rngs=nnx.Rngs(0)))
     experts = [r for r in opt_lib.label_table(model) if "experts" in r.axes]
     assert experts
     forbidden = set()
@@ -123,8 +128,8 @@ def test_expert_sharded_mesh_never_gathers_a_whole_expert_tensor(tiny_harness):
     assert not [s for s in gathers if tuple(sorted(s)) in forbidden], gathers
     assert all(math.prod(s) == 1 for s in _collectives(hlo, "all-reduce"))
     assert _collectives(hlo, "all-to-all")  # the tensor-parallel 'model' halves of each expert matrix
-    # Each rank's expert NS is batched over its own blocks: 2 experts x 2 layers (or 2 experts) of 8 x 2 stacked,
-    # halved again by the all_to_all over 'model', never all 8 experts.
+    # Each rank's expert NS is batched over its own blocks: 2 experts x 2 layers of the 8 x 2, halved again by the
+    # all_to_all over 'model', never all 8 experts.
     block_dots = [s for s in _dot_shapes(hlo) if s[-2:] == (32, 32)]
     assert block_dots and max(math.prod(s[:-2]) for s in block_dots) <= 2
 
@@ -138,18 +143,20 @@ class _Params(nnx.Module):
 
 
 # A replicated stacked per-head projection (kv_b_proj [layers, kv_lora, heads, head_dim]: 4 x 8 = 32 blocks of
-# [40, 24]; 'heads' maps to 'model' (size 1), nothing to 'data') and an FSDP dense weight ('embed' over 'data').
+# [40, 24]; 'heads' maps to 'model' (size 1), nothing to 'data'), a stacked FSDP dense weight ('embed' over 'data')
+# and an unstacked one (a single block: gathered, orthogonalised on every rank).
 DATA_MESH_SPECS = {
     "kv_b_proj": ((4, 40, 8, 24), ("layers", "kv_lora", "heads", "head_dim")),
     "up_proj": ((8, 64, 48), ("layers", "embed", "mlp")),
+    "router": ((64, 8), ("embed", "experts_router")),
 }
 
 
 def test_pure_data_mesh_splits_replicated_blocks_over_ranks_and_all_gathers_them():
     """Under (8, 1, 1, 1) the replicated kv_b_proj's 32 blocks are split 4 per rank (its NS matmuls are batched
     over 4 blocks, never 32) and the orthogonalised blocks are all-gathered ([32, 40, 24]); the FSDP weight's
-    8 layers are exchanged by an all_to_all so each rank orthogonalises one whole [64, 48] layer. The update equals
-    the single-device one."""
+    8 layers are exchanged by an all_to_all so each rank orthogonalises one whole [64, 48] layer; the single-block
+    router is all-gathered. The update equals the single-device one."""
     harness = _UpdateHarness(lambda: _Params(DATA_MESH_SPECS))
     want, _ = harness.update(None)
     got, hlo = harness.update((8, 1, 1, 1))
@@ -162,6 +169,7 @@ def test_pure_data_mesh_splits_replicated_blocks_over_ranks_and_all_gathers_them
     assert set(_collectives(hlo, "all-to-all")) == {(1, 8, 48)}
     up_dots = [s for s in _dot_shapes(hlo) if s[-2:] in ((48, 48), (48, 64))]
     assert up_dots and {math.prod(s[:-2]) for s in up_dots} == {1}
+    assert (1, 64, 8) in _collectives(hlo, "all-gather")  # the router (one block): its 8 row shards gathered
 
 
 def test_k3_expert_plan_keeps_experts_local_and_balances_blocks():
