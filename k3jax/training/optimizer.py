@@ -20,6 +20,12 @@ all blocks of a parameter at once (`vmap`); K3's stacked routed experts are 22 �
 Newton–Schulz temporaries need ~0.6 TB per chip on a v5p-1024 slice. `orthogonalize_blocks` maps over the
 scan-stacking axis (one layer's blocks at a time) and vmaps the rest: same result, 22× smaller peak.
 
+Under a multi-device mesh (the train step traced under `jax.set_mesh`) Newton–Schulz is distributed
+(`distributed_orthogonalize`, in `shard_map`): blocks whose batch axis is sharded (experts over 'expert', heads over
+'model') stay on their rank; matrix dims sharded by FSDP / tensor parallelism are exchanged by all_to_all so each
+rank holds whole blocks of its share; leaves replicated over an axis are split over it and the results
+all-gathered. `ns_dtype="bfloat16"` runs the matmuls with bf16 operands and f32 accumulation.
+
 AdamW (β = (0.9, 0.95), eps 1e-8): embeddings and `lm_head` (a 'vocab' axis), norm gains ('norm' axis, and any
 parameter with fewer than two non-stacking axes: `A_log`, `o_norm`, `routed_expert_norm`, AttnRes pseudo-queries,
 …), biases (`dt_bias`), short-conv kernels ('conv_window' axis). Weight decay (decoupled, multiplied by the
