@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["idle_by_offset", "load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source",
+__all__ = ["annotate_kernels", "hlo_sources", "kernel_group", "idle_by_offset", "load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source",
            "scope_group", "step_idle", "trace_xplane", "traced_summary"]
 
 
@@ -310,3 +310,79 @@ def summarize_xplane(path: str, steps: int, top: int = 25) -> dict:
                copy_mb_per_step=copy_bytes / 1e6 / steps,
                kernel_categories=_top(_categories(kernels), steps, len(_KERNEL_CATEGORIES) + 1))
     return out
+
+
+# ---------------------------------------------------------------------- optimised-HLO sources of kernels
+
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?metadata=\{([^}]*)\}")
+
+
+def _hlo_tables(hlo_text: str) -> dict[str, dict[int, str]]:
+    """The optimised HLO text's FileNames / FunctionNames / FileLocations / StackFrames tables (id -> body)."""
+    tables, current = {}, None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            current = tables.setdefault(line, {})
+        elif current is not None and (m := re.match(r"^(\d+) (.*)$", line)):
+            current[int(m.group(1))] = m.group(2)
+        else:
+            current = None
+    return tables
+
+
+def hlo_sources(hlo_text: str) -> dict[str, str]:
+    """Optimised-HLO instruction name (dots as underscores, as GPU kernel names spell them) -> "op_name @
+    file:line (function)" from its metadata (a `source_file`/`source_line` pair, or a `stack_frame_id` into the
+    module's stack-frame tables), so profiled kernels (`loop_add_fusion_11`) point back at the model code."""
+    t = _hlo_tables(hlo_text)
+
+    def frame_source(frame_id: int) -> str:
+        frame = re.search(r"file_location_id=(\d+)", t.get("StackFrames", {}).get(frame_id, ""))
+        loc = t.get("FileLocations", {}).get(int(frame.group(1)), "") if frame else ""
+        m = re.search(r"file_name_id=(\d+) function_name_id=(\d+) line=(\d+)", loc)
+        if not m:
+            return ""
+        file = t.get("FileNames", {}).get(int(m.group(1)), "").strip('"')
+        func = t.get("FunctionNames", {}).get(int(m.group(2)), "").strip('"')
+        return f"{short_source(file)}:{m.group(3)} ({func})"
+
+    out = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        meta = dict(re.findall(r'(\w+)=("[^"]*"|\d+)', m.group(2)))
+        op = scope_group(meta.get("op_name", "").strip('"'))
+        src = meta.get("source_file", "").strip('"')
+        if src and "source_line" in meta:
+            where = f"{short_source(src)}:{meta['source_line']}"
+        else:
+            where = frame_source(int(meta["stack_frame_id"])) if "stack_frame_id" in meta else ""
+        if op or where:
+            out[m.group(1).replace(".", "_")] = f"{op} @ {where}".strip(" @")
+    return out
+
+
+def _kernel_source(sources: dict[str, str], name: str) -> str | None:
+    """The `hlo_sources` entry of a GPU kernel name (also for a repeated kernel's "__N" suffix)."""
+    return sources.get(name) or sources.get(re.sub(r"__\d+$", "", name))
+
+
+def kernel_group(sources: dict[str, str]):
+    """Kernel name -> the model source line it comes from (`hlo_sources`, without the op name), or for kernels the
+    HLO does not name (Pallas / Triton calls, library kernels) the name without its numeric suffixes."""
+    def group_of(name: str) -> str:
+        src = _kernel_source(sources, name)
+        if src:
+            return src.split(" @ ", 1)[-1]
+        return re.sub(r"(_\d+)+$", "", name) or name
+
+    return group_of
+
+
+def annotate_kernels(summary: dict, sources: dict[str, str]) -> None:
+    """Adds each top kernel's HLO source ("src") to the profile summary in place."""
+    for row in summary.get("top_kernels", []):
+        src = _kernel_source(sources, row["name"])
+        if src:
+            row["src"] = src[-160:]
