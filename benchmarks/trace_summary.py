@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["annotate_kernels", "hlo_sources", "kernel_group", "idle_by_offset", "load_profile", "overlap_by_group", "overlap_times", "summarize_xplane", "short_source",
-           "scope_group", "step_idle", "trace_xplane", "traced_summary"]
+__all__ = ["annotate_kernels", "hlo_sources", "idle_by_offset", "kernel_group", "load_profile", "overlap_by_group",
+           "overlap_times", "summarize_xplane", "short_source", "scope_group", "step_idle", "trace_xplane",
+           "traced_summary"]
 
 
 # Name-stack components that say how an op was traced, not which part of the model it belongs to.

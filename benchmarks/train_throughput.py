@@ -213,13 +213,13 @@ def main():
     counts = count_params(cfg)
     print(f"{cfg.name}: total {counts['total_params'] / 1e9:.2f}B active {counts['active_params'] / 1e9:.2f}B; "
           f"device {jax.devices()[0].device_kind} x{jax.device_count()}; T={args.seq_len} "
-          f"B/device={args.batch_per_device} grad_accum={args.grad_accum} optimizer={args.optimizer} mtp={not args.no_mtp} "
-          f"qb={not args.no_qb} overrides={args.set}", flush=True)
+          f"B/device={args.batch_per_device} grad_accum={args.grad_accum} optimizer={args.optimizer} "
+          f"ns={args.muon_ns_dtype} mtp={not args.no_mtp} qb={not args.no_qb} overrides={args.set}", flush=True)
     peak = peak_flops_per_device(jax.devices()[0])
     ceiling = dense_matmul_tflops() if jax.devices()[0].platform != "cpu" else None
     if ceiling:
-        print(f"dense bf16 matmul 8192^3 in this process: {ceiling:.0f} TFLOP/s"
-              + (f" ({100e12 * ceiling / peak:.0f}% of the {peak / 1e12:.0f} TFLOP/s peak)" if peak else ""), flush=True)
+        share = f" ({100e12 * ceiling / peak:.0f}% of the {peak / 1e12:.0f} TFLOP/s peak)" if peak else ""
+        print(f"dense bf16 matmul 8192^3 in this process: {ceiling:.0f} TFLOP/s{share}", flush=True)
     base = None
     results = []
     for mesh_text in args.meshes:
