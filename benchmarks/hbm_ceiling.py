@@ -49,7 +49,7 @@ def _torch_rows(n_elems: int, iters: int) -> list[dict]:
     nbytes = x.numel() * x.element_size()
     rows = [{"impl": "torch_sum", "ms": timed(lambda: x.sum(dtype=torch.float32)), "bytes": nbytes},
             {"impl": "torch_copy", "ms": timed(lambda: y.copy_(x)), "bytes": 2 * nbytes}]
-    del x, y
+    x = y = None  # free the buffers before empty_cache (a `del` would hide them from the lambdas above)
     torch.cuda.empty_cache()
     return rows
 
@@ -69,7 +69,7 @@ def main(argv=None) -> list[dict]:
     f_scale = jax.jit(lambda a: a * jnp.bfloat16(0.999))
     rows.append({"impl": "xla_sum", "ms": median_ms(lambda: f_sum(x), args.iters), "bytes": nbytes})
     rows.append({"impl": "xla_scale", "ms": median_ms(lambda: f_scale(x), args.iters), "bytes": 2 * nbytes})
-    del x
+    x = None  # free the buffer before empty_cache
     if not args.no_torch:
         rows += _torch_rows(n, args.iters)
     for r in rows:

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.kda import KernelConfig
-from pallas_kernels.kda import chunk_bwd, chunk_fwd, intra_bwd_fused, intra_bwd_tiled, intra_split
+from pallas_kernels.kda import chunk_bwd, chunk_fwd, common, intra_bwd_fused, intra_bwd_tiled, intra_split
 from benchmarks.kda_check import run_on_gpu
 
 
