@@ -1,19 +1,33 @@
 """Train a k3jax model: `python train.py --config=tiny` (CPU, embedded corpus) or `--config=k3` on a pod.
 
-Per-head Muon + AdamW, Quantile Balancing of the router biases, one MTP layer, packed Grain data, an explicit
-mesh, Orbax checkpoints in --workdir (resumed automatically), metrics in <workdir>/metrics.jsonl.
+Per-head Muon + AdamW, Quantile Balancing of the router biases, one MTP layer, packed Grain data, a mesh from the
+config's parallelism plan (or --mesh), Orbax checkpoints in --workdir (resumed automatically), metrics in
+<workdir>/metrics.jsonl. The same command runs on one process or on every host of a pod slice: it joins
+`jax.distributed` from TPU auto-detection or JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
+(docs/pod.md). Parameters are f32 masters (bf16 compute) unless --set param_dtype=...; optimizer state is
+--state_dtype (f32). A step that cannot fit the devices stops before anything is allocated, naming the smallest
+TPU v5p slice that fits.
 """
 
 import json
 import logging
+import math
+import os
+import sys
+import threading
 
 from absl import app, flags
 
 import configs
 from k3jax.training.aot import compile_train_step
-from k3jax.training.trainer import TrainOptions, parse_context_stages, train
+from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown
+from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train
 from sharding.aot import libtpu_available
-from sharding.mesh import initialize_distributed, parse_mesh
+from sharding.mesh import initialize_distributed, is_multi_host_launch
+from sharding.plan import mesh_sizes_for
+
+# Training keeps f32 master parameters (matmuls still run in cfg.runtime.dtype, bf16); `--set param_dtype=` overrides.
+TRAIN_PARAM_DTYPE = "float32"
 
 _CONFIG = flags.DEFINE_string("config", "tiny", f"Named config: {', '.join(configs.names())}.")
 _SET = flags.DEFINE_multi_string("set", [], "Config override key=value (repeatable), e.g. --set kda_impl=recurrent.")
@@ -28,7 +42,11 @@ _QB = flags.DEFINE_boolean("quantile_balancing", True, "Quantile Balancing of th
 _MTP = flags.DEFINE_boolean("mtp", True, "Train one multi-token-prediction layer (predicts t+2).")
 _MTP_WEIGHT = flags.DEFINE_float("mtp_weight", 0.3, "Weight of the MTP loss.")
 _DATA = flags.DEFINE_string("data", None, "Prepared data dir (python -m k3jax.data.prepare); default: embedded corpus.")
-_MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 2,1,1,1); default: all on data.")
+_MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g. 2,1,1,1); absent or 'auto': the "
+                            "config's parallelism plan over all devices (sharding/plan.py).")
+_ACCUM = flags.DEFINE_integer("grad_accum", 1, "Micro-batches per optimizer step (must divide --batch_size).")
+_STATE_DTYPE = flags.DEFINE_enum("state_dtype", "float32", list(STATE_DTYPES), "Optimizer state dtype.")
+_INIT_TIMEOUT = flags.DEFINE_integer("distributed_timeout", 300, "Seconds to wait for every process to join.")
 _RESUME = flags.DEFINE_boolean("resume", True, "Resume from the workdir's latest checkpoint when there is one.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed for init and data order.")
 _LOG_EVERY = flags.DEFINE_integer("log_every", 20, "Log every N steps.")
@@ -47,27 +65,81 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.getLogger("absl").setLevel(logging.WARNING)
-    initialize_distributed()  # no-op unless launched multi-host
-    cfg = configs.get_config(_CONFIG.value, _SET.value)
+    if not _COMPILE_ONLY.value and not join_distributed(_INIT_TIMEOUT.value):  # compile-only: one process
+        return 3
+    cfg = configs.get_config(_CONFIG.value, [f"param_dtype={TRAIN_PARAM_DTYPE}", *_SET.value])
     opts = TrainOptions(
         workdir=_WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value, seq_len=_SEQ.value,
         learning_rate=_LR.value, weight_decay=_WD.value, optimizer=_OPT.value, quantile_balancing=_QB.value,
         mtp=_MTP.value, mtp_weight=_MTP_WEIGHT.value, data=_DATA.value, mesh=_MESH.value, resume=_RESUME.value,
         seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
-        halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value)
+        halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value,
+        grad_accum=_ACCUM.value, state_dtype=_STATE_DTYPE.value)
     if _COMPILE_ONLY.value:
-        if not libtpu_available():
-            raise app.UsageError("--compile_only needs libtpu (pip install 'jax[tpu]==<jax version>')")
-        if opts.mesh is None:
-            raise app.UsageError("--compile_only needs --mesh=data,expert,context,model for the topology's chips")
-        print(json.dumps(compile_train_step(cfg, _TOPOLOGY.value, parse_mesh(opts.mesh), batch_size=opts.batch_size,
-                                            seq_len=opts.seq_len, options=opts), indent=1))
-        return
+        return compile_only(cfg, opts, _TOPOLOGY.value)
     if opts.workdir is None:
         print("no --workdir: checkpoints and metrics are not saved", flush=True)
-    losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))
+    try:
+        losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))
+    except DoesNotFitError as e:
+        print(f"does not fit: {e}", file=sys.stderr, flush=True)
+        return 2
     if losses:
-        print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}")
+        print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}", flush=True)
+    return 0
+
+
+def join_distributed(timeout: int) -> bool:
+    """`jax.distributed.initialize` when launched multi-process (TPU pod auto-detection, or JAX_COORDINATOR_ADDRESS
+    / JAX_NUM_PROCESSES / JAX_PROCESS_ID); a no-op for one process. A peer that does not join within `timeout`
+    seconds makes jax's coordination client abort this process: a watchdog names the problem first (stderr)."""
+    if not is_multi_host_launch():
+        return True
+    what = (f"{os.environ.get('JAX_NUM_PROCESSES', 'all')} processes at the coordinator "
+            f"{os.environ.get('JAX_COORDINATOR_ADDRESS', '(auto-detected)')}")
+    print(f"joining jax.distributed: waiting up to {timeout} s for {what}", flush=True)
+
+    def complain():
+        print(f"not all {what.replace(' at ', ' joined ')} within --distributed_timeout={timeout} s: start the "
+              f"same command on every host (same JAX_COORDINATOR_ADDRESS and JAX_NUM_PROCESSES, a distinct "
+              f"JAX_PROCESS_ID each); this process ends now", file=sys.stderr, flush=True)
+
+    watchdog = threading.Timer(timeout, complain)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        initialize_distributed(initialization_timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - jax raises several types here; all mean the same to the user
+        watchdog.cancel()
+        complain()
+        print(f"({type(e).__name__}: {str(e)[:400]})", file=sys.stderr, flush=True)
+        return False
+    watchdog.cancel()
+    return True
+
+
+def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
+    """Compiles one training step for `topology` (mesh from --mesh or the config's plan over its chips) and prints
+    the compiler's per-chip memory next to the estimate."""
+    if not libtpu_available():
+        raise app.UsageError("--compile_only needs libtpu (pip install 'jax[tpu]==<jax version>')")
+    dims = topology.partition(":")[2]
+    try:
+        chips = math.prod(int(d) for d in dims.split("x"))
+    except ValueError:
+        raise app.UsageError(f"--topology={topology!r} is not GEN:AxBxC (e.g. v5p:8x8x16)") from None
+    sizes = mesh_sizes_for(opts.mesh, cfg, chips)
+    print(f"compile only: {cfg.name} on {topology} ({chips} chips), mesh {sizes} from {opts.mesh or 'auto'}",
+          flush=True)
+    micro = opts.batch_size // opts.grad_accum
+    est = estimate_memory(cfg, sizes, batch_size=micro, seq_len=opts.seq_len, optimizer=opts.optimizer,
+                          mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype)
+    print(f"estimate per chip: {est['total'] / 2**30:.2f} GiB ({format_breakdown(est)})", flush=True)
+    out = compile_train_step(cfg, topology, sizes, batch_size=opts.batch_size, seq_len=opts.seq_len, options=opts)
+    out.update(param_dtype=cfg.runtime.param_dtype, state_dtype=opts.state_dtype, grad_accum=opts.grad_accum,
+               estimate_total_gib=round(est["total"] / 2**30, 2))
+    print(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":

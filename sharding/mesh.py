@@ -13,6 +13,7 @@ import os
 from typing import Mapping, Sequence
 
 import jax
+from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from sharding.rules import MESH_AXES
@@ -43,7 +44,12 @@ def make_mesh(data: int = 1, expert: int = 1, context: int = 1, model: int = 1,
             f"mesh {described} needs {math.prod(shape)} devices but {len(devices)} "
             f"{'were given' if given else 'are available'} "
             f"(platform {devices[0].platform if devices else '?'}); choose sizes whose product is {len(devices)}")
-    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices)
+    axis_types = (AxisType.Auto,) * len(MESH_AXES)
+    try:
+        return jax.make_mesh(shape, MESH_AXES, axis_types=axis_types, devices=devices)
+    except NotImplementedError:  # a TPU torus whose axes no subset multiplies to a mesh axis (64 on 8x8x16)
+        grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
+        return Mesh(grid, MESH_AXES, axis_types=axis_types)
 
 
 def parse_mesh(text: str) -> dict[str, int]:

@@ -11,14 +11,18 @@ requires), a process holding several shards reads each one, and the global batch
 of processes: a 2-process run and a 1-process run on the same mesh shape see the same data
 (`tests/test_multiprocess.py`). With dp = 1 the rows are exactly `pipeline.make_dataset`'s (shard 0 of 1).
 
-`GlobalBatchIterator` is a `grain.DatasetIterator` (its state: one Grain state per local shard), so it checkpoints
-with `pipeline.checkpoint_save_args` / `checkpoint_restore_args` like the single-process iterator. Each yielded
-batch is a dict of global `jax.Array`s (`jax.make_array_from_callback` with the batch sharding).
+`GlobalBatchIterator` is a `grain.DatasetIterator` (its state: one Grain state per local shard). Its Orbax item
+(`checkpoint_save_args` / `checkpoint_restore_args`, `ShardStateHandler`) stores one JSON file per data-parallel
+shard (`shard_<j>-of-<dp>.json`, written by the lowest process holding shard j), not one per process: a run on any
+number of processes with the same data-parallel size restores it (each process reads the shards it holds), so a
+checkpoint of 2 processes resumes in 1 and the other way round. Each yielded batch is a dict of global `jax.Array`s
+(`jax.make_array_from_callback` with the batch sharding).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +30,8 @@ from typing import Any
 import grain
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
 from jax.sharding import Mesh, NamedSharding
 
 from k3jax.data import pipeline
@@ -47,6 +53,7 @@ class DataParallelLayout:
     dp_size: int
     rows_per_shard: int
     local_shards: tuple[int, ...]
+    writer_shards: tuple[int, ...] = ()  # the local shards this process is the lowest holder of (it saves them)
 
 
 def device_shards(mesh: Mesh) -> dict[jax.Device, int]:
@@ -67,11 +74,16 @@ def data_parallel_layout(mesh: Mesh, batch_size: int, process_index: int | None 
                          f"{' x '.join(f'{a}={mesh.shape[a]}' for a in axes)} = {dp} (mesh {dict(mesh.shape)}): "
                          f"every data-parallel shard holds the same number of rows")
     process_index = jax.process_index() if process_index is None else process_index
-    shards = {j for d, j in device_shards(mesh).items() if d.process_index == process_index}
+    by_device = device_shards(mesh)
+    shards = {j for d, j in by_device.items() if d.process_index == process_index}
     if not shards:
         raise ValueError(f"process {process_index} holds no device of mesh {dict(mesh.shape)}; every process "
                          f"must own devices of the training mesh (a mesh over a device subset leaves some out)")
-    return DataParallelLayout(dp, batch_size // dp, tuple(sorted(shards)))
+    lowest = {}
+    for d, j in by_device.items():
+        lowest[j] = min(lowest.get(j, d.process_index), d.process_index)
+    writers = tuple(sorted(j for j in shards if lowest[j] == process_index))
+    return DataParallelLayout(dp, batch_size // dp, tuple(sorted(shards)), writers)
 
 
 def assemble_global_batch(parts: Mapping[int, Mapping[str, np.ndarray]], mesh: Mesh,
@@ -144,3 +156,72 @@ def make_global_dataset(data_dir: str, mesh: Mesh, *, batch_size: int, seq_len: 
                                      shard_count=count, vocab_size=vocab_size)
 
     return GlobalBatchIterator(mesh, batch_size, make_shard, process_index=process_index)
+
+
+def _shard_file(directory: epath.Path, shard: int, dp_size: int) -> epath.Path:
+    return directory / f"shard_{shard}-of-{dp_size}.json"
+
+
+class ShardStateHandler(ocp.CheckpointHandler):
+    """Orbax handler of a `GlobalBatchIterator`'s state: one JSON file per data-parallel shard (module docstring).
+    Saved by the lowest process holding each shard; restored by every process from the files of its shards."""
+
+    def save(self, directory: epath.Path, args: ShardStateSave) -> None:
+        it = args.item
+        state = it.get_state()
+        for j in it.layout.writer_shards:
+            _shard_file(directory, j, it.layout.dp_size).write_text(json.dumps(state["shards"][str(j)]))
+
+    def restore(self, directory: epath.Path, args: ShardStateRestore) -> GlobalBatchIterator:
+        it = args.item
+        lay = it.layout
+        missing = [j for j in lay.local_shards if not _shard_file(directory, j, lay.dp_size).exists()]
+        if missing:
+            found = sorted(p.name for p in directory.iterdir())
+            raise ValueError(f"{directory} holds no data iterator state for data-parallel shards {missing} of "
+                             f"dp_size={lay.dp_size} (found {found[:8]}): restore on a mesh with the data-parallel "
+                             f"size (data x expert) the checkpoint was saved with; states written per process "
+                             f"(process_*.json) come from the per-process iterator and cannot be restored here")
+        it.set_state({"dp_size": lay.dp_size, "shards": {
+            str(j): json.loads(_shard_file(directory, j, lay.dp_size).read_text()) for j in lay.local_shards}})
+        return it
+
+    def structure(self, directory: epath.Path) -> None:
+        return None
+
+    def metadata(self, directory: epath.Path) -> None:
+        return None
+
+    def finalize(self, directory: epath.Path) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@ocp.args.register_with_handler(ShardStateHandler, for_save=True)
+@dataclasses.dataclass
+class ShardStateSave(ocp.args.CheckpointArgs):
+    item: GlobalBatchIterator
+
+
+@ocp.args.register_with_handler(ShardStateHandler, for_restore=True)
+@dataclasses.dataclass
+class ShardStateRestore(ocp.args.CheckpointArgs):
+    item: GlobalBatchIterator
+
+
+def checkpoint_save_args(iterator: grain.DatasetIterator) -> ocp.args.CheckpointArgs:
+    """Orbax args saving `iterator`: per data-parallel shard for a `GlobalBatchIterator`, else Grain's per-process
+    item (`pipeline.checkpoint_save_args`)."""
+    if isinstance(iterator, GlobalBatchIterator):
+        return ShardStateSave(iterator)
+    return pipeline.checkpoint_save_args(iterator)
+
+
+def checkpoint_restore_args(iterator: grain.DatasetIterator) -> ocp.args.CheckpointArgs:
+    """Orbax args restoring into `iterator` (a fresh one from the same arguments), in place; see
+    `checkpoint_save_args`."""
+    if isinstance(iterator, GlobalBatchIterator):
+        return ShardStateRestore(iterator)
+    return pipeline.checkpoint_restore_args(iterator)

@@ -4,6 +4,15 @@ explicit mesh, Orbax checkpoints with exact resume, metrics (loss, grad norm, lr
 One jitted step (`k3jax.training.step.make_sharded_train_step`) does: forward (main model + MTP layer) with document
 packing (segment ids), loss = LM loss + mtp_weight · MTP loss, gradients, optimizer update, then Quantile Balancing
 sets every MoE layer's router bias from the margin histogram the forward recorded (used from the next step).
+
+Start-up, in this order, so that a job that cannot run stops within seconds: the mesh (`--mesh` absent or 'auto':
+the config's parallelism plan over `jax.device_count()`, `sharding.plan`), the resume check, the per-device memory
+estimate (`memory.check_fit`: parameters, gradients, optimizer state, one micro-batch's activations; a
+`DoesNotFitError` names the smallest TPU slice that fits), then the model. Precision: parameters are stored in
+`cfg.runtime.param_dtype` (`train.py`: float32 masters, every matmul in `cfg.runtime.dtype`) and the optimizer
+state in `opts.state_dtype` (float32 by default). Input: `global_batch.make_global_dataset` (each process reads
+the rows of its data-parallel shards). Only process 0 logs and writes metrics; every process takes part in
+checkpoint saves (Orbax).
 """
 
 from __future__ import annotations
@@ -21,11 +30,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from jax.sharding import NamedSharding
-
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_config import check_config
 from k3jax.data import pipeline, prepare
+from k3jax.data.global_batch import make_global_dataset
 from k3jax.layers.params import RouterBias
 from k3jax.loading import load_checkpoint
 from k3jax.model import K3Model
@@ -34,12 +42,15 @@ from k3jax.param_count import count_params
 from k3jax.training import checkpointing
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
 from k3jax.training.loss import mtp_loss, next_token_loss, token_counts
+from k3jax.training.memory import GIB, check_fit
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
 from k3jax.training.step import make_sharded_train_step
 from sharding.expert_parallel import expert_parallel_metrics
-from sharding.mesh import make_mesh, parse_mesh
-from sharding.shard import batch_spec, plan_shardings
+from sharding.mesh import describe, make_mesh
+from sharding.plan import mesh_sizes_for, plan_for, plan_text
+from sharding.rules import LOGICAL_AXIS_RULES
+from sharding.shard import plan_shardings
 
 log = logging.getLogger(__name__)
 
@@ -64,12 +75,13 @@ class TrainOptions:
     checkpoint_every: int = 100  # also saved at the end and on SIGTERM
     keep_checkpoints: int = 3
     resume: bool = True
-    mesh: str | None = None  # "data,expert,context,model"; None: every device on 'data'
+    mesh: str | None = None  # "data,expert,context,model"; None or "auto": the config's plan (sharding/plan.py)
     halt_at_step: int | None = None  # stop (and save) after this step, as a preemption would
     context_stages: tuple[tuple[int, int], ...] = ()  # ((after_step, seq_len), ...): the context curriculum
     init_from: str | None = None  # a k3jax checkpoint (python -m k3jax.convert) to start from instead of random init
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size rows split into grad_accum micro-batches)
     muon_ns_dtype: str = "float32"  # Newton–Schulz matmul operands: "float32" or "bfloat16" (f32 accumulation)
+    state_dtype: str = "float32"  # optimizer state (momentum, AdamW moments): "float32" or "bfloat16"
 
     def __post_init__(self):
         if self.optimizer not in ("muon", "adamw"):
@@ -80,6 +92,8 @@ class TrainOptions:
         for name in ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if not self.learning_rate > 0:
@@ -93,6 +107,9 @@ class TrainOptions:
         """Options a resumed run must share with the checkpoint (the rest may change, e.g. --steps)."""
         return {k: getattr(self, k) for k in ("batch_size", "seq_len", "optimizer", "quantile_balancing", "mtp",
                                               "data", "seed", "context_stages")}
+
+
+STATE_DTYPES = ("float32", "bfloat16")
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -137,21 +154,37 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
     """A freshly initialised model (+ MTP layer) and its optimizer (unplaced)."""
     trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed))
     schedule = opts.schedule()
+    state_dtype = jnp.dtype(opts.state_dtype)
     if opts.optimizer == "muon":
         tx = make_optimizer(trainable, learning_rate=schedule, weight_decay=opts.weight_decay,
-                            max_grad_norm=opts.max_grad_norm, mu_dtype=jnp.float32,  # f32 state for bf16 params
-                            ns_dtype=opts.muon_ns_dtype)
+                            max_grad_norm=opts.max_grad_norm, mu_dtype=state_dtype, ns_dtype=opts.muon_ns_dtype)
     else:
-        tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay)
+        tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay, mu_dtype=state_dtype)
         if opts.max_grad_norm is not None:
             tx = optax.chain(optax.clip_by_global_norm(opts.max_grad_norm), tx)
-    return trainable, nnx.Optimizer(trainable, tx, wrt=nnx.Param)
+    return trainable, nnx.Optimizer(trainable, _state_in(tx, state_dtype), wrt=nnx.Param)
+
+
+def _state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """`tx` whose floating-point state is stored in `dtype` (every moment, also AdamW's second one, which optax
+    keeps in the parameters' dtype); the update itself computes in the promoted (f32) type."""
+    def cast(tree):
+        return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+    def init(params):
+        return cast(tx.init(params))
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, state, params)
+        return updates, cast(state)
+
+    return optax.GradientTransformation(init, update)
 
 
 def run_config(cfg: ModelConfig) -> ModelConfig:
     """The config a training run uses: `cfg` with routing statistics recorded (the expert-load metrics always;
     Quantile Balancing when `opts.quantile_balancing`)."""
-    return cfg if cfg.record_routing_stats else cfg.replace(record_routing_stats=True)
+    return cfg if cfg.runtime.record_routing_stats else cfg.replace(record_routing_stats=True)
 
 
 def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False):
@@ -177,20 +210,65 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     return trainable, optimizer, step, opts.schedule()
 
 
-def make_mesh_from_option(text: str | None):
-    if text is None:
-        return make_mesh(data=jax.device_count())
-    sizes = parse_mesh(text)
+def make_mesh_from_option(text: str | None, cfg: ModelConfig | None = None):
+    """The training mesh: `text` None or 'auto' -> the config's plan over `jax.device_count()`
+    (`sharding.plan.mesh_sizes_for`), else 'data,expert,context,model'. A mesh of n < all devices takes n / P
+    devices of each of the P processes (the first ones of each), so every process holds part of it."""
+    sizes = mesh_sizes_for(text, cfg if cfg is not None else {}, jax.device_count())
     n = math.prod(sizes.values())
-    if n < jax.device_count():  # an explicitly smaller mesh runs on the first n devices
-        log.warning("mesh %s uses %d of %d devices", text, n, jax.device_count())
+    if n >= jax.device_count():
+        return make_mesh(**sizes)
+    procs = jax.process_count()
+    log.warning("mesh %s uses %d of %d devices", text, n, jax.device_count())
+    if procs == 1:
         return make_mesh(**sizes, devices=jax.devices()[:n])
-    return make_mesh(**sizes)
+    if n % procs:
+        raise ValueError(f"mesh {text} has {n} devices, not a multiple of the {procs} processes: every process "
+                         f"must hold the same number of the mesh's devices")
+    per = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    devices = [d for p in range(procs) for d in [x for x in per if x.process_index == p][:n // procs]]
+    return make_mesh(**sizes, devices=devices)
 
 
-def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], *, seq_len: int, stage: int = 0):
-    """The Grain iterator over `opts.data` (prepared with `python -m k3jax.data.prepare`), or over the embedded
-    corpus prepared on the fly (byte tokens) when no data is given. Context stage s reads with seed + s."""
+def data_parallel_size(mesh) -> int:
+    """Rows of a batch are split over the 'batch' rule's mesh axes (data x expert)."""
+    axes = LOGICAL_AXIS_RULES["batch"]
+    axes = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def check_batch(opts: TrainOptions, mesh) -> None:
+    """batch_size / grad_accum rows per micro-batch, split evenly over the data-parallel shards."""
+    dp = data_parallel_size(mesh)
+    micro = opts.batch_size // opts.grad_accum
+    if micro % dp:
+        raise ValueError(f"--batch_size={opts.batch_size} / --grad_accum={opts.grad_accum} = {micro} rows per "
+                         f"micro-batch must be a multiple of the data-parallel size {dp} (data x expert of mesh "
+                         f"{dict(mesh.shape)}): every data-parallel shard holds the same number of rows; use "
+                         f"--batch_size a multiple of {dp * opts.grad_accum}")
+
+
+def check_memory(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[str], None]) -> dict:
+    """`memory.check_fit` for what training holds (parameters in cfg.runtime.param_dtype, no separate master, optimizer
+    state in opts.state_dtype, one micro-batch at the longest context stage); logs the per-device figures."""
+    seq_len = max([opts.seq_len] + [length for _, length in opts.context_stages])
+    est = check_fit(cfg, mesh, batch_size=opts.batch_size // opts.grad_accum, seq_len=seq_len,
+                    optimizer=opts.optimizer, mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype,
+                    plan=plan_for(cfg))
+    run = cfg.runtime
+    log_fn(f"memory per device (estimate): params {est['params'] / GIB:.2f} GiB ({run.param_dtype}, compute "
+           f"{run.dtype}), gradients {est['gradients'] / GIB:.2f} GiB, optimizer state {est['optimizer'] / GIB:.2f} "
+           f"GiB ({opts.state_dtype}), activations {est['activations'] / GIB:.2f} GiB ({est['rows_per_device']} x "
+           f"{seq_len} tokens per micro-batch), other {(est['other_state'] + est['batch']) / GIB:.2f} GiB; total "
+           f"{est['total'] / GIB:.2f} of {est['usable_bytes'] / GIB:.2f} GiB usable ({est['device_bytes_source']})")
+    return est
+
+
+def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], mesh, *, seq_len: int,
+              stage: int = 0):
+    """Global batches on `mesh` (`global_batch.make_global_dataset`: each process reads its data-parallel shards)
+    from `opts.data` (prepared with `python -m k3jax.data.prepare`), or from the embedded corpus prepared on the fly
+    (byte tokens) when no data is given. Context stage s reads with seed + s."""
     if opts.data is None:
         if cfg.vocab_size < 259:
             raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
@@ -205,11 +283,7 @@ def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None
                          f"config {cfg.name!r}'s vocab_size={cfg.vocab_size}")
     log_fn(f"data: {data_dir} ({meta.get('num_documents', '?')} documents, {meta.get('num_tokens', '?')} tokens), "
            f"seq_len {seq_len}")
-    procs = jax.process_count()
-    if opts.batch_size % procs:
-        raise ValueError(f"--batch_size={opts.batch_size} must be divisible by the number of processes ({procs})")
-    return pipeline.make_dataset(data_dir, batch_size=opts.batch_size // procs, seq_len=seq_len,
-                                 seed=opts.seed + stage)
+    return make_global_dataset(data_dir, mesh, batch_size=opts.batch_size, seq_len=seq_len, seed=opts.seed + stage)
 
 
 def parse_context_stages(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -242,21 +316,34 @@ def stage_at(opts: TrainOptions, step: int) -> tuple[int, int]:
 
 def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[str], None] = print) -> list[float]:
     """Trains for `opts.steps` steps (resuming from `opts.workdir` when it has a checkpoint); returns this run's
-    per-step losses. `data`: a Grain iterator of packed numpy batches (default: `open_data`, one per context
-    stage)."""
+    per-step losses. `data`: a Grain iterator of packed batches (default: `open_data`, one per context stage).
+    Raises `memory.DoesNotFitError` before anything is allocated when the step cannot fit the devices."""
     if data is not None and opts.context_stages:
         raise ValueError("context stages need the trainer to open each stage's data itself (pass data=None)")
-    mesh = make_mesh_from_option(opts.mesh)
+    if jax.process_index() != 0:  # one log and one metrics file per run
+        log_fn = _quiet
+    mesh = make_mesh_from_option(opts.mesh, cfg)
     cfg = run_config(cfg)
+    log_fn(f"mesh: {describe(mesh)} from {opts.mesh or 'auto'} (plan {plan_text(plan_for(cfg))}); "
+           f"{jax.process_count()} process(es), {jax.local_device_count()} local devices each")
+    check_batch(opts, mesh)
+    log_fn(f"tokens per step: {opts.batch_size} x {opts.seq_len} = {opts.batch_size * opts.seq_len:,}"
+           + (f" ({opts.grad_accum} micro-batches of {opts.batch_size // opts.grad_accum} rows)"
+              if opts.grad_accum > 1 else ""))
+    check_memory(cfg, opts, mesh, log_fn)
     # the checkpoint's setup is checked before the model is built: a mismatch or a finished run costs no init
     manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
-    meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys()}
+    dp = data_parallel_size(mesh)
+    meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys(), "data_parallel_size": dp}
     start = 0
     try:
         if manager is not None and opts.resume and manager.latest_step() is not None:
             start = manager.latest_step()
             path = os.path.join(checkpointing.checkpoint_dir(opts.workdir), str(start))
-            checkpointing.check_meta(checkpointing.read_meta(manager, start), cfg, opts.resume_keys(), path)
+            saved = checkpointing.read_meta(manager, start)
+            checkpointing.check_meta(saved, cfg, opts.resume_keys(), path)
+            if data is None:  # the trainer's GlobalBatchIterator: one saved state per data-parallel shard
+                _check_data_parallel(saved, dp, path, mesh)
         if start < opts.steps:
             trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
     except BaseException:
@@ -273,7 +360,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
            f"mesh={dict(mesh.shape)} optimizer={opts.optimizer} quantile_balancing={opts.quantile_balancing}")
     stage, seq_len = stage_at(opts, max(start, 1))
     if data is None:
-        data = open_data(cfg, opts, log_fn, seq_len=seq_len, stage=stage)
+        data = open_data(cfg, opts, log_fn, mesh, seq_len=seq_len, stage=stage)
     if start:
         state = checkpointing.restore(manager, start, nnx.state((trainable, optimizer)), data)
         nnx.update((trainable, optimizer), state)
@@ -284,7 +371,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
 
     active = count_params(cfg)["active_params"]
     peak = peak_flops_per_device()
-    metrics_log = MetricsLog(opts.workdir)
+    metrics_log = MetricsLog(opts.workdir if jax.process_index() == 0 else None)
     stop = _SignalFlag()
     losses: list[float] = []
     pending: list[tuple[int, jax.Array, dict]] = []
@@ -298,8 +385,8 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
                 _close(data)
                 stage, seq_len = new_stage, new_len
                 log_fn(f"step {i}: context stage {stage}: seq_len {seq_len}")
-                data = open_data(cfg, opts, log_fn, seq_len=seq_len, stage=stage)
-            batch = _global_batch(next(data), mesh)
+                data = open_data(cfg, opts, log_fn, mesh, seq_len=seq_len, stage=stage)
+            batch = next(data)
             loss, metrics = step_fn(trainable, optimizer, batch)
             pending.append((i, loss, metrics))
             steps_in_window += 1
@@ -338,7 +425,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
 def init_weights(model: K3Model, ckpt: str, mesh) -> None:
     """Copies a converted checkpoint's parameters and router biases into `model` (placed on `mesh`); the
     architectures must agree (runtime fields such as kda_impl may differ)."""
-    ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.param_dtype, mesh=mesh)
+    ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.runtime.param_dtype, mesh=mesh)
     check_config(ckpt_cfg, model.cfg)
     nnx.update(model, nnx.state(loaded, nnx.Any(nnx.Param, RouterBias)))
 
@@ -349,13 +436,18 @@ def _close(data) -> None:
         close()
 
 
-def _global_batch(local: dict, mesh) -> dict:
-    """Single process: the numpy batch as is (jit shards it). Multi-host: each process's rows become its part of
-    one global array sharded over the batch axes."""
-    if jax.process_count() == 1:
-        return local
-    sharding = NamedSharding(mesh, batch_spec(2))
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local.items()}
+def _check_data_parallel(saved: dict, dp: int, path: str, mesh) -> None:
+    """The data iterator state is one Grain state per data-parallel shard: a resume needs the same shard count."""
+    if saved.get("data_parallel_size") != dp:
+        raise checkpointing.CheckpointMismatchError(
+            f"cannot resume from {path}: its data iterator was saved for data-parallel size "
+            f"{saved.get('data_parallel_size', 'unknown (an older per-process checkpoint)')}, this run's mesh "
+            f"{dict(mesh.shape)} has {dp} (data x expert); resume with a mesh of the same data x expert size (any "
+            f"number of processes), or use a fresh --workdir")
+
+
+def _quiet(msg: str) -> None:
+    del msg
 
 
 def _drain(pending, losses):
