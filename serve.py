@@ -151,7 +151,8 @@ class _Opts:
 def _overrides() -> tuple[str, ...]:
     """`--set` overrides plus `--expert_weights` (a runtime choice the loaders and configs all accept)."""
     extra = (f"expert_weights={_EXPERT_WEIGHTS.value}",) if _EXPERT_WEIGHTS.value else ()
-    if _UNROLL.value and not any(s.split("=")[0].strip() == "scan_layers" for s in _SET.value):
+    if _UNROLL.value and not any(s.split("=")[0].strip().removeprefix("runtime.") == "scan_layers"
+                                 for s in _SET.value):
         extra += ("scan_layers=False",)
     return tuple(_SET.value) + extra
 

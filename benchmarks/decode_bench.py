@@ -460,14 +460,14 @@ def main():
     if not args.no_xla_defaults:  # as serve.py does, before the backend starts
         apply_serving_flags()
     start = time.perf_counter()
-    if not any(s.split("=")[0].strip() == "scan_layers" for s in args.set):
+    if not any(s.split("=")[0].strip().removeprefix("runtime.") == "scan_layers" for s in args.set):
         args.set.append("scan_layers=False")  # serve.py's default (--unroll_layers)
     cfg = configs.get_config(args.config, args.set)
     variants = parse_variants(args.variants)
     for _, sets in variants:  # fail on a bad key before the model is built
         configs.get_config(args.config, args.set + sets)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.dtype}), "
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}, config {cfg.name} ({cfg.runtime.dtype}), "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     records = []
     if args.out_dir:

@@ -1,6 +1,6 @@
 """Small configs: `tiny` (CPU tests and the README's training run) and `k3_gpu` (K3-shaped, one H200)."""
 
-from k3jax.config import ModelConfig
+from k3jax.config import ModelConfig, RuntimeConfig
 
 from configs import k3, kimi_linear
 
@@ -18,7 +18,6 @@ _TOY = dict(
     pad_token_id=BYTE_PAD,
     kda_num_heads=2,
     kda_head_dim=32,
-    kda_chunk_size=32,
     num_attention_heads=2,
     kv_lora_rank=32,
     qk_nope_head_dim=16,
@@ -27,10 +26,10 @@ _TOY = dict(
     num_experts=8,
     num_experts_per_token=2,
     moe_intermediate_size=32,
-    param_dtype="float32",
-    dtype="float32",
     max_position_embeddings=8192,
-    decode_loop_unroll=1,  # CPU tests and examples: half the decode compile time (the unroll pays on GPUs)
+    # f32 so CPU runs are fast and tests are tight; one decode step per loop iteration: half the decode compile
+    # time on CPU (the unroll pays on GPUs)
+    runtime=RuntimeConfig(param_dtype="float32", dtype="float32", kda_chunk_size=32, decode_loop_unroll=1),
 )
 
 

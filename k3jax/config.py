@@ -2,6 +2,8 @@
 
 Everything structural (which layers are KDA or MLA, dense or MoE, where AttnRes takes block snapshots, how layers
 group into scanned units) is derived here from the released config fields, so no other module re-derives it.
+How the model runs (dtypes, scanning, remat, kernel choices, training-time state) is a separate `RuntimeConfig`
+held as `ModelConfig.runtime`: every other field is architecture, so conversion needs no list of what to skip.
 """
 
 from __future__ import annotations
@@ -62,9 +64,131 @@ class LayerGroup:
         return len(self.pattern) * self.num_repeats
 
 
+_STATE = {"state": True}  # field metadata: the knob shapes the model's saved state (see RuntimeConfig.state_fields)
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """How a model is run: numerics, compilation, kernel choices and training-time state. None of it is part of an
+    HF `config.json` (conversion neither writes nor compares it); measurements behind the defaults are in
+    benchmarks/RESULTS.md (dated sections). Fields marked `_STATE` change the saved training state's layout."""
+
+    # --- numerics and compilation
+    param_dtype: str = dataclasses.field(default="bfloat16", metadata=_STATE)  # parameters (training: f32 master)
+    dtype: str = "bfloat16"  # activations and matmul operands
+    scan_layers: bool = dataclasses.field(default=True, metadata=_STATE)  # repeated units as one scanned group
+    remat: bool = True  # recompute each layer's activations in the backward pass
+    # --- KDA
+    kda_chunk_size: int = 64  # chunk length of the chunkwise KDA form (XLA path and kernel)
+    # "auto": the Pallas kernel on GPU/TPU when `kda_kernel_compatible` (K3's lower-bounded gate, power-of-two head
+    # dims), else the pure-JAX chunked path; "pallas" forces the kernel (the interpreter on CPU: exact, slow).
+    kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
+    # One-token KDA decode on the GPU kernel: "step" (XLA activates q/k/v/g/beta), "prologue" (short conv, norms and
+    # gate activations in the kernel), "prologue_output" (default, also the output RMSNorm and gate: fewest launches,
+    # fastest in RESULTS.md 2026-12-02). TPU and CPU decode in XLA.
+    kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue_output"
+    # Value columns per program of that kernel (a power of two >= 16; the head dim under "prologue_output").
+    kda_decode_block_v: int = 32
+    kda_decode_warps: int = 4  # warps per program of that kernel (power of two)
+    # --- MLA
+    # Absorbed one-token decode: "auto" = the paged Pallas kernel (pallas_kernels/mla) on GPU without a
+    # multi-device mesh, else "xla" (gather the pages, then einsums); "pallas" forces the kernel (interpreter off GPU).
+    mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
+    mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
+    # --- MoE
+    # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
+    moe_impl: Literal["dropless", "dense"] = "dropless"
+    # Expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless),
+    # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'.
+    moe_expert_parallel: str = "auto"
+    # How routed experts are held: 'bf16' (parameters in param_dtype, trainable) or 'mxfp4' (inference only: E2M1
+    # nibbles + E8M0 scales as uint8, decoded inside the grouped matmul).
+    expert_weights: Literal["bf16", "mxfp4"] = dataclasses.field(default="bf16", metadata=_STATE)
+    moe_decode_row_tile: int = 16  # rows per tile of the decode grouped matmuls (power of two >= 16; GPU only)
+    # Decode-step routed experts on the GPU kernels: "planned" (expert-sorted row plan, grouped matmuls), "assigned"
+    # (pallas_kernels/moe/assigned.py: top-k ids read directly, no plan) or "auto": assigned up to
+    # `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert, where it is faster (RESULTS.md 2026-12-01, 2026-12-02).
+    moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
+    moe_assigned_splits: int = 4  # programs per (expert, column tile) of the "assigned" kernels
+    # Load tiles "tk-tn-warps-stages" of the assigned GLU and down kernels ("" = assigned.ASSIGNED_TILING).
+    moe_assigned_glu_tiling: str = ""
+    moe_assigned_down_tiling: str = ""
+    # Launch order of those kernels: "expert" (in-flight programs share a column tile) or "column" (one expert's
+    # column tiles side by side).
+    moe_assigned_order: Literal["expert", "column"] = "expert"
+    # Expert selection of plan-free decode steps: "kernel" (pallas_kernels/moe/select.py: sigmoid, biased top-k and
+    # weights in one launch, RESULTS.md 2026-12-02) or "xla" (`route`).
+    moe_decode_select: Literal["xla", "kernel"] = "kernel"
+    # --- serving loop
+    # Decode steps per serving-loop iteration (`lax.scan(unroll=)`): fewer loop launches for N times the compile
+    # time; 2 is faster than 1 on a GPU (RESULTS.md 2026-12-02).
+    decode_loop_unroll: int = 2
+    # --- training-time state
+    # MoE layers record each step's routing-margin histogram and expert loads (Quantile Balancing and the training
+    # metrics read them; the trainer turns this on).
+    record_routing_stats: bool = dataclasses.field(default=False, metadata=_STATE)
+    routing_histogram_bins: int = dataclasses.field(default=256, metadata=_STATE)
+
+    def __post_init__(self):
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            _check_type(f.name, getattr(self, f.name), hints[f.name])
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        for name in ("kda_chunk_size", "routing_histogram_bins"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.mla_decode_splits < 0:
+            raise ConfigError(f"mla_decode_splits must be >= 0, got {self.mla_decode_splits}")
+        if self.decode_loop_unroll < 1:
+            raise ConfigError(f"decode_loop_unroll must be >= 1, got {self.decode_loop_unroll}")
+        if self.moe_assigned_splits < 1:
+            raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
+        for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
+            parse_kernel_tiling(name, getattr(self, name))
+        for name in ("kda_decode_block_v", "moe_decode_row_tile"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
+        if self.kda_decode_warps < 1 or self.kda_decode_warps & (self.kda_decode_warps - 1):
+            raise ConfigError(f"kda_decode_warps must be a power of two >= 1, got {self.kda_decode_warps}")
+        if not _EXPERT_PARALLEL_PATTERN.match(self.moe_expert_parallel) or (
+                self.moe_expert_parallel.startswith("capacity:") and not float(self.moe_expert_parallel[9:]) > 0):
+            raise ConfigError(f"moe_expert_parallel must be 'auto', 'dropless', 'off', 'capacity' or "
+                              f"'capacity:<factor>' with factor > 0 (e.g. 'capacity:1.25'), "
+                              f"got {self.moe_expert_parallel!r}")
+        if self.expert_weights == "mxfp4" and self.record_routing_stats:
+            raise ConfigError("expert_weights='mxfp4' is inference-only (packed experts have no gradients); "
+                              "training (record_routing_stats=True, set by the trainer) needs expert_weights='bf16'")
+
+    def replace(self, **overrides: Any) -> "RuntimeConfig":
+        names = _field_names(RuntimeConfig)
+        unknown = [k for k in overrides if k not in names]
+        if unknown:
+            raise ConfigError(_unknown_keys_message(unknown, names))
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def state_fields(cls) -> tuple[str, ...]:
+        """Knobs that change the saved training state (parameter layout and dtype, routing-statistics arrays): a
+        resume needs them unchanged; every other knob may differ between runs of one checkpoint."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("state"))
+
+    @property
+    def jnp_param_dtype(self):
+        return _DTYPES[self.param_dtype]
+
+    @property
+    def jnp_dtype(self):
+        return _DTYPES[self.dtype]
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Text backbone of Kimi K3 and its relatives. Field names follow the released config where one exists."""
+    """Text backbone of Kimi K3 and its relatives. Field names follow the released config where one exists; every
+    field but `runtime` is architecture (what an HF `config.json` holds). `replace`, `from_dict` and
+    `with_overrides` take runtime knobs as flat keys (or `runtime.<knob>`) and route them to `runtime`."""
 
     name: str = "custom"
     # --- trunk
@@ -83,6 +207,7 @@ class ModelConfig:
     eos_token_id: int = 163586
     pad_token_id: int = 163839
     initializer_range: float = 0.02
+    max_position_embeddings: int = 1048576
     # --- KDA
     kda_num_heads: int = 96
     kda_head_dim: int = 128
@@ -90,61 +215,6 @@ class ModelConfig:
     kda_gate: Literal["lower_bound", "softplus"] = "lower_bound"
     kda_gate_lower_bound: float = -5.0
     kda_output_gate: Literal["full_rank", "low_rank"] = "full_rank"
-    kda_chunk_size: int = 64
-    # "auto": the Pallas kernel on GPU/TPU when the gate is the K3 lower-bounded one (>= -5, the kernel's f32
-    # range) and head dims are powers of two >= 16, else the pure-JAX chunked path; "pallas" forces the kernel (the
-    # Pallas interpreter on CPU: exact but slow, for debugging).
-    kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
-    # MLA absorbed decode step (one token per sequence): "auto" = the paged Pallas kernel
-    # (pallas_kernels/mla: pages read once through the page table) on GPU without a multi-device mesh, else "xla"
-    # (gather every sequence's pages, then einsums); "pallas" forces the kernel (the Pallas interpreter off GPU:
-    # exact but slow, for tests). Under a multi-device mesh the XLA path always runs.
-    mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
-    # Page ranges per sequence of that kernel (flash-decoding splits; pallas_kernels/mla DecodeConfig.num_splits):
-    # 0 = auto (about 128 programs in all: 2 at batch 64), capped at the pages a sequence holds.
-    mla_decode_splits: int = 0
-    # KDA one-token decode on the Pallas decode kernel (GPU, kda_impl resolving to "pallas"): "prologue" also runs
-    # the short conv, SiLU, L2 norms and the gate / beta activations inside it (pallas_kernels/kda/decode_fused.py:
-    # one launch instead of ~8 small XLA kernels; k3_gpu decode B = 64 2% faster, benchmarks/RESULTS.md);
-    # "prologue_output" (default) also applies the layer's output RMSNorm and sigmoid gate in the kernel (one
-    # program per head: block_v = the head dim), so only o_proj follows it (one kernel less per layer: 0.974-0.993x
-    # the B = 64 step, 2026-12-02); "step" hands the kernel q/k/v/g/beta activated by XLA. TPU and CPU decode in XLA.
-    kda_decode_fusion: Literal["step", "prologue", "prologue_output"] = "prologue_output"
-    # Value columns per program of that fused decode kernel (a power of two >= 16; capped at the head dim; the head
-    # dim under "prologue_output"). 32: the 2026-11-30 sweep's best; 128 measured the same in the model (2026-12-01).
-    kda_decode_block_v: int = 32
-    # Warps per program of that kernel (a power of two). At block_v 128 with 4 warps it sits at 255 registers per
-    # thread, 2 programs per SM (Nsight Compute, RESULTS.md 2026-12-02); 8 is the untimed alternative.
-    kda_decode_warps: int = 4
-    # Rows per tile of those decode-sized grouped matmuls (a power of two >= 16): an expert with more rows than one
-    # tile streams its weights once per tile; 32 trades that for MMA rows wasted on emptier experts. GPU only.
-    moe_decode_row_tile: int = 16
-    # Routed experts of decode steps on the GPU kernels (one token per sequence, <= 256 tokens, bf16/f32 weights,
-    # one program): "planned" (the expert-sorted row plan, then the grouped GLU and down matmuls), "assigned"
-    # (pallas_kernels/moe/assigned.py: two kernels read the router's top-k ids directly, no plan, no row gather) or
-    # "auto" (default: "assigned" up to `assigned.AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, i.e. k3_gpu
-    # B <= 128: 0.94x the step time at B = 16, 0.96x at 64, 0.98x at 128, but 1.07x at 256; RESULTS.md, sessions
-    # 14-15). TPU and XLA paths ignore it.
-    moe_decode_experts: Literal["auto", "planned", "assigned"] = "auto"
-    # Programs per (expert, column tile) of the "assigned" kernels: split s walks row tiles s, s + splits, ...
-    # (k3_gpu B = 64: 1 / 2 / 4 splits 0.988 / 0.968 / 0.959x the planned step time).
-    moe_assigned_splits: int = 4
-    # Load tiles of those two kernels, "tk-tn-warps-stages" each (tk / tn powers of two; "" = the kernels' default,
-    # pallas_kernels.moe.assigned.ASSIGNED_TILING: 64-128-4-4), for the GLU (gate + up) and the down kernel.
-    moe_assigned_glu_tiling: str = ""
-    moe_assigned_down_tiling: str = ""
-    # Launch order of those kernels after the splits: "expert" (default: the programs in flight stream many experts'
-    # same column tile) or "column" (one expert's column tiles side by side: whole weight rows in flight).
-    moe_assigned_order: Literal["expert", "column"] = "expert"
-    # Expert selection of those plan-free decode steps: "kernel" (default: pallas_kernels/moe/select.py: the
-    # router's sigmoid, biased top-k, weights and renormalisation in one launch; k3_gpu B = 16 / 64: 0.99-1.00x the
-    # step time, RESULTS.md, 2026-12-02)
-    # or "xla" (`route`'s sigmoid, top-k sort, gather and division).
-    moe_decode_select: Literal["xla", "kernel"] = "kernel"
-    # Decode steps per iteration of the serving decode loop (`lax.scan(unroll=)` in the scheduler's `_decode`): >1
-    # puts several steps into one loop body (one CUDA graph launch on a GPU), at that many times the decode compile
-    # time. 2 (default): k3_gpu B = 64 0.964 / 0.969x the step time of 1 (two processes, RESULTS.md, 2026-12-02).
-    decode_loop_unroll: int = 2
     # --- MLA
     num_attention_heads: int = 96
     q_lora_rank: int | None = 1536  # None: plain q_proj (Kimi-Linear)
@@ -165,28 +235,12 @@ class ModelConfig:
     moe_renormalize: bool = True
     num_expert_group: int = 1
     topk_group: int = 1
-    moe_impl: Literal["dropless", "dense"] = "dropless"
-    # expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless there),
-    # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'
-    moe_expert_parallel: str = "auto"
-    # how the routed experts are held: 'bf16' (parameters in param_dtype, trainable) or 'mxfp4' (inference only:
-    # E2M1 nibbles + E8M0 scales as uint8, 4.25 bits per weight, decoded inside the grouped matmul)
-    expert_weights: Literal["bf16", "mxfp4"] = "bf16"
     # --- Block Attention Residuals
     attn_res_block_size: int | None = 12  # None: plain residual stream (Kimi-Linear)
     # --- MTP
     num_nextn_predict_layers: int = 0
-    # --- training-time state
-    # MoE layers record this step's routing-margin histogram and expert loads (Quantile Balancing and the training
-    # metrics read them; train.py turns this on)
-    record_routing_stats: bool = False
-    routing_histogram_bins: int = 256
-    # --- numerics and compilation
-    param_dtype: str = "bfloat16"
-    dtype: str = "bfloat16"
-    scan_layers: bool = True
-    remat: bool = True
-    max_position_embeddings: int = 1048576
+    # --- how the model runs (not architecture)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self):
@@ -197,10 +251,9 @@ class ModelConfig:
             object.__setattr__(self, "full_attn_layers", tuple(self.full_attn_layers))
         positive = [
             "vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kda_num_heads", "kda_head_dim",
-            "kda_short_conv_kernel_size", "kda_chunk_size", "num_attention_heads", "kv_lora_rank",
-            "kda_decode_block_v", "qk_nope_head_dim", "v_head_dim", "num_experts", "num_experts_per_token",
-            "moe_intermediate_size", "num_expert_group", "topk_group", "max_position_embeddings",
-            "routing_histogram_bins",
+            "kda_short_conv_kernel_size", "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
+            "num_experts", "num_experts_per_token", "moe_intermediate_size", "num_expert_group", "topk_group",
+            "max_position_embeddings",
         ]
         for name in positive:
             if getattr(self, name) <= 0:
@@ -209,8 +262,7 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and v <= 0:
                 raise ConfigError(f"{name} must be > 0 or None, got {v}")
-        for name in ["qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers",
-                     "mla_decode_splits"]:
+        for name in ["qk_rope_head_dim", "num_shared_experts", "first_k_dense_replace", "num_nextn_predict_layers"]:
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ["rms_norm_eps", "mla_lora_norm_eps", "activation_situ_beta", "activation_situ_linear_beta",
@@ -219,19 +271,7 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.kda_gate_lower_bound < 0:
             raise ConfigError(f"kda_gate_lower_bound must be < 0, got {self.kda_gate_lower_bound}")
-        if self.decode_loop_unroll < 1:
-            raise ConfigError(f"decode_loop_unroll must be >= 1, got {self.decode_loop_unroll}")
-        if self.moe_assigned_splits < 1:
-            raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
-        for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
-            parse_kernel_tiling(name, getattr(self, name))
-        for name in ("kda_decode_block_v", "moe_decode_row_tile"):
-            v = getattr(self, name)
-            if v < 16 or v & (v - 1):
-                raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
-        if self.kda_decode_warps < 1 or self.kda_decode_warps & (self.kda_decode_warps - 1):
-            raise ConfigError(f"kda_decode_warps must be a power of two >= 1, got {self.kda_decode_warps}")
-        if self.kda_impl == "pallas" and not self.kda_kernel_compatible:
+        if self.runtime.kda_impl == "pallas" and not self.kda_kernel_compatible:
             raise ConfigError(
                 "kda_impl='pallas' needs kda_gate='lower_bound' with kda_gate_lower_bound >= -5 (the kernel's f32 "
                 f"range) and a power-of-two kda_head_dim >= 16; got kda_gate={self.kda_gate!r}, "
@@ -259,75 +299,59 @@ class ModelConfig:
             raise ConfigError(
                 f"topk_group={self.topk_group} groups of {per_group} experts cannot hold "
                 f"num_experts_per_token={self.num_experts_per_token}")
-        for name in ["param_dtype", "dtype"]:
-            if getattr(self, name) not in _DTYPES:
-                raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
         for name in ["bos_token_id", "eos_token_id", "pad_token_id"]:
             if not 0 <= getattr(self, name) < self.vocab_size:
                 raise ConfigError(f"{name}={getattr(self, name)} must be in [0, vocab_size={self.vocab_size})")
         if self.num_nextn_predict_layers > 1:
             raise ConfigError(f"num_nextn_predict_layers > 1 is not supported, got {self.num_nextn_predict_layers}")
-        if not _EXPERT_PARALLEL_PATTERN.match(self.moe_expert_parallel) or (
-                self.moe_expert_parallel.startswith("capacity:") and not float(self.moe_expert_parallel[9:]) > 0):
-            raise ConfigError(f"moe_expert_parallel must be 'auto', 'dropless', 'off', 'capacity' or "
-                              f"'capacity:<factor>' with factor > 0 (e.g. 'capacity:1.25'), "
-                              f"got {self.moe_expert_parallel!r}")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise ConfigError("latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
-        if self.expert_weights == "mxfp4":
+        if self.runtime.expert_weights == "mxfp4":
             bad = {n: v for n, v in (("expert width (routed_expert_hidden_size or hidden_size)",
                                       self.expert_input_size), ("moe_intermediate_size", self.moe_intermediate_size))
                    if v % 32}
             if bad:
                 raise ConfigError(f"expert_weights='mxfp4' needs both expert matmul input widths divisible by the "
                                   f"MXFP4 group of 32; got {', '.join(f'{n}={v}' for n, v in bad.items())}")
-            if self.record_routing_stats:
-                raise ConfigError("expert_weights='mxfp4' is inference-only (packed experts have no gradients); "
-                                  "training (record_routing_stats=True, set by the trainer) needs "
-                                  "expert_weights='bf16'")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> "ModelConfig":
-        """Builds a config from a plain mapping; unknown keys are an error that suggests the closest field."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = [k for k in values if k not in names]
-        if unknown:
-            raise ConfigError(_unknown_keys_message(unknown, names))
-        return cls(**dict(values))
+        """Builds a config from a plain mapping (`to_dict`'s nested `runtime`, or runtime knobs as flat keys, as
+        older files hold them); unknown keys are an error that suggests the closest field."""
+        return cls().replace(**values)
 
     def replace(self, **overrides: Any) -> "ModelConfig":
-        names = {f.name for f in dataclasses.fields(self)}
-        unknown = [k for k in overrides if k not in names]
-        if unknown:
-            raise ConfigError(_unknown_keys_message(unknown, names))
-        return dataclasses.replace(self, **overrides)
+        """A copy with `overrides` applied: architecture fields, `runtime` (a RuntimeConfig, or a mapping of knobs
+        applied to the current one), and runtime knobs as `knob` or `runtime.knob`."""
+        arch, knobs = _split_keys(overrides)
+        runtime = arch.pop("runtime", self.runtime)
+        if isinstance(runtime, Mapping):
+            runtime = self.runtime.replace(**runtime)
+        if knobs:
+            runtime = runtime.replace(**knobs)
+        return dataclasses.replace(self, **arch, runtime=runtime)
 
     def with_overrides(self, assignments: list[str] | tuple[str, ...]) -> "ModelConfig":
-        """Applies `key=value` strings (command-line `--set`), parsing each value by the field's type."""
-        hints = typing.get_type_hints(type(self))
+        """Applies `key=value` strings (command-line `--set`), parsing each value by the field's type; a runtime
+        knob is named as `knob` or `runtime.knob`."""
+        hints = {**typing.get_type_hints(ModelConfig), **typing.get_type_hints(RuntimeConfig)}
         overrides = {}
         for item in assignments:
             if "=" not in item:
                 raise ConfigError(f"override {item!r} is not of the form key=value")
             key, raw = item.split("=", 1)
             key = key.strip()
-            if key not in hints or key not in {f.name for f in dataclasses.fields(self)}:
-                raise ConfigError(_unknown_keys_message([key], {f.name for f in dataclasses.fields(self)}))
-            overrides[key] = _parse_value(key, raw.strip(), hints[key])
+            if key == "runtime":
+                raise ConfigError("override runtime knobs one by one: `knob=value` or `runtime.knob=value`")
+            arch, knobs = _split_keys({key: None})  # raises for an unknown key, naming the closest field
+            name = next(iter(arch or knobs))
+            overrides[name] = _parse_value(name, raw.strip(), hints[name])
         return self.replace(**overrides)
 
     def to_dict(self) -> dict[str, Any]:
+        """Plain values; the runtime knobs nested under "runtime"."""
         return dataclasses.asdict(self)
-
-    # ------------------------------------------------------------------ numerics
-    @property
-    def jnp_param_dtype(self):
-        return _DTYPES[self.param_dtype]
-
-    @property
-    def jnp_dtype(self):
-        return _DTYPES[self.dtype]
 
     # ------------------------------------------------------------------ derived structure
     @property
@@ -385,11 +409,11 @@ class ModelConfig:
         then layer 92 (the trailing MLA) singly.
         """
         kinds = [(s.attn, s.ffn) for s in self.layer_specs()]
-        unit = self.unit_length if self.scan_layers else 1
+        unit = self.unit_length if self.runtime.scan_layers else 1
         groups: list[LayerGroup] = []
         i, n = 0, len(kinds)
         while i < n:
-            if unit > 1 and self.scan_layers and i % unit == 0 and i + unit <= n:
+            if unit > 1 and self.runtime.scan_layers and i % unit == 0 and i + unit <= n:
                 pattern = tuple(kinds[i:i + unit])
                 count = 1
                 while i + (count + 1) * unit <= n and tuple(kinds[i + count * unit:i + (count + 1) * unit]) == pattern:
@@ -409,11 +433,36 @@ class ModelConfig:
 
 # ---------------------------------------------------------------------- helpers
 
+def _field_names(cls) -> frozenset[str]:
+    return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+_ARCH_FIELDS = _field_names(ModelConfig)  # includes "runtime"
+_KNOBS = _field_names(RuntimeConfig)
+assert not _ARCH_FIELDS & _KNOBS, "a flat key must name one field"
+
+
+def _split_keys(values: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(architecture fields and `runtime`, runtime knobs) of `replace`-style keys: a knob may be written `knob` or
+    `runtime.knob`. Unknown keys raise ConfigError suggesting the closest field of either."""
+    arch, knobs, unknown = {}, {}, []
+    for key, value in values.items():
+        name = key.removeprefix("runtime.")
+        if name in _KNOBS:
+            knobs[name] = value
+        elif key in _ARCH_FIELDS:
+            arch[key] = value
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ConfigError(_unknown_keys_message(unknown, _ARCH_FIELDS | _KNOBS))
+    return arch, knobs
+
 
 def _unknown_keys_message(unknown, names) -> str:
     parts = []
     for key in unknown:
-        close = difflib.get_close_matches(key, sorted(names), n=1)
+        close = difflib.get_close_matches(key.removeprefix("runtime."), sorted(names), n=1)
         parts.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     return f"unknown config key(s): {', '.join(parts)}"
 
@@ -447,6 +496,8 @@ def _check_type(name: str, value: Any, hint: Any) -> None:
     elif hint is str:
         if not isinstance(value, str):
             raise ConfigError(f"{name} must be a string, got {value!r}")
+    elif dataclasses.is_dataclass(hint) and not isinstance(value, hint):
+        raise ConfigError(f"{name} must be a {hint.__name__}, got {value!r}")
 
 
 def _parse_value(name: str, raw: str, hint: Any) -> Any:

@@ -27,16 +27,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from k3jax.config import ConfigError, ModelConfig
+from k3jax.config import ConfigError, ModelConfig, RuntimeConfig
 from k3jax.convert.checkpoint import (abstract_model, checkpoint_values, convert_item, hf_values, make_plan, open_hf,
                                       restore_item)
 from k3jax.convert.checkpoint import save_checkpoint as _save_converted
-from k3jax.convert.hf_config import RUNTIME_FIELDS
 from k3jax.data.tokenizer import load_tokenizer as _load_tokenizer
 from k3jax.ops.gmm import MXFP4Experts
 from sharding.shard import plan_shardings
 
 EXPERT_WEIGHTS = ("bf16", "mxfp4")
+# Knobs a load may override: every runtime knob but the dtypes (the `dtype` argument sets both).
+_OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(RuntimeConfig)) - {"param_dtype", "dtype"}
 _QUANTIZE_CHUNK_BYTES = 256 << 20  # f32 bytes of dense experts quantized per host call
 
 
@@ -116,13 +117,13 @@ def _expert_weights_choice(overrides, expert_weights, config=None):
     rest, chosen = [], None
     for o in overrides:
         key, _, value = str(o).partition("=")
-        if key.strip() == "expert_weights":
+        if key.strip().removeprefix("runtime.") == "expert_weights":
             chosen = value.strip()
         else:
             rest.append(o)
     chosen = expert_weights if expert_weights is not None else chosen
-    if chosen is None and isinstance(config, ModelConfig) and config.expert_weights != "bf16":
-        chosen = config.expert_weights
+    if chosen is None and isinstance(config, ModelConfig) and config.runtime.expert_weights != "bf16":
+        chosen = config.runtime.expert_weights
     if chosen is not None and chosen not in EXPERT_WEIGHTS:
         raise ConfigError(f"expert_weights must be one of {', '.join(EXPERT_WEIGHTS)}, got {chosen!r}")
     return rest, chosen
@@ -131,7 +132,7 @@ def _expert_weights_choice(overrides, expert_weights, config=None):
 def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
     if not overrides:
         return cfg
-    bad = [o for o in overrides if o.split("=", 1)[0].strip() not in RUNTIME_FIELDS - {"param_dtype", "dtype"}]
+    bad = [o for o in overrides if o.split("=", 1)[0].strip().removeprefix("runtime.") not in _OVERRIDABLE]
     if bad:
         raise ValueError(f"only runtime fields can be overridden when loading weights, not {bad}")
     return cfg.with_overrides(list(overrides))
@@ -231,10 +232,10 @@ def _host_quantizer():
 
 def save_checkpoint(model, out: str, overwrite: bool = False) -> str:
     """Writes `model` as a k3jax Orbax checkpoint (convertible to HF with `python -m k3jax.convert --to_hf`)."""
-    if model.cfg.expert_weights != "bf16":
+    if model.cfg.runtime.expert_weights != "bf16":
         raise ConfigError(f"save_checkpoint writes parameter (bf16/f32) experts; this model holds them as "
-                          f"{model.cfg.expert_weights!r} (inference-only). Keep MXFP4 experts in a checkpoint by "
-                          f"converting the HF release with `python -m k3jax.convert --experts mxfp4`")
+                          f"{model.cfg.runtime.expert_weights!r} (inference-only). Keep MXFP4 experts in a "
+                          f"checkpoint by converting the HF release with `python -m k3jax.convert --experts mxfp4`")
 
     return _save_converted(model, out, overwrite=overwrite)
 

@@ -100,7 +100,7 @@ class DecoderLayer(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, attn: str, ffn: str, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        pd = cfg.jnp_param_dtype
+        pd = cfg.runtime.jnp_param_dtype
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=pd)
         self.self_attn = KDA(cfg, rngs=rngs) if attn == "kda" else MLA(cfg, rngs=rngs)
@@ -172,7 +172,7 @@ class ScannedUnits(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs):
         self.group = group
-        self.remat = cfg.remat
+        self.remat = cfg.runtime.remat
 
         @nnx.split_rngs(splits=group.num_repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -217,7 +217,7 @@ class K3Model(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        pd = cfg.jnp_param_dtype
+        pd = cfg.runtime.jnp_param_dtype
         self.embed_tokens = params.normal(rngs, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"), pd, std=1.0)
         groups = []
         for group in cfg.layer_groups():
@@ -234,7 +234,7 @@ class K3Model(nnx.Module):
             self.lm_head = params.normal(rngs, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def embed(self, input_ids_bt: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.cfg.jnp_dtype)
+        return jnp.take(self.embed_tokens[...], input_ids_bt, axis=0).astype(self.cfg.runtime.jnp_dtype)
 
     def hidden_states(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Final normed hidden states [B, T, D] (before the head).
@@ -308,7 +308,7 @@ class K3Model(nnx.Module):
         return self.logits(h), cache
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
-        dt = self.cfg.jnp_dtype
+        dt = self.cfg.runtime.jnp_dtype
         if self.cfg.tie_word_embeddings:  # a transposed view: the XLA product (no per-step transposed copy)
             emb_vd = self.embed_tokens[...]
             return constrain(unless_single_row(lambda h: jnp.einsum(

@@ -25,7 +25,7 @@ from k3jax.model import DecoderLayer
 
 class MTPLayer(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        d, pd = cfg.hidden_size, cfg.jnp_param_dtype
+        d, pd = cfg.hidden_size, cfg.runtime.jnp_param_dtype
         self.cfg = cfg
         self.hidden_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pd)  # DeepSeek-V3 `hnorm`
         self.embed_norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pd)  # `enorm`
@@ -38,7 +38,7 @@ class MTPLayer(nnx.Module):
     def __call__(self, h_btd: jax.Array, next_embed_btd: jax.Array,
                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """The MTP hidden state (normed) for every position: [B, T, D]."""
-        dt = self.cfg.jnp_dtype
+        dt = self.cfg.runtime.jnp_dtype
         x = jnp.concatenate([self.hidden_norm(h_btd).astype(dt), self.embed_norm(next_embed_btd).astype(dt)], -1)
         x = x @ self.eh_proj[...].astype(dt)
         empty_bank = jnp.zeros((0,) + x.shape, x.dtype)

@@ -92,22 +92,22 @@ def active_mode(cfg: ModelConfig, batch: int, seq: int) -> tuple[str, float | No
     of size > 1, outside any `shard_map`. With 'auto', shapes the mesh cannot split evenly fall back (logged);
     an explicit mode raises `ExpertParallelError` instead.
     """
-    mode, factor = parse_mode(cfg.moe_expert_parallel)
+    mode, factor = parse_mode(cfg.runtime.moe_expert_parallel)
     if mode == "off":
         return None
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or _axis(mesh, EXPERT_AXIS) == 1 or mesh.manual_axes:
         return None
     if mode == "auto":
-        if cfg.moe_impl == "dense":
+        if cfg.runtime.moe_impl == "dense":
             return None
         mode = "dropless"
     problem = _shape_problem(cfg, mesh, batch, seq)
     if problem:
-        if cfg.moe_expert_parallel == "auto":
+        if cfg.runtime.moe_expert_parallel == "auto":
             log.warning("expert parallelism off for this MoE call: %s", problem)
             return None
-        raise ExpertParallelError(f"moe_expert_parallel={cfg.moe_expert_parallel!r}: {problem}")
+        raise ExpertParallelError(f"moe_expert_parallel={cfg.runtime.moe_expert_parallel!r}: {problem}")
     return mode, factor
 
 

@@ -6,7 +6,7 @@ import math
 import pytest
 
 import configs
-from k3jax.config import ConfigError, ModelConfig
+from k3jax.config import ConfigError, ModelConfig, RuntimeConfig
 from k3jax.param_count import count_params
 from tests.reference import numpy_k3 as ref
 
@@ -43,10 +43,61 @@ def test_unknown_keys_suggest_the_closest_field():
         configs.get_config("k4")
 
 
+def test_runtime_knobs_route_through_replace_set_and_from_dict():
+    """A key naming a runtime knob (`knob` or `runtime.knob`) lands in `cfg.runtime`; architecture keys stay on the
+    config; to_dict nests the knobs and from_dict reads that back, or the flat form older files hold."""
+    cfg = configs.get_config("tiny")
+    got = cfg.replace(kda_impl="recurrent", hidden_size=96, **{"runtime.remat": False})
+    assert (got.runtime.kda_impl, got.runtime.remat, got.hidden_size) == ("recurrent", False, 96)
+    assert got.runtime == cfg.runtime.replace(kda_impl="recurrent", remat=False)
+    assert cfg.replace(runtime={"scan_layers": False}).runtime == cfg.runtime.replace(scan_layers=False)
+    assert cfg.replace(runtime=RuntimeConfig()).runtime == RuntimeConfig()
+    set_ = configs.get_config("tiny", ["runtime.kda_chunk_size=16", "moe_decode_row_tile=32", "kda_impl=chunked"])
+    assert (set_.runtime.kda_chunk_size, set_.runtime.moe_decode_row_tile, set_.runtime.kda_impl) == (
+        16, 32, "chunked")
+    assert set_.runtime.param_dtype == "float32"  # the named config's other knobs are kept
+    d = got.to_dict()
+    assert d["runtime"]["kda_impl"] == "recurrent" and "kda_impl" not in d and d["hidden_size"] == 96
+    assert ModelConfig.from_dict(d) == got
+    flat = {k: v for k, v in d.items() if k != "runtime"} | d["runtime"]
+    assert ModelConfig.from_dict(flat) == got
+    with pytest.raises(ConfigError, match="kda_chunk_size must be > 0"):
+        cfg.replace(kda_chunk_size=0)
+    with pytest.raises(ConfigError, match="runtime must be a RuntimeConfig"):
+        ModelConfig(runtime="fast")
+    with pytest.raises(ConfigError, match="one by one"):
+        cfg.with_overrides(["runtime=x"])
+
+
+def test_unknown_keys_suggest_across_architecture_and_runtime():
+    cfg = configs.get_config("tiny")
+    with pytest.raises(ConfigError, match=r"'kda_imp' \(did you mean 'kda_impl'\?\)"):
+        cfg.replace(kda_imp="chunked")
+    with pytest.raises(ConfigError, match=r"'runtime.scan_layer' \(did you mean 'scan_layers'\?\)"):
+        configs.get_config("tiny", ["runtime.scan_layer=false"])
+    with pytest.raises(ConfigError, match=r"'hiden_size' \(did you mean 'hidden_size'\?\)"):
+        configs.get_config("tiny", ["hiden_size=3"])
+    with pytest.raises(ConfigError, match=r"'runtime.hidden_size' \(did you mean 'hidden_size'\?\)"):
+        cfg.replace(**{"runtime.hidden_size": 3})  # architecture is not reachable under runtime.
+    with pytest.raises(ConfigError, match=r"'record_routing_stat' \(did you mean 'record_routing_stats'\?\)"):
+        ModelConfig.from_dict({"record_routing_stat": True})
+
+
+def test_cross_validation_sees_architecture_and_runtime():
+    """Checks that need both halves run on the whole config; runtime-only checks on RuntimeConfig alone."""
+    with pytest.raises(ConfigError, match="kda_impl='pallas' needs kda_gate='lower_bound'"):
+        configs.get_config("tiny_kimi_linear").replace(kda_impl="pallas")
+    with pytest.raises(ConfigError, match="MXFP4 group of 32"):
+        configs.get_config("tiny").replace(expert_weights="mxfp4", moe_intermediate_size=48)
+    with pytest.raises(ConfigError, match="expert_weights='mxfp4' is inference-only"):
+        RuntimeConfig(expert_weights="mxfp4", record_routing_stats=True)
+    assert all(g.num_repeats == 1 for g in configs.get_config("tiny", ["scan_layers=false"]).layer_groups())
+
+
 def test_string_overrides_are_parsed_by_field_type():
     cfg = configs.get_config("tiny", ["hidden_size=96", "kda_impl=recurrent", "q_lora_rank=None",
                                       "full_attn_layers=4,8,12,13", "remat=false", "rms_norm_eps=1e-6"])
-    assert (cfg.hidden_size, cfg.kda_impl, cfg.q_lora_rank, cfg.remat, cfg.rms_norm_eps) == (
+    assert (cfg.hidden_size, cfg.runtime.kda_impl, cfg.q_lora_rank, cfg.runtime.remat, cfg.rms_norm_eps) == (
         96, "recurrent", None, False, 1e-6)
     with pytest.raises(ConfigError, match="hidden_size needs a int"):
         configs.get_config("tiny", ["hidden_size=big"])

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
 import configs
-from k3jax.config import ConfigError
-from k3jax.convert.hf_config import RUNTIME_FIELDS, check_config, config_from_hf, config_to_hf
+from k3jax.config import ConfigError, RuntimeConfig
+from k3jax.convert.hf_config import ARCH_FIELDS, check_config, config_from_hf, config_to_hf
 from tests.test_convert_fixtures import k3_hf_config, kimi_linear_hf_config
 
 
 def _arch(cfg):
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in RUNTIME_FIELDS}
+    return {name: getattr(cfg, name) for name in ARCH_FIELDS if name != "name"}
 
 
 @pytest.mark.parametrize("name", ["k3", "kimi_linear", "tiny", "tiny_kimi_linear", "k3_gpu"])
@@ -67,3 +68,21 @@ def test_check_config_lists_every_field():
     for field in ("hidden_size", "num_experts", "kda_gate"):
         assert f"{field}: config.json has" in str(err.value)
     check_config(cfg, cfg.replace(kda_impl="recurrent", param_dtype="bfloat16"))  # runtime fields are not compared
+
+
+def test_conversion_ignores_runtime_knobs_without_a_list():
+    """Every ModelConfig field but `runtime` is architecture: config_to_hf writes no runtime knob, config_from_hf
+    takes none from a config.json that carries some, and check_config lets every knob differ."""
+    cfg = configs.get_config("tiny")
+    knobs = {f.name for f in dataclasses.fields(RuntimeConfig)}
+    assert set(ARCH_FIELDS) == {f.name for f in dataclasses.fields(cfg)} - {"runtime"}
+    assert not knobs & set(ARCH_FIELDS)
+    running = cfg.replace(kda_impl="recurrent", scan_layers=False, remat=False, moe_impl="dense", dtype="bfloat16",
+                          param_dtype="bfloat16", kda_chunk_size=16, decode_loop_unroll=3, moe_expert_parallel="off",
+                          record_routing_stats=True, routing_histogram_bins=8, mla_decode_impl="xla")
+    hf = config_to_hf(running)
+    assert hf == config_to_hf(cfg)
+    assert not knobs & set(json.dumps(hf).replace('"', " ").split())  # no knob name anywhere in config.json
+    check_config(config_from_hf(hf), running)
+    hf["text_config"].update(kda_impl="recurrent", scan_layers=False, routing_histogram_bins=8, runtime={})
+    assert config_from_hf(hf).runtime == RuntimeConfig()

@@ -37,7 +37,7 @@ def test_k3_mxfp4_checkpoint_matches_reference(tmp_path):
     decoded, _ = write_hf_dir(tmp_path / "hf", cfg, k3=True, seed=1, a_log_len=128)
     hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "ckpt"), config="tiny", dtype="f32", experts="mxfp4")
     got_cfg, model = k3jax.load_checkpoint(str(tmp_path / "ckpt"), overrides=FAST)
-    assert got_cfg.param_dtype == "float32" and got_cfg.kda_impl == "recurrent"
+    assert got_cfg.runtime.param_dtype == "float32" and got_cfg.runtime.kda_impl == "recurrent"
     ids = _ids(cfg)
     ours = np.asarray(_forward(model, jnp.asarray(ids)))
     want = ref.forward(decoded, cfg, ids)
@@ -55,7 +55,7 @@ def test_kimi_linear_checkpoint_matches_reference(tmp_path):
     cfg = configs.get_config("tiny_kimi_linear")
     decoded, _ = write_hf_dir(tmp_path / "hf", cfg, k3=False, seed=2, a_log_len=2 * cfg.kda_num_heads)
     got_cfg, model = k3jax.load_hf(str(tmp_path / "hf"), overrides=FAST)  # no --config: built from config.json
-    assert got_cfg.param_dtype == "float32"  # from config.json "dtype"
+    assert got_cfg.runtime.param_dtype == "float32"  # from config.json "dtype"
     ids = _ids(cfg, seed=2)
     ours = np.asarray(_forward(model, jnp.asarray(ids)))
     want = ref.forward(decoded, cfg, ids)

@@ -116,10 +116,28 @@ def test_checkpoint_saved_with_a_layer_scan_loads_unrolled_with_the_same_logits(
     import jax.numpy as jnp
 
     cfg, model = k3jax.load_hf(k3_hf[0], dtype="f32", config="tiny")
-    assert cfg.scan_layers
+    assert cfg.runtime.scan_layers
     k3jax.save_checkpoint(model, str(tmp_path / "ckpt"))
     cfg2, unrolled = k3jax.load_checkpoint(str(tmp_path / "ckpt"), overrides=["scan_layers=False"])
-    assert not cfg2.scan_layers
+    assert not cfg2.runtime.scan_layers
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 11)), jnp.int32)
     np.testing.assert_allclose(np.asarray(jit_call(unrolled, ids)), np.asarray(jit_call(model, ids)), rtol=1e-3,
                                atol=1e-3)  # f32 op order
+
+
+def test_checkpoint_config_nests_runtime_and_loads_with_other_knobs_or_older_flat_configs(k3_hf, tmp_path):
+    """A checkpoint's config.json nests the runtime knobs; one written flat (older checkpoints) loads the same;
+    a load may change any runtime knob (`knob=` or `runtime.knob=`), never an architecture field."""
+    ckpt = str(tmp_path / "ckpt")
+    hf_to_orbax(k3_hf[0], ckpt, config="tiny", dtype="f32", experts="mxfp4")
+    path = os.path.join(ckpt, "config.json")
+    with open(path) as f:
+        saved = json.load(f)
+    assert saved["runtime"]["param_dtype"] == "float32" and "kda_impl" not in saved
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in saved.items() if k != "runtime"} | saved["runtime"], f)
+    cfg, _ = k3jax.load_checkpoint(ckpt, overrides=["runtime.kda_impl=recurrent", "decode_loop_unroll=3"])
+    assert (cfg.runtime.kda_impl, cfg.runtime.decode_loop_unroll) == ("recurrent", 3)
+    assert cfg.replace(runtime=saved["runtime"]) == configs.get_config("tiny").replace(name=cfg.name)
+    with pytest.raises(ValueError, match="only runtime fields can be overridden"):
+        k3jax.load_checkpoint(ckpt, overrides=["hidden_size=32"])

@@ -199,7 +199,7 @@ def test_unrolled_decode_loop_gives_the_same_tokens(monkeypatch):
                         lambda *a, **kw: unrolls.append(kw.get("unroll")) or real_scan(*a, **kw))
     model = tiny_model(NAME)  # shared with the other tests: its config is restored as it was
     original = model.cfg
-    model.cfg = dataclasses.replace(original, decode_loop_unroll=2)
+    model.cfg = original.replace(decode_loop_unroll=2)
     try:
         s = Scheduler(model, num_slots=2, max_len=MAX_LEN, decode_steps=3)
         out = s.generate([Request(0, PROMPTS[0], 7, eos_ids=[]), Request(1, PROMPTS[4], 5, eos_ids=[])])

@@ -121,7 +121,7 @@ def test_decode_impl_resolution(monkeypatch):
     """auto: the XLA path on CPU (the kernel only on GPU, for shapes Triton takes); pallas: the interpreter on CPU;
     under a multi-device mesh always XLA."""
     cfg = configs.get_config("tiny")
-    assert cfg.mla_decode_impl == "auto" and mla_decode_backend(cfg, 16, 64) is None
+    assert cfg.runtime.mla_decode_impl == "auto" and mla_decode_backend(cfg, 16, 64) is None
     assert mla_decode_backend(cfg.replace(mla_decode_impl="pallas"), 16, 4) == "interpret"
     assert mla_decode_backend(cfg.replace(mla_decode_impl="xla"), 16, 64) is None
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])

@@ -113,7 +113,8 @@ def test_configured_load_tiles_reach_both_kernels_and_keep_the_result():
     cfg = p.cfg.replace(moe_assigned_glu_tiling="16-16-2-2", moe_assigned_down_tiling="16-32-1-3")
     glu, down = moe_ops.assigned_tilings(cfg)
     assert (glu.tk, glu.tn, glu.num_warps, glu.num_stages) == (16, 16, 2, 2)
-    assert (down.tk, down.tn, down.num_warps, down.num_stages, down.tm) == (16, 32, 1, 3, cfg.moe_decode_row_tile)
+    assert (down.tk, down.tn, down.num_warps, down.num_stages, down.tm) == (
+        16, 32, 1, 3, cfg.runtime.moe_decode_row_tile)
     assert moe_ops.assigned_tilings(p.cfg) == (assigned.ASSIGNED_TILING,) * 2
     got = moe.experts_assigned(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, cfg, "interpret")
     want = moe.experts_dense(p.z, p.weights, p.experts, p.w1, p.w3, p.w2, p.cfg)

@@ -106,7 +106,7 @@ def test_mxfp4_model_logits_equal_numpy_dequantized_model(hf_dir):
     from k3jax.layers.params import RouterBias
 
     cfg, model_q = k3jax.load_hf(hf_dir[0], expert_weights="mxfp4")
-    assert cfg.param_dtype == "float32" and cfg.expert_weights == "mxfp4"
+    assert cfg.runtime.param_dtype == "float32" and cfg.runtime.expert_weights == "mxfp4"
     assert not any(k[-1] in EXPERTS for k in _flat(model_q)) and packed_experts(model_q)  # no dense expert copy
     # the fixture pins routing with a separated selection bias; zero it so tokens spread over the experts
     nnx.update(model_q, jax.tree.map(jnp.zeros_like, nnx.state(model_q, RouterBias)))
@@ -199,11 +199,11 @@ def test_load_hf_and_mxfp4_checkpoint_keep_the_released_bytes(hf_dir, tmp_path):
 
     path, stored = hf_dir
     cfg, model = k3jax.load_hf(path, expert_weights="mxfp4")
-    assert cfg.expert_weights == "mxfp4" and model.cfg == cfg
+    assert cfg.runtime.expert_weights == "mxfp4" and model.cfg == cfg
     _check_packed(model, stored)
     ckpt = hf_to_orbax(path, str(tmp_path / "ckpt_mxfp4"), experts="mxfp4")
     cfg2, model2 = k3jax.load_checkpoint(ckpt, overrides=["expert_weights=mxfp4"])
-    assert cfg2.expert_weights == "mxfp4"
+    assert cfg2.runtime.expert_weights == "mxfp4"
     _check_packed(model2, stored)
     # bf16-experts checkpoint: quantized on load; its values are on the MXFP4 grid, so they come back exactly
     # (a group whose largest value rounded down may get a smaller scale: same values, other bytes)

@@ -548,7 +548,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
                 hf_config = json.load(f)
         kept_packed = manifest.get("experts") == "mxfp4"
         if hf_config is None:
-            torch_dtype = "float32" if cfg.param_dtype == "float32" else "bfloat16"
+            torch_dtype = "float32" if cfg.runtime.param_dtype == "float32" else "bfloat16"
             hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype)
         elif not kept_packed:
             hf_config.pop("quantization_config", None)

@@ -19,16 +19,11 @@ from typing import Any, Mapping
 
 from k3jax.config import ConfigError, ModelConfig
 
-# fields that do not change the checkpoint's meaning (runtime / numerics choices): not compared by `check_config`,
-# not written by `config_to_hf` (except initializer_range and max_position_embeddings). `expert_weights` is how the
-# routed experts are held in memory (the checkpoint's own expert format is its quantization_config / tensors).
-RUNTIME_FIELDS = frozenset({"name", "param_dtype", "dtype", "kda_chunk_size", "kda_impl", "mla_decode_impl",
-                            "kda_decode_fusion", "kda_decode_block_v", "kda_decode_warps", "mla_decode_splits",
-                            "moe_decode_row_tile", "moe_decode_experts", "moe_assigned_splits",
-                            "moe_assigned_glu_tiling", "moe_assigned_down_tiling", "moe_assigned_order",
-                            "moe_decode_select", "decode_loop_unroll", "moe_impl", "scan_layers", "remat",
-                            "initializer_range", "max_position_embeddings", "record_routing_stats",
-                            "routing_histogram_bins", "moe_expert_parallel", "expert_weights"})
+# The architecture fields: every ModelConfig field but `runtime` (how the model runs is never in config.json).
+ARCH_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "runtime")
+# Architecture fields that describe the model but not the checkpoint's tensors, so `check_config` lets them differ:
+# the config's name, the initialisation scale and the context limit.
+_UNCHECKED = frozenset({"name", "initializer_range", "max_position_embeddings"})
 
 _SAME = ["vocab_size", "hidden_size", "num_hidden_layers", "first_k_dense_replace", "intermediate_size", "hidden_act",
          "activation_situ_beta", "activation_situ_linear_beta", "rms_norm_eps", "tie_word_embeddings",
@@ -108,14 +103,14 @@ def config_from_hf(hf: Mapping[str, Any], name: str = "hf") -> ModelConfig:
 def check_config(from_hf: ModelConfig, named: ModelConfig) -> None:
     """Raises ConfigError listing EVERY architecture field on which the HF config and the named config differ."""
     diffs = []
-    for f in dataclasses.fields(ModelConfig):
-        if f.name in RUNTIME_FIELDS:
+    for name in ARCH_FIELDS:
+        if name in _UNCHECKED:
             continue
-        a, b = getattr(from_hf, f.name), getattr(named, f.name)
-        if f.name == "full_attn_layers":
+        a, b = getattr(from_hf, name), getattr(named, name)
+        if name == "full_attn_layers":
             a, b = tuple(sorted(a)), tuple(sorted(b))
         if a != b:
-            diffs.append(f"{f.name}: config.json has {a!r}, --config {named.name!r} has {b!r}")
+            diffs.append(f"{name}: config.json has {a!r}, --config {named.name!r} has {b!r}")
     if diffs:
         raise ConfigError(f"config.json disagrees with --config {named.name!r} on {len(diffs)} field(s):\n  "
                           + "\n  ".join(diffs))
@@ -135,10 +130,9 @@ def config_to_hf(cfg: ModelConfig, *, k3_format: bool | None = None, torch_dtype
     if cfg.kda_gate == "lower_bound":
         lin["gate_lower_bound"] = cfg.kda_gate_lower_bound
     lin["use_full_rank_gate"] = cfg.kda_output_gate == "full_rank"
-    text = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in RUNTIME_FIELDS | {"full_attn_layers", "kda_num_heads", "kda_head_dim",
-                                               "kda_short_conv_kernel_size", "kda_gate_lower_bound"}
-            or f.name in ("initializer_range", "max_position_embeddings")}
+    text = {name: getattr(cfg, name) for name in ARCH_FIELDS
+            if name not in {"name", "full_attn_layers", "kda_num_heads", "kda_head_dim", "kda_short_conv_kernel_size",
+                            "kda_gate_lower_bound"}}
     text["num_key_value_heads"] = cfg.num_attention_heads
     text["torch_dtype"] = torch_dtype
     if k3_format:

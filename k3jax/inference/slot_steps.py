@@ -161,7 +161,7 @@ def decode_slots(params, cache, state: SlotState, *, spec, greedy_only, steps, m
         st = st._replace(last_s=jnp.where(run, tok, st.last_s), done_s=done, count_s=count)
         return (params, cache, st), (tok, run, done)
 
-    unroll = min(merge_model(spec, params).cfg.decode_loop_unroll, steps)
+    unroll = min(merge_model(spec, params).cfg.runtime.decode_loop_unroll, steps)
     (_, cache, state), (tok_ks, ran_ks, done_ks) = jax.lax.scan(one, (params, cache, state), None, length=steps,
                                                                 unroll=unroll)
     return (*_pinned(cache, state, mesh), tok_ks, ran_ks, done_ks)

@@ -46,7 +46,7 @@ class AttnResRead(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs | None = None):
         del rngs
         self.eps = cfg.rms_norm_eps
-        pd = cfg.jnp_param_dtype
+        pd = cfg.runtime.jnp_param_dtype
         self.norm_weight = params.constant(1.0, (cfg.hidden_size,), ("norm",), pd)
         self.query = params.constant(0.0, (cfg.hidden_size,), ("norm",), pd)  # report: init w = 0
 

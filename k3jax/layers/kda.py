@@ -38,8 +38,8 @@ class KDAState(NamedTuple):
 def init_kda_state(cfg: ModelConfig, batch_size: int) -> KDAState:
     """Zero decode state: empty conv history (dtype of activations) and a zero recurrent state (at least f32)."""
     p, w = cfg.kda_projection_size, cfg.kda_short_conv_kernel_size
-    conv = jnp.zeros((batch_size, w - 1, 3, p), cfg.jnp_dtype)
-    s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.jnp_dtype))
+    conv = jnp.zeros((batch_size, w - 1, 3, p), cfg.runtime.jnp_dtype)
+    s = jnp.zeros((batch_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), wide(cfg.runtime.jnp_dtype))
     return KDAState(conv, s)
 
 
@@ -47,7 +47,7 @@ class KDA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         d, h, k, w, pd = (cfg.hidden_size, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_short_conv_kernel_size,
-                          cfg.jnp_param_dtype)
+                          cfg.runtime.jnp_param_dtype)
         p = h * k
         f32 = wide(pd)  # tensors the checkpoint stores in f32
         for name in ("q_proj", "k_proj", "v_proj"):
@@ -90,7 +90,7 @@ class KDA(nnx.Module):
 
     def _gate_logits(self, f_a_btk: jax.Array) -> jax.Array:
         """The decay gate's low-rank projection z = f_b(f_a(x)) [B,T,H,K] in the compute dtype, from f_a(x)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         return dense(f_a_btk, self.f_b_proj[...].astype(dt), cfg)
 
     def conv_kernels(self) -> jax.Array:
@@ -108,7 +108,7 @@ class KDA(nnx.Module):
 
     def _output_gate(self, proj: dict[str, jax.Array]) -> jax.Array:
         """The output gate's logits [B,T,H,V] (before the sigmoid) from the input projections."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         if cfg.kda_output_gate == "full_rank":
             return proj["g_proj"]
         return dense(proj["g_a_proj"], self.g_b_proj[...].astype(dt), cfg)
@@ -139,7 +139,7 @@ class KDA(nnx.Module):
     def _forward(self, x_btd, state, valid_len_b, segment_ids_bt=None, cp_mesh=None, with_state=True):
         """`cp_mesh` (training only: zero state, no `valid_len_b`): run the conv and the core context-parallel on
         that mesh. `with_state=False` (the training forward): the conv histories are not formed (None)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         if cp_mesh is not None and (state is not None or valid_len_b is not None or with_state):
             raise ValueError("KDA: the context-parallel path is for the training forward (no state, no valid_len)")
         b, t, _ = x_btd.shape
@@ -195,18 +195,18 @@ class KDA(nnx.Module):
             core = functools.partial(kda_kernel.kda_kernel_on_mesh, mesh=mesh)  # GSPMD cannot split a Pallas call
         o_bthv, new_s = core(
             q, k_, v, g, beta, scale=k ** -0.5, initial_state=None if state is None else state.state_bhkv,
-            impl=impl, chunk_size=cfg.kda_chunk_size, segment_ids=segment_ids_bt)
+            impl=impl, chunk_size=cfg.runtime.kda_chunk_size, segment_ids=segment_ids_bt)
         return self._output(self._output_gate(proj_in), o_bthv), KDAState(conv_bwcp, new_s)
 
     def _output(self, gate_bthv: jax.Array, o_bthv: jax.Array) -> jax.Array:
         """Per-head RMSNorm of the core's output, the sigmoid output gate (its logits `gate_bthv`) and o_proj."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         o = rms_normalize(o_bthv.astype(dt), cfg.rms_norm_eps) * upcast(self.o_norm[...])
         o = (o * jax.nn.sigmoid(upcast(gate_bthv))).astype(dt)
         return self._o_proj(o)
 
     def _o_proj(self, o_bthv: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
     def _fused_decode_backend(self, state, t: int, with_state: bool, cp_mesh) -> str | None:
@@ -219,7 +219,7 @@ class KDA(nnx.Module):
     def _decode_fused(self, x_btd, state: KDAState, valid_len_b, proj_in: dict[str, jax.Array], backend: str):
         """One token through the fused decode kernel (`k3jax.ops.kda.decode_fused`: conv + activations + delta
         step in one kernel)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         b = x_btd.shape[0]
         h, k = cfg.kda_num_heads, cfg.kda_head_dim
         proj_qkv = tuple(proj_in[f"{name}_proj"].reshape(b, h * k)  # [B, H*K] each: the kernel takes them unstacked
@@ -231,12 +231,12 @@ class KDA(nnx.Module):
         history = state.conv_bwcp.astype(dt)
         gate_bp = self._output_gate(proj_in).reshape(b, h * k)
         epilogue = {}
-        if cfg.kda_decode_fusion == "prologue_output":  # the output RMSNorm and gate in the kernel too
+        if cfg.runtime.kda_decode_fusion == "prologue_output":  # the output RMSNorm and gate in the kernel too
             epilogue = dict(out_gate_bp=gate_bp, out_norm_v=self.o_norm[...], out_eps=cfg.rms_norm_eps)
         o_bhv, new_s = kda_ops.decode_fused(
             proj_qkv, history, conv_qkv, z_bhk, self.A_log[...], self.dt_bias[...], b_raw_bh, valid_b,
             state.state_bhkv.astype(jnp.float32), scale=k ** -0.5, lower_bound=cfg.kda_gate_lower_bound,
-            backend=backend, block_v=cfg.kda_decode_block_v, warps=cfg.kda_decode_warps, **epilogue)
+            backend=backend, block_v=cfg.runtime.kda_decode_block_v, warps=cfg.runtime.kda_decode_warps, **epilogue)
         wm1 = history.shape[1]
         flat_history = history.reshape(b, wm1, 3 * h * k)
         new_history = history_at(flat_history, jnp.concatenate(proj_qkv, axis=-1)[:, None], valid_b)

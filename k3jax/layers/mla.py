@@ -23,7 +23,7 @@ from sharding import context_parallel
 class MLA(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        d, h, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.jnp_param_dtype
+        d, h, pd = cfg.hidden_size, cfg.num_attention_heads, cfg.runtime.jnp_param_dtype
         qk, nope, vd = cfg.qk_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = params.normal(rngs, (d, h, qk), ("embed", "heads", "head_dim"), pd)
@@ -42,7 +42,7 @@ class MLA(nnx.Module):
     def _project_inputs(self, x_btd: jax.Array) -> dict[str, jax.Array]:
         """Every projection of the layer input by weight name, in the compute dtype: the query (q_proj, or q_a_proj
         with the q LoRA), the latent (kv_a_proj_with_mqa) and the output gate (g_proj, when K3's)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         names = ("q_proj",) if cfg.q_lora_rank is None else ("q_a_proj",)
         names += ("kv_a_proj_with_mqa",) + (("g_proj",) if cfg.mla_use_output_gate else ())
         x = x_btd.astype(dt)
@@ -50,7 +50,7 @@ class MLA(nnx.Module):
 
     def latent(self, x_btd: jax.Array) -> jax.Array:
         """The per-token cache row: [kv_a_layernorm(latent) | k_r], width kv_lora_rank + qk_rope_head_dim."""
-        dt = self.cfg.jnp_dtype
+        dt = self.cfg.runtime.jnp_dtype
         return self._latent_rows(dense(x_btd.astype(dt), self.kv_a_proj_with_mqa[...].astype(dt), self.cfg))
 
     def _latent_rows(self, c_btc: jax.Array) -> jax.Array:
@@ -60,7 +60,7 @@ class MLA(nnx.Module):
 
     def _queries(self, proj: dict[str, jax.Array]) -> jax.Array:
         """Per-head queries [B,T,H,qk_head_dim] from the input projections (through the q LoRA when K3's)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         if cfg.q_lora_rank is None:
             return proj["q_proj"]
         return dense(self.q_a_layernorm(proj["q_a_proj"]), self.q_b_proj[...].astype(dt), cfg)
@@ -69,7 +69,7 @@ class MLA(nnx.Module):
         """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.
         Traced under a mesh whose 'context' axis is > 1, attention runs context-parallel
         (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         proj = self._project_inputs(x_btd)
         q_bthk = self._queries(proj)
@@ -92,7 +92,7 @@ class MLA(nnx.Module):
     def _output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:
         """Sigmoid output gate (K3; its logits among the input projections) and o_proj on the f32 attention
         output."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         if cfg.mla_use_output_gate:
             o_bthv = o_bthv * jax.nn.sigmoid(upcast(proj["g_proj"]))
         return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
@@ -148,7 +148,7 @@ class MLA(nnx.Module):
 
     def _attend_expanded(self, q_bthk, cache_bsc, mask_bts):
         """Standard MLA over cached latents: expand every cached row to per-head k_nope / v with kv_b_proj."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         h, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
         lat, k_r = cache_bsc[..., :r].astype(dt), cache_bsc[..., r:].astype(dt)
         kv_bshe = jnp.einsum("bsr,rhe->bshe", lat, self.kv_b_proj[...].astype(dt))
@@ -162,7 +162,7 @@ class MLA(nnx.Module):
     def _attend_absorbed(self, q_bthk, cache_bsc, mask_bts):
         """MQA over the latent: q_nope·W_k gives a kv_lora-wide query per head, attention reads the cached rows
         directly (one shared 'head' of width kv_lora + rope), and W_v maps the attended latent to each head."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         q_abs = self._absorbed_queries(q_bthk)  # [B,T,H,r+rope]
         logits = jnp.einsum("bthc,bsc->bhts", q_abs, cache_bsc.astype(dt), preferred_element_type=wide(dt))
         probs = _masked_softmax(logits * cfg.qk_head_dim ** -0.5, mask_bts)
@@ -172,16 +172,16 @@ class MLA(nnx.Module):
     def _attend_paged(self, q_bthk, pages_npc, page_table_bp, start_b, backend):
         """The absorbed decode step (T == 1) by the paged kernel (`k3jax.ops.attention.paged_latent_decode`): every
         sequence's pages read once through its table row, positions 0 .. start_b (its own row already written)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         q_bhc = self._absorbed_queries(q_bthk)[:, 0]
         o_bhr = paged_latent_decode(q_bhc, pages_npc.astype(dt), page_table_bp, start_b.astype(jnp.int32) + 1,
                                     scale=cfg.qk_head_dim ** -0.5, latent_dim=cfg.kv_lora_rank, backend=backend,
-                                    num_splits=cfg.mla_decode_splits)
+                                    num_splits=cfg.runtime.mla_decode_splits)
         return self._latent_values(o_bhr[:, None])  # f32, like the XLA path
 
     def _absorbed_queries(self, q_bthk):
         """[q_nope · W_k | q_rope] per head: [B, T, H, kv_lora + rope] in the compute dtype."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         nope = cfg.qk_nope_head_dim
         # q_nope · W_k over the whole kv_b row with q zero-padded over the value columns: the same sums (the
         # padding adds exact zeros) without slicing the weight, which XLA would copy every decode step.
@@ -193,7 +193,7 @@ class MLA(nnx.Module):
 
     def _latent_values(self, o_bthr):
         """W_v maps each head's attended latent [B, T, H, kv_lora] to its value width (in o's dtype)."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         # the whole kv_b row, then the value columns of the (small) result: no per-step copy of a weight slice
         w_rhe = self.kv_b_proj[...].astype(dt).astype(o_bthr.dtype)
         kv = unless_single_row(lambda o: jnp.einsum("bthr,rhe->bthe", o, w_rhe), o_bthr, 2)
@@ -212,7 +212,7 @@ def pages_per_sequence(max_len: int, page_size: int) -> int:
 
 def init_latent_pages(cfg: ModelConfig, num_pages: int, page_size: int) -> jax.Array:
     """A zeroed page pool [num_pages, page_size, kv_lora_rank + qk_rope_head_dim] in the compute dtype."""
-    return jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.jnp_dtype)
+    return jnp.zeros((num_pages, page_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim), cfg.runtime.jnp_dtype)
 
 
 def contiguous_page_table(batch_size: int, pages_per_seq: int) -> jax.Array:

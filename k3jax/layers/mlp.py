@@ -16,13 +16,13 @@ class GatedMLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        d, pd = cfg.hidden_size, cfg.jnp_param_dtype
+        d, pd = cfg.hidden_size, cfg.runtime.jnp_param_dtype
         self.gate_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
         self.up_proj = params.normal(rngs, (d, width), ("embed", "mlp"), pd)
         self.down_proj = params.normal(rngs, (width, d), ("mlp", "embed"), pd)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         x = x_btd.astype(dt)
         h = glu(dense(x, self.gate_proj[...].astype(dt), cfg), dense(x, self.up_proj[...].astype(dt), cfg), cfg)
         return dense(h, self.down_proj[...].astype(dt), cfg)

@@ -69,7 +69,7 @@ def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: Mod
 
 class PackedExpertWeight(nnx.Variable):
     """MXFP4 bytes of the routed experts (E2M1 codes or E8M0 scales, uint8): inference-only state, not a gradient
-    parameter (`cfg.expert_weights == 'mxfp4'`)."""
+    parameter (`cfg.runtime.expert_weights == 'mxfp4'`)."""
 
 
 def _packed_experts(w: nnx.Param) -> tuple[PackedExpertWeight, PackedExpertWeight]:
@@ -83,13 +83,14 @@ def _packed_experts(w: nnx.Param) -> tuple[PackedExpertWeight, PackedExpertWeigh
 
 
 class LatentMoE(nnx.Module):
-    """Routed experts held as `w1, w3 [E, L, M], w2 [E, M, L]` parameters, or with `cfg.expert_weights == 'mxfp4'`
-    as packed bytes `wN_packed` u8 [E, out, in/2] + `wN_scale` u8 [E, out, in/32] (HF orientation; inference only:
-    random init is the quantized normal init, loading fills them straight from an MXFP4 checkpoint)."""
+    """Routed experts held as `w1, w3 [E, L, M], w2 [E, M, L]` parameters, or with
+    `cfg.runtime.expert_weights == 'mxfp4'` as packed bytes `wN_packed` u8 [E, out, in/2] + `wN_scale` u8
+    [E, out, in/32] (HF orientation; inference only: random init is the quantized normal init, loading fills them
+    straight from an MXFP4 checkpoint)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        d, e, m, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.jnp_param_dtype
+        d, e, m, pd = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.runtime.jnp_param_dtype
         lat = cfg.expert_input_size
         self.router = params.normal(rngs, (d, e), ("embed", "experts_router"), pd, std=cfg.initializer_range)
         self.router_bias = params.router_bias(e, wide(pd))
@@ -101,7 +102,7 @@ class LatentMoE(nnx.Module):
         self.w1 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
         self.w3 = params.normal(rngs, (e, lat, m), ("experts", "expert_latent", "expert_mlp"), pd, fan_in=lat)
         self.w2 = params.normal(rngs, (e, m, lat), ("experts", "expert_mlp", "expert_latent"), pd, fan_in=m)
-        if cfg.expert_weights == "mxfp4":
+        if cfg.runtime.expert_weights == "mxfp4":
             for name in ("w1", "w3", "w2"):
                 packed, scales = _packed_experts(getattr(self, name))
                 delattr(self, name)
@@ -109,8 +110,8 @@ class LatentMoE(nnx.Module):
                 setattr(self, f"{name}_scale", scales)
         if cfg.num_shared_experts:
             self.shared_experts = GatedMLP(cfg, cfg.num_shared_experts * m, rngs=rngs)
-        if cfg.record_routing_stats:  # this step's routing statistics, overwritten by every forward pass
-            self.margin_counts = params.routing_stats((e, cfg.routing_histogram_bins), ("experts_router", None),
+        if cfg.runtime.record_routing_stats:  # this step's routing statistics, overwritten by every forward pass
+            self.margin_counts = params.routing_stats((e, cfg.runtime.routing_histogram_bins), ("experts_router", None),
                                                       jnp.int32)
             self.expert_loads = params.routing_stats((e,), ("experts_router",), jnp.float32)
             # expert-parallel load per step: sharding.expert_parallel.STATS_FIELDS (max/mean rows per expert rank,
@@ -119,7 +120,7 @@ class LatentMoE(nnx.Module):
                                                               jnp.float32)
 
     def __call__(self, x_btd: jax.Array) -> jax.Array:
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         b, t, d = x_btd.shape
         x_nd = x_btd.reshape(b * t, d).astype(dt)
         latent = cfg.routed_expert_hidden_size is not None
@@ -128,7 +129,7 @@ class LatentMoE(nnx.Module):
             weights_nk, experts_nk = route_selected(x_nd, self.router[...], self.router_bias[...], cfg, selection)
         else:
             weights_nk, experts_nk, scores_ne = route(x_nd, self.router[...], self.router_bias[...], cfg)
-            if cfg.record_routing_stats:
+            if cfg.runtime.record_routing_stats:
                 self._record_routing(scores_ne, experts_nk)
         z_nl = dense(x_nd, self.routed_expert_down_proj[...].astype(dt), cfg) if latent else x_nd
         u_nl = self._routed_experts(z_nl, weights_nk, experts_nk, b, t)
@@ -152,7 +153,7 @@ class LatentMoE(nnx.Module):
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
         under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
         Records the expert-rank load statistics when the layer keeps them."""
-        cfg, dt = self.cfg, self.cfg.jnp_dtype
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
         ep = expert_parallel.active_mode(cfg, b, t)
         kernels = assigned_backend(cfg, z_nl.shape, t) if ep is None else None
@@ -160,7 +161,7 @@ class LatentMoE(nnx.Module):
             u_nl = experts_assigned(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg, kernels).astype(dt)
             stats = expert_parallel.single_program_stats(experts_nk.size)
         elif ep is None:
-            if cfg.moe_impl == "dense":
+            if cfg.runtime.moe_impl == "dense":
                 u_nl = experts_dense(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg).astype(dt)
             else:
                 u_nl = experts_dropless(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg,
@@ -179,7 +180,7 @@ class LatentMoE(nnx.Module):
 
     def routed_expert_weights(self) -> tuple:
         """(w1, w3, w2) as stored: arrays [E, L, M] / [E, M, L], or `MXFP4Experts` with the same logical shapes."""
-        if self.cfg.expert_weights == "mxfp4":
+        if self.cfg.runtime.expert_weights == "mxfp4":
             return tuple(MXFP4Experts(getattr(self, f"{n}_packed")[...], getattr(self, f"{n}_scale")[...])
                          for n in ("w1", "w3", "w2"))
         return self.w1[...], self.w3[...], self.w2[...]
@@ -189,5 +190,5 @@ class LatentMoE(nnx.Module):
         cfg = self.cfg
         margins_ne = routing_margins(jax.lax.stop_gradient(scores_ne), self.router_bias[...],
                                      cfg.num_experts_per_token)
-        self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.routing_histogram_bins)
+        self.margin_counts[...] = margin_histogram(margins_ne, num_bins=cfg.runtime.routing_histogram_bins)
         self.expert_loads[...] = jnp.zeros((cfg.num_experts,), jnp.float32).at[experts_nk.reshape(-1)].add(1.0)

@@ -35,15 +35,15 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
 
 
 def mla_decode_backend(cfg, num_pages: int, page_size: int) -> str | None:
-    """The paged decode kernel's backend for this trace, or None for the XLA gather path (`cfg.mla_decode_impl`):
-    "auto" takes the kernel ("gpu") when the traced platform is a GPU and the pool suits Triton (kv_lora_rank,
-    the rope width and page_size powers of two >= 16, < 2**31 elements); "pallas" takes it anywhere
-    ("interpret" off GPU). Under a multi-device mesh (outside shard_map) the XLA path runs: GSPMD cannot
-    partition a Pallas call."""
-    if cfg.mla_decode_impl == "xla" or backend_lib.kernel_mesh() is not None:
+    """The paged decode kernel's backend for this trace, or None for the XLA gather path
+    (`cfg.runtime.mla_decode_impl`): "auto" takes the kernel ("gpu") when the traced platform is a GPU and the
+    pool suits Triton (kv_lora_rank, the rope width and page_size powers of two >= 16, < 2**31 elements);
+    "pallas" takes it anywhere ("interpret" off GPU). Under a multi-device mesh (outside shard_map) the XLA path
+    runs: GSPMD cannot partition a Pallas call."""
+    if cfg.runtime.mla_decode_impl == "xla" or backend_lib.kernel_mesh() is not None:
         return None
     on_gpu = backend_lib.on_gpu()
-    if cfg.mla_decode_impl == "pallas":
+    if cfg.runtime.mla_decode_impl == "pallas":
         return "gpu" if on_gpu else "interpret"
     fits = gpu_compatible(cfg.kv_lora_rank, cfg.qk_rope_head_dim, page_size, num_pages)
     return "gpu" if on_gpu and fits else None

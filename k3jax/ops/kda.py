@@ -61,8 +61,8 @@ def resolve_impl(cfg) -> str:
     when the config suits it (``cfg.kda_kernel_compatible``: the K3 lower-bounded gate, power-of-two head dims),
     else the pure-JAX chunked path. Under a multi-device mesh the layer runs the kernel inside ``shard_map``
     (``sharding.kda_kernel``)."""
-    if cfg.kda_impl != "auto":
-        return cfg.kda_impl
+    if cfg.runtime.kda_impl != "auto":
+        return cfg.runtime.kda_impl
     on_accelerator = backend_lib.traced_accelerator() is not None  # a TPU topology compiled on a CPU host counts
     return "pallas" if on_accelerator and cfg.kda_kernel_compatible else "chunked"
 
@@ -74,10 +74,10 @@ def decode_kernel_backend():
 
 
 def fused_decode_backend(cfg) -> str | None:
-    """The decode kernel backend when `cfg.kda_decode_fusion` fuses the prologue ("prologue", "prologue_output")
+    """The decode kernel backend when `cfg.runtime.kda_decode_fusion` fuses the prologue ("prologue", "prologue_output")
     into a one-token step on the Pallas decode kernel (K3's lower-bounded gate, the "pallas" core, no
     multi-device mesh), else None. The caller checks that the step is one token with a state."""
-    if cfg.kda_decode_fusion == "step" or cfg.kda_gate != "lower_bound" or resolve_impl(cfg) != "pallas":
+    if cfg.runtime.kda_decode_fusion == "step" or cfg.kda_gate != "lower_bound" or resolve_impl(cfg) != "pallas":
         return None
     if backend_lib.kernel_mesh() is not None:
         return None

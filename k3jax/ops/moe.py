@@ -55,12 +55,12 @@ def router_logits(x_nd: jax.Array, router_de: jax.Array) -> jax.Array:
 
 def assigned_tilings(cfg: ModelConfig):
     """The plan-free GLU's and down kernel's tilings: the kernels' default (`assigned.ASSIGNED_TILING`) with
-    `cfg.moe_decode_row_tile` rows and the load tiles of `cfg.moe_assigned_glu_tiling` / `moe_assigned_down_tiling`
-    where set."""
-    base = assigned.ASSIGNED_TILING._replace(tm=cfg.moe_decode_row_tile)
+    `cfg.runtime.moe_decode_row_tile` rows and the load tiles of `cfg.runtime.moe_assigned_glu_tiling` /
+    `moe_assigned_down_tiling` where set."""
+    base = assigned.ASSIGNED_TILING._replace(tm=cfg.runtime.moe_decode_row_tile)
     out = []
     for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
-        loads = parse_kernel_tiling(name, getattr(cfg, name))
+        loads = parse_kernel_tiling(name, getattr(cfg.runtime, name))
         out.append(base if loads is None else base._replace(**dict(zip(("tk", "tn", "num_warps", "num_stages"),
                                                                         loads))))
     return tuple(out)
@@ -69,29 +69,29 @@ def assigned_tilings(cfg: ModelConfig):
 def assigned_backend(cfg: ModelConfig, z_shape, t: int) -> str | None:
     """The GPU kernel backend ('gpu', or 'interpret' in tests) when the plan-free expert kernels apply to the
     single-program path: a decode step (t == 1) of the dropless MoE with array weights on the GPU kernel family, at
-    sizes `pallas_kernels.moe.assigned` takes, and `cfg.moe_decode_experts` "assigned" (or "auto" with at most
+    sizes `pallas_kernels.moe.assigned` takes, and `cfg.runtime.moe_decode_experts` "assigned" (or "auto" with at most
     `AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average); else None (the planned path)."""
-    if cfg.moe_decode_experts == "planned" or cfg.moe_impl != "dropless" or t != 1:
+    if cfg.runtime.moe_decode_experts == "planned" or cfg.runtime.moe_impl != "dropless" or t != 1:
         return None
     backend = backend_lib.gpu_kernel_backend_here()
-    if cfg.expert_weights == "mxfp4" or backend is None:
+    if cfg.runtime.expert_weights == "mxfp4" or backend is None:
         return None
     n, lat = z_shape
     m = cfg.moe_intermediate_size
     glu_tiling, down_tiling = assigned_tilings(cfg)
     if not (assigned.applies(n, lat, m, glu_tiling) and assigned.applies(n, m, lat, down_tiling)):
         return None
-    if cfg.moe_decode_experts == "auto" and \
+    if cfg.runtime.moe_decode_experts == "auto" and \
             n * cfg.num_experts_per_token > assigned.AUTO_MAX_ROWS_PER_EXPERT * cfg.num_experts:
         return None
     return backend
 
 
 def select_backend(cfg: ModelConfig, b: int, t: int) -> str | None:
-    """The selection kernel's backend (`route_selected`) when `cfg.moe_decode_select == "kernel"` and the step takes
-    the plan-free expert kernels (`assigned_backend`), with ungrouped routing and no routing statistics; else None
-    (the XLA `route`). The caller rules out expert parallelism first."""
-    if cfg.moe_decode_select != "kernel" or cfg.num_expert_group > 1 or cfg.record_routing_stats:
+    """The selection kernel's backend (`route_selected`) when `cfg.runtime.moe_decode_select == "kernel"` and the
+    step takes the plan-free expert kernels (`assigned_backend`), with ungrouped routing and no routing statistics;
+    else None (the XLA `route`). The caller rules out expert parallelism first."""
+    if cfg.runtime.moe_decode_select != "kernel" or cfg.num_expert_group > 1 or cfg.runtime.record_routing_stats:
         return None
     if b * t > select.MAX_TOKENS or cfg.num_experts > select.MAX_EXPERTS:
         return None
@@ -100,11 +100,11 @@ def select_backend(cfg: ModelConfig, b: int, t: int) -> str | None:
 
 def decode_tiling(cfg: ModelConfig, t: int):
     """The grouped matmuls' decode tiling when the config departs from the kernels' default
-    (`cfg.moe_decode_row_tile != 16`), else None: decode steps only (one token per sequence: a prefill or training
-    batch can put hundreds of rows in one group, which one program would walk serially, and its backward would
+    (`cfg.runtime.moe_decode_row_tile != 16`), else None: decode steps only (one token per sequence: a prefill or
+    training batch can put hundreds of rows in one group, which one program would walk serially, and its backward would
     inherit the decode tiles), and only for the GPU kernel family (its tiling; the interpreter in tests), never for
     TPU or XLA."""
-    tiling = DECODE_TILING._replace(tm=cfg.moe_decode_row_tile)
+    tiling = DECODE_TILING._replace(tm=cfg.runtime.moe_decode_row_tile)
     return tiling if tiling != DECODE_TILING and t == 1 and backend_lib.gpu_kernel_backend_here() else None
 
 
@@ -167,12 +167,13 @@ def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     """The routed experts of a decode step without the expert-sorted plan (`pallas_kernels.moe.assigned`): the
     fused GLU and the down kernels take the top-k ids as they are and write each assignment's row at n * k + j;
     each token sums its k rows weighted (f32, in j order, as `experts_planned`). Inference only; GPU kernels
-    (or their interpreter), launched in `cfg.moe_assigned_order`. `tiling` (both kernels) / `splits`: overrides
-    for benchmarks (default: `assigned_tilings(cfg)`, `cfg.moe_assigned_splits`)."""
+    (or their interpreter), launched in `cfg.runtime.moe_assigned_order`. `tiling` (both kernels) / `splits`: overrides
+    for benchmarks (default: `assigned_tilings(cfg)`, `cfg.runtime.moe_assigned_splits`)."""
     n, k = experts_nk.shape
     situ = cfg.hidden_act == "situ"
     glu_tiling, down_tiling = (tiling, tiling) if tiling else assigned_tilings(cfg)
-    walk = dict(splits=splits or cfg.moe_assigned_splits, backend=backend, order=cfg.moe_assigned_order)
+    run = cfg.runtime
+    walk = dict(splits=splits or run.moe_assigned_splits, backend=backend, order=run.moe_assigned_order)
     z_nl, w1_elm, w3_elm, w2_eml = (_no_grad_through_assigned(a) for a in (z_nl, w1_elm, w3_elm, w2_eml))
     hidden = assigned.assigned_glu(z_nl, experts_nk, w1_elm, w3_elm, activation=cfg.hidden_act,
                                    beta1=cfg.activation_situ_beta if situ else None,

@@ -60,7 +60,7 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "params": n_params,
         "optimizer": opts.optimizer,
         "mtp": opts.mtp,
-        "remat": cfg.remat,
+        "remat": cfg.runtime.remat,
         "batch_size": batch_size,
         "seq_len": seq_len,
         "pallas_kernels": kernels,  # the Pallas (Mosaic) kernels in the compiled step, by name

@@ -15,7 +15,7 @@ asked about from a laptop): `k3` answers in about a second. All figures are byte
     batch        the step's input rows (5 int32/f32 [b, T] arrays)
 
 Activations (conservative: every figure is an upper-side estimate; b = ceil(B / (data·expert)) rows,
-t = ceil(T / context), n = b·t tokens per device, a = bytes of cfg.dtype, D = hidden, S = AttnRes snapshots,
+t = ceil(T / context), n = b·t tokens per device, a = bytes of cfg.runtime.dtype, D = hidden, S = AttnRes snapshots,
 m = model size, X/m = ceil(X / m)):
 
     carry        (1 + S)·n·D·a: the residual stream and the AttnRes bank at a unit boundary
@@ -126,13 +126,13 @@ def _ceil_div(x: int, y: int) -> int:
 def _layer_bytes(cfg: ModelConfig, attn: str, ffn: str, *, n: int, t_full: int, sizes: Mapping[str, int],
                  attn_res: bool = True) -> int:
     """layer(kind) of the module docstring: 2 × (kept forward values + cotangents) of one decoder layer."""
-    a = _dtype_bytes(cfg.dtype)
+    a = _dtype_bytes(cfg.runtime.dtype)
     m = sizes["model"]
     d = cfg.hidden_size
     s = cfg.num_attn_res_snapshots if attn_res else 0
     per_token = 8 * d * a + (2 * (s + 1) * d * 4 if s else 0)
     if attn == "kda":
-        h, k, c = _ceil_div(cfg.kda_num_heads, m), cfg.kda_head_dim, cfg.kda_chunk_size
+        h, k, c = _ceil_div(cfg.kda_num_heads, m), cfg.kda_head_dim, cfg.runtime.kda_chunk_size
         per_token += 6 * h * k * a + 3 * h * c * 4 + h * k * k * 4 // c
     else:
         h = _ceil_div(cfg.num_attention_heads, m)
@@ -152,9 +152,9 @@ def _layer_bytes(cfg: ModelConfig, attn: str, ffn: str, *, n: int, t_full: int, 
 def _routed_rows(cfg: ModelConfig, n: int, ranks: int) -> int:
     """Rows the routed experts process per device (see the module docstring)."""
     k, e = cfg.num_experts_per_token, cfg.num_experts
-    mode, factor = parse_mode(cfg.moe_expert_parallel)
-    if ranks == 1 or mode == "off" or cfg.moe_impl == "dense":
-        return n * (e if cfg.moe_impl == "dense" else k)
+    mode, factor = parse_mode(cfg.runtime.moe_expert_parallel)
+    if ranks == 1 or mode == "off" or cfg.runtime.moe_impl == "dense":
+        return n * (e if cfg.runtime.moe_impl == "dense" else k)
     worst = n * min(k, e // ranks)
     if mode == "capacity":
         return ranks * min(max(1, math.ceil((factor or 1.25) * n * k / ranks)), worst)
@@ -169,7 +169,7 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     b = _ceil_div(batch_size, sizes["data"] * sizes["expert"])
     t = _ceil_div(seq_len, sizes["context"])
     n = b * t
-    a = _dtype_bytes(cfg.dtype)
+    a = _dtype_bytes(cfg.runtime.dtype)
     d = cfg.hidden_size
     carry = (1 + cfg.num_attn_res_snapshots) * n * d * a
 
@@ -179,7 +179,7 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     saved = recompute = 0
     for group in cfg.layer_groups():
         unit = sum(layer(kind) for kind in group.pattern)
-        if group.num_repeats > 1 and cfg.scan_layers and cfg.remat:
+        if group.num_repeats > 1 and cfg.runtime.scan_layers and cfg.runtime.remat:
             saved += group.num_repeats * carry
             recompute = max(recompute, unit)
         else:
@@ -201,10 +201,10 @@ def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, op
     if optimizer not in ("muon", "adamw"):
         raise ValueError(f"optimizer must be 'muon' or 'adamw', got {optimizer!r}")
     sizes = _mesh_sizes(mesh)
-    if not cfg.record_routing_stats:
+    if not cfg.runtime.record_routing_stats:
         cfg = cfg.replace(record_routing_stats=True)  # as the trainer runs it (routing statistics variables)
     abstract_mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
-    param_bytes = _dtype_bytes(cfg.param_dtype)
+    param_bytes = _dtype_bytes(cfg.runtime.param_dtype)
     if master_dtype == "auto":
         master_dtype = "float32" if param_bytes < 4 else None
     master_bytes = _dtype_bytes(master_dtype) if master_dtype else 0
@@ -230,8 +230,8 @@ def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, op
     out["batch"] = 5 * act["tokens_per_device"] * 4
     out["total"] = sum(out[c] for c in COMPONENTS)
     out.update(mesh=sizes, fallbacks=fallbacks, rows_per_device=act["rows_per_device"],
-               tokens_per_device=act["tokens_per_device"], param_dtype=cfg.param_dtype, master_dtype=master_dtype,
-               state_dtype=state_dtype, optimizer_name=optimizer)
+               tokens_per_device=act["tokens_per_device"], param_dtype=cfg.runtime.param_dtype,
+               master_dtype=master_dtype, state_dtype=state_dtype, optimizer_name=optimizer)
     return out
 
 

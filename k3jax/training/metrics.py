@@ -47,7 +47,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, active_params: int,
     n_kda = cfg.num_hidden_layers - len(cfg.full_attn_layers)
     d_qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     mla = n_mla * 2 * cfg.num_attention_heads * (d_qk + cfg.v_head_dim) * seq_len / 2
-    c, d = cfg.kda_chunk_size, cfg.kda_head_dim
+    c, d = cfg.runtime.kda_chunk_size, cfg.kda_head_dim
     kda = n_kda * cfg.kda_num_heads * (10 * c * d + 6 * d * d + (2 / 3) * c * c)
     return 3.0 * (2.0 * active_params + mla + kda)
 

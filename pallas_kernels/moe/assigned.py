@@ -19,8 +19,8 @@ products are the same f32 sums in the same contraction order as the planned kern
 16-deep slices in order, whatever tk), only the row order differs.
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). Inference only
-(no VJP): the MoE layer uses it in decode steps (`cfg.moe_decode_experts`: "auto" up to `AUTO_MAX_ROWS_PER_EXPERT`
-rows per expert on average, or "assigned"; `k3jax.ops.moe.experts_assigned`).
+(no VJP): the MoE layer uses it in decode steps (`cfg.runtime.moe_decode_experts`: "auto" up to
+`AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average, or "assigned"; `k3jax.ops.moe.experts_assigned`).
 """
 
 from __future__ import annotations

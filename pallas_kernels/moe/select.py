@@ -12,7 +12,7 @@ with ``scores = sigmoid(logits)``:
 
 Triton backend on GPU (``backend="gpu"``), the Pallas interpreter on CPU (``"interpret"``, tests). Ungrouped
 routing only (``num_expert_group == 1``). Not differentiable: the MoE layer uses it in inference-only decode steps
-(`cfg.moe_decode_select`).
+(`cfg.runtime.moe_decode_select`).
 """
 
 from __future__ import annotations
