@@ -7,8 +7,8 @@ coordinator (cross-process collectives through gloo, `jax_cpu_collectives_implem
 `--init_timeout` seconds ends (jax's coordination client aborts the process; a Python-level failure exits with
 code 3); `launch` kills every worker when one fails or the wall-clock timeout passes and returns each one's exit
 code, output and a one-line `error` (e.g. "did not join: not all 2 processes joined ... within 5 s"), so a missing
-or stuck process fails the test clearly instead of hanging it. New tasks (e.g. training steps through the trainer)
-register in `TASKS`.
+or stuck process fails the test clearly instead of hanging it. Tasks (`TASKS`): `data` (global batches on several
+meshes), `train` (`k3jax.training.trainer.train` on `train_config()`: losses, checkpoints in --workdir).
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
+import configs
 from k3jax.data.global_batch import make_global_dataset
+from k3jax.training.trainer import TrainOptions, train
 from sharding.rules import MESH_AXES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,7 +133,29 @@ def data_task(args) -> dict:
     return out
 
 
-TASKS = {"data": data_task}
+# `tiny` cut to 5 layers (every layer kind) and the options of the multi-process training runs.
+TRAIN_CONFIG = ("tiny", ("num_hidden_layers=5", "full_attn_layers=(4,5)"))
+TRAIN_OPTIONS = dict(batch_size=8, seq_len=32, log_every=1, checkpoint_every=2, seed=0)
+
+
+def train_config():
+    return configs.get_config(TRAIN_CONFIG[0], list(TRAIN_CONFIG[1]))
+
+
+def train_options(**kw) -> TrainOptions:
+    return TrainOptions(**{**TRAIN_OPTIONS, **kw})
+
+
+def train_task(args) -> dict:
+    """`train` with --mesh / --steps / --halt_at_step / --workdir / --data_dir: this process's losses and log."""
+    logs = []
+    opts = train_options(mesh=args.mesh, steps=args.steps, halt_at_step=args.halt_at_step, workdir=args.workdir,
+                         data=args.data_dir)
+    losses = train(train_config(), opts, log_fn=logs.append)
+    return {"losses": losses, "log": logs}
+
+
+TASKS = {"data": data_task, "train": train_task}
 
 
 def _worker_main(argv=None) -> int:
@@ -143,6 +167,10 @@ def _worker_main(argv=None) -> int:
     p.add_argument("--init_timeout", type=int, default=60)
     p.add_argument("--out", required=True)
     p.add_argument("--data_dir")
+    p.add_argument("--mesh")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--halt_at_step", type=int)
+    p.add_argument("--workdir")
     args = p.parse_args(argv)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     try:
