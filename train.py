@@ -21,13 +21,10 @@ from absl import app, flags
 import configs
 from k3jax.training.aot import compile_train_step
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown
-from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train
+from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
-
-# Training keeps f32 master parameters (matmuls still run in cfg.runtime.dtype, bf16); `--set param_dtype=` overrides.
-TRAIN_PARAM_DTYPE = "float32"
 
 _CONFIG = flags.DEFINE_string("config", "tiny", f"Named config: {', '.join(configs.names())}.")
 _SET = flags.DEFINE_multi_string("set", [], "Config override key=value (repeatable), e.g. --set kda_impl=recurrent.")
@@ -67,7 +64,7 @@ def main(argv):
     logging.getLogger("absl").setLevel(logging.WARNING)
     if not _COMPILE_ONLY.value and not join_distributed(_INIT_TIMEOUT.value):  # compile-only: one process
         return 3
-    cfg = configs.get_config(_CONFIG.value, [f"param_dtype={TRAIN_PARAM_DTYPE}", *_SET.value])
+    cfg = training_config(_CONFIG.value, _SET.value)  # f32 master parameters unless --set param_dtype=...
     opts = TrainOptions(
         workdir=_WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value, seq_len=_SEQ.value,
         learning_rate=_LR.value, weight_decay=_WD.value, optimizer=_OPT.value, quantile_balancing=_QB.value,

@@ -1,5 +1,6 @@
 """train.py's loop: exact resume from Orbax checkpoints, Quantile Balancing lowering the expert-load imbalance,
-clear errors (NaN loss, mismatched resume), metrics in the workdir."""
+clear errors (NaN loss, mismatched resume, batch vs data-parallel size), metrics in the workdir; the precision
+policy (f32 masters, optimizer state dtype) and bf16 HF export from f32 training parameters."""
 
 from __future__ import annotations
 
@@ -7,12 +8,29 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
+from safetensors import safe_open
 
 import configs
+from k3jax.convert.checkpoint import orbax_to_hf
+from k3jax.loading import save_checkpoint
+from k3jax.model import K3Model
 from k3jax.training import checkpointing
-from k3jax.training.trainer import NonFiniteLossError, TrainOptions, train
+from k3jax.training.memory import estimate_memory
+from k3jax.training.trainer import (
+    NonFiniteLossError,
+    TrainOptions,
+    check_batch,
+    make_trainable,
+    run_config,
+    train,
+    training_config,
+)
+from sharding.mesh import make_mesh
 
 
 @pytest.fixture
@@ -111,3 +129,61 @@ def test_quantile_balancing_lowers_expert_load_imbalance(tmp_path):
     assert on[0] == pytest.approx(off[0])  # same model, same first batch, zero bias in both
     assert on[1:].mean() < off[1:].mean() - 0.1, (on, off)
     assert on[1:].mean() < on[0] - 0.1, on
+
+
+def test_training_holds_f32_masters_and_the_chosen_optimizer_state_dtype():
+    """train.py's config: f32 parameters, bf16 compute (unless --set param_dtype); the optimizer state in
+    --state_dtype (AdamW's second moment too), as the memory estimate counts it."""
+    cfg = training_config("k3_gpu")
+    assert (cfg.runtime.param_dtype, cfg.runtime.dtype) == ("float32", "bfloat16")
+    assert training_config("k3_gpu", ["param_dtype=bfloat16"]).runtime.param_dtype == "bfloat16"
+    tiny = training_config("tiny", ["dtype=bfloat16"])
+    for optimizer in ("muon", "adamw"):
+        for state_dtype in ("float32", "bfloat16"):
+            opts = TrainOptions(optimizer=optimizer, state_dtype=state_dtype, mtp=False)
+            trainable, opt = nnx.eval_shape(lambda opts=opts: make_trainable(run_config(tiny), opts))
+            params = jax.tree.leaves(nnx.state(trainable, nnx.Param))
+            assert {x.dtype for x in params} == {jnp.dtype("float32")}
+            state = [x for x in jax.tree.leaves(nnx.state(opt, nnx.optimizer.OptState))
+                     if x.ndim > 0 and jnp.issubdtype(x.dtype, jnp.floating)]
+            assert {x.dtype for x in state} == {jnp.dtype(state_dtype)}, (optimizer, state_dtype)
+            est = estimate_memory(tiny, (1, 1, 1, 1), batch_size=1, seq_len=8, optimizer=optimizer, mtp=False,
+                                  master_dtype=None, state_dtype=state_dtype)
+            assert est["optimizer"] == sum(x.size * x.dtype.itemsize for x in state)
+    with pytest.raises(ValueError, match="state_dtype"):
+        TrainOptions(state_dtype="float16")
+
+
+def test_micro_batch_not_divisible_by_the_data_parallel_size_is_a_clear_error():
+    mesh = make_mesh(2, 2, 1, 2)
+    check_batch(TrainOptions(batch_size=16, grad_accum=4), mesh)
+    with pytest.raises(ValueError, match=r"--batch_size=16 / --grad_accum=8 = 2 rows per micro-batch must be a "
+                                         r"multiple of the data-parallel size 4 .* --batch_size a multiple of 32"):
+        check_batch(TrainOptions(batch_size=16, grad_accum=8), mesh)
+    with pytest.raises(ValueError, match="grad_accum must be >= 1 and divide batch_size=16"):
+        TrainOptions(batch_size=16, grad_accum=3)
+
+
+def test_to_hf_writes_the_releases_bf16_from_f32_training_parameters(tmp_path):
+    """A model holding f32 masters (what training holds) saved as a k3jax checkpoint keeps f32; `--to_hf` writes
+    every tensor in bf16 (the release's dtype; the values are the f32 ones rounded), `--dtype f32` keeps f32."""
+    cfg = training_config("tiny", ["num_hidden_layers=5", "full_attn_layers=(4,5)"])
+    model = K3Model(cfg, rngs=nnx.Rngs(0))
+    save_checkpoint(model, str(tmp_path / "ckpt"))
+    manifest = json.loads((tmp_path / "ckpt" / "manifest.json").read_text())
+    assert {dt for item in manifest["items"].values() for dt, _ in item.values()} == {"float32"}
+    orbax_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    orbax_to_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf32"), dtype="f32")
+    for name, dtype in (("hf", "bfloat16"), ("hf32", "float32")):
+        tensors = {}
+        for file in sorted(os.listdir(tmp_path / name)):
+            if file.endswith(".safetensors"):
+                with safe_open(str(tmp_path / name / file), "numpy") as f:
+                    tensors.update({k: f.get_tensor(k) for k in f.keys()})
+        assert tensors and {str(v.dtype) for v in tensors.values()} == {dtype}, name
+        assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
+        if name == "hf":
+            bf16 = tensors
+    f32 = tensors
+    for k, v in f32.items():
+        np.testing.assert_array_equal(bf16[k], v.astype(ml_dtypes.bfloat16), err_msg=k)

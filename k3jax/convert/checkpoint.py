@@ -476,11 +476,13 @@ def hf_values(src: Source) -> Iterator:
 
 
 def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30,
-                log: Callable[[str], None] | None = None) -> str:
+                log: Callable[[str], None] | None = None, dtype: str | None = "bf16") -> str:
     """Writes a k3jax checkpoint as sharded HF safetensors + index + config.json (one item in memory at a time).
     Release names (with `language_model.` for K3-format sources), A_log re-padded to its source shape, MXFP4
-    experts re-packed bit-exactly when the checkpoint kept them packed, otherwise `experts.{e}.wN.weight` in the
-    checkpoint dtype."""
+    experts re-packed bit-exactly when the checkpoint kept them packed. Floating-point tensors are written in
+    `dtype`: "bf16" (default: the release's dtype, also from a training checkpoint's f32 masters), "f32", or None
+    (the checkpoint's own)."""
+    out_dtype = dtype_from_flag(dtype)
     manifest, cfg = read_manifest(ckpt)
     plan = make_plan(cfg)
     hf = manifest.get("hf", {})
@@ -498,6 +500,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
                                         (f"{slot.local}.{part}", e, "raw")))
                 continue
             dt, shape = meta[slot.local]
+            dt = out_dtype or dt
             dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
             if slot.kind == "experts":
                 for e in range(shape[0]):
@@ -520,6 +523,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         arr = cache["item"][key]
         if how == "raw":
             return arr[e]
+        arr = arr.astype(dt) if arr.dtype != dt else arr
         if how == "expert":
             return np.ascontiguousarray(arr[e].T)
         if how == "a_log":
@@ -548,7 +552,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
                 hf_config = json.load(f)
         kept_packed = manifest.get("experts") == "mxfp4"
         if hf_config is None:
-            torch_dtype = "float32" if cfg.runtime.param_dtype == "float32" else "bfloat16"
+            torch_dtype = "float32" if (out_dtype or cfg.runtime.param_dtype) == "float32" else "bfloat16"
             hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype)
         elif not kept_packed:
             hf_config.pop("quantization_config", None)

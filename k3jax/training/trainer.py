@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+import configs
 from k3jax.config import ModelConfig
 from k3jax.convert.hf_config import check_config
 from k3jax.data import pipeline, prepare
@@ -110,6 +111,14 @@ class TrainOptions:
 
 
 STATE_DTYPES = ("float32", "bfloat16")
+# Training keeps f32 master parameters (matmuls still run in cfg.runtime.dtype, bf16); `--set param_dtype=` overrides.
+TRAIN_PARAM_DTYPE = "float32"
+
+
+def training_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> ModelConfig:
+    """The named config as training runs it: parameters in TRAIN_PARAM_DTYPE unless `overrides` (`--set`) name
+    param_dtype; the compute dtype stays the config's."""
+    return configs.get_config(name, [f"param_dtype={TRAIN_PARAM_DTYPE}", *overrides])
 
 
 class NonFiniteLossError(FloatingPointError):
