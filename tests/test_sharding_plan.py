@@ -1,8 +1,10 @@
 """Per-config parallelism plans: the mesh `auto_mesh` derives for any device count, its errors, `--mesh=auto`."""
 
+import jax
 import pytest
 
 import configs
+from k3jax.training.trainer import make_mesh_from_option
 from sharding.mesh import MeshShapeError
 from sharding.plan import MeshPlan, auto_mesh, mesh_sizes_for, plan_for, plan_problems
 
@@ -59,3 +61,14 @@ def test_mesh_option_auto_or_absent_uses_the_plan_else_parses():
     assert mesh_sizes_for(None, "k3", 16) == {"data": 1, "expert": 2, "context": 1, "model": 8}
     assert mesh_sizes_for("auto", "tiny", 8) == {"data": 8, "expert": 1, "context": 1, "model": 1}
     assert mesh_sizes_for("2,1,1,4", "k3", 8) == {"data": 2, "expert": 1, "context": 1, "model": 4}
+
+
+def test_the_trainer_mesh_comes_from_the_plan_when_mesh_is_absent_or_auto():
+    """`train.py` without --mesh (or --mesh=auto) on this process's 8 devices: k3's plan puts them on 'model';
+    an explicit smaller mesh takes the first devices."""
+    k3 = configs.get_config("k3")
+    for option in (None, "auto"):
+        assert dict(make_mesh_from_option(option, k3).shape) == {"data": 1, "expert": 1, "context": 1, "model": 8}
+        assert dict(make_mesh_from_option(option, configs.get_config("tiny")).shape)["data"] == 8
+    small = make_mesh_from_option("2,1,1,1", k3)
+    assert list(small.devices.flat) == jax.devices()[:2]
