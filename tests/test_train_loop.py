@@ -9,7 +9,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -166,7 +165,8 @@ def test_micro_batch_not_divisible_by_the_data_parallel_size_is_a_clear_error():
 
 def test_to_hf_writes_the_releases_bf16_from_f32_training_parameters(tmp_path):
     """A model holding f32 masters (what training holds) saved as a k3jax checkpoint keeps f32; `--to_hf` writes
-    every tensor in bf16 (the release's dtype; the values are the f32 ones rounded), `--dtype f32` keeps f32."""
+    the release's dtypes (bf16, the values the f32 ones rounded; f32 where a bf16 model keeps f32), `--dtype f32`
+    keeps f32."""
     cfg = training_config("tiny", ["num_hidden_layers=5", "full_attn_layers=(4,5)"])
     model = K3Model(cfg, rngs=nnx.Rngs(0))
     save_checkpoint(model, str(tmp_path / "ckpt"))
@@ -180,10 +180,15 @@ def test_to_hf_writes_the_releases_bf16_from_f32_training_parameters(tmp_path):
             if file.endswith(".safetensors"):
                 with safe_open(str(tmp_path / name / file), "numpy") as f:
                     tensors.update({k: f.get_tensor(k) for k in f.keys()})
-        assert tensors and {str(v.dtype) for v in tensors.values()} == {dtype}, name
+        narrow = sorted(k for k, v in tensors.items() if v.dtype != np.dtype("float32"))
+        if dtype == "float32":
+            assert tensors and not narrow, name
+        else:  # bf16 but for the few tensors a bf16 model keeps in f32 (as the release stores them)
+            assert len(narrow) > 0.8 * len(tensors), name
+            assert all(str(tensors[k].dtype) == "bfloat16" for k in tensors if "embed_tokens" in k or "experts" in k)
         assert json.loads((tmp_path / name / "config.json").read_text())["torch_dtype"] == dtype
         if name == "hf":
             bf16 = tensors
     f32 = tensors
     for k, v in f32.items():
-        np.testing.assert_array_equal(bf16[k], v.astype(ml_dtypes.bfloat16), err_msg=k)
+        np.testing.assert_array_equal(bf16[k], v.astype(bf16[k].dtype), err_msg=k)

@@ -22,8 +22,9 @@ from k3jax.convert.safetensors_io import CheckpointError
 flags.DEFINE_string("hf_dir", None, "HF directory: config.json + *.safetensors (+ model.safetensors.index.json)")
 flags.DEFINE_string("out", None, "output directory (must not exist unless --overwrite)")
 flags.DEFINE_string("config", None, "registry config name to check config.json against (and to use)")
-flags.DEFINE_enum("dtype", None, ["bf16", "f32"], "parameter dtype (default: config.json torch_dtype, or --config's); "
-                  "with --to_hf the safetensors dtype (default bf16, the release's, also from f32 training masters)")
+flags.DEFINE_enum("dtype", None, ["bf16", "f32"],
+                  "parameter dtype (default: config.json torch_dtype, or --config's); with --to_hf the safetensors "
+                  "dtype (default: the HF source's, else bf16: the release's, also for f32 training masters)")
 flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
                   "bf16: decode MXFP4 experts to the parameter dtype; mxfp4: keep them packed (decoded on load)")
 flags.DEFINE_bool("to_hf", False, "convert a k3jax checkpoint (--checkpoint) back to HF safetensors")
@@ -45,7 +46,7 @@ def main(argv):
                 raise app.UsageError("--to_hf needs --checkpoint")
             out = orbax_to_hf(FLAGS.checkpoint, FLAGS.out, overwrite=FLAGS.overwrite,
                               max_shard_bytes=int(FLAGS.shard_size_gb * (1 << 30)), log=log,
-                              dtype=FLAGS.dtype or "bf16")
+                              dtype=FLAGS.dtype or "auto")
         else:
             if not FLAGS.hf_dir:
                 raise app.UsageError("--hf_dir is required (or --to_hf --checkpoint)")

@@ -47,6 +47,13 @@ _DTYPE_FLAGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "f
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json")
 
 
+def hf_param_dtype(hf_config: dict) -> str:
+    """"float32" or "bfloat16": the parameter dtype an HF config.json declares (bf16 when it says nothing)."""
+    text = hf_config.get("text_config", hf_config)
+    src = str(text.get("torch_dtype") or text.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
+    return "float32" if src in ("float32", "torch.float32") else "bfloat16"
+
+
 def dtype_from_flag(flag: str | None) -> str | None:
     if flag is None:
         return None
@@ -190,9 +197,7 @@ def open_hf(hf_dir: str, *, config: ModelConfig | str | None = None, dtype: str 
         cfg = config
     dtype = dtype_from_flag(dtype)
     if dtype is None and not isinstance(config, ModelConfig):
-        text = hf_config.get("text_config", hf_config)
-        src = str(text.get("torch_dtype") or text.get("dtype") or hf_config.get("torch_dtype") or "bfloat16")
-        dtype = "float32" if src in ("float32", "torch.float32") else "bfloat16"
+        dtype = hf_param_dtype(hf_config)
     if dtype is not None:
         cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
     plan = make_plan(cfg)
@@ -476,15 +481,22 @@ def hf_values(src: Source) -> Iterator:
 
 
 def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30,
-                log: Callable[[str], None] | None = None, dtype: str | None = "bf16") -> str:
+                log: Callable[[str], None] | None = None, dtype: str | None = "auto") -> str:
     """Writes a k3jax checkpoint as sharded HF safetensors + index + config.json (one item in memory at a time).
     Release names (with `language_model.` for K3-format sources), A_log re-padded to its source shape, MXFP4
-    experts re-packed bit-exactly when the checkpoint kept them packed. Floating-point tensors are written in
-    `dtype`: "bf16" (default: the release's dtype, also from a training checkpoint's f32 masters), "f32", or None
-    (the checkpoint's own)."""
-    out_dtype = dtype_from_flag(dtype)
+    experts re-packed bit-exactly when the checkpoint kept them packed. Tensors are written in the dtypes a model
+    with param_dtype `dtype` holds: "bf16" (K3's release: bf16 but for the tensors the model always keeps in f32),
+    "f32", None (the checkpoint's own) or "auto" (default: the dtype of the HF source the checkpoint was converted
+    from, else bf16, so f32 training masters are written as the release's bf16)."""
+    source_config = os.path.join(ckpt, "hf_config.json")
+    if dtype == "auto" and os.path.exists(source_config):
+        with open(source_config) as f:
+            dtype = hf_param_dtype(json.load(f))
+    out_dtype = dtype_from_flag("bf16" if dtype == "auto" else dtype)
     manifest, cfg = read_manifest(ckpt)
     plan = make_plan(cfg)
+    out_dtypes = {(name, slot.local): slot.dtype for name, slots in
+                  make_plan(cfg.replace(param_dtype=out_dtype)).items.items() for slot in slots} if out_dtype else {}
     hf = manifest.get("hf", {})
     prefix = hf.get("prefix", "")
     a_log_shape = tuple(hf["a_log_shape"]) if hf.get("a_log_shape") else None
@@ -500,7 +512,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
                                         (f"{slot.local}.{part}", e, "raw")))
                 continue
             dt, shape = meta[slot.local]
-            dt = out_dtype or dt
+            dt = out_dtypes.get((name, slot.local), dt)
             dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
             if slot.kind == "experts":
                 for e in range(shape[0]):
