@@ -9,6 +9,7 @@ config's parallelism plan (or --mesh), Orbax checkpoints in --workdir (resumed a
 TPU v5p slice that fits.
 """
 
+import glob
 import json
 import logging
 import math
@@ -16,6 +17,7 @@ import os
 import sys
 import threading
 
+import jax
 from absl import app, flags
 
 import configs
@@ -86,11 +88,18 @@ def main(argv):
     return 0
 
 
+def on_tpu_vm() -> bool:
+    """A Cloud TPU VM (its chips appear as /dev/accel* or /dev/vfio/N); compile-only hosts set TPU_SKIP_MDS_QUERY."""
+    return not os.environ.get("TPU_SKIP_MDS_QUERY") and bool(glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"))
+
+
 def join_distributed(timeout: int) -> bool:
-    """`jax.distributed.initialize` when launched multi-process (TPU pod auto-detection, or JAX_COORDINATOR_ADDRESS
-    / JAX_NUM_PROCESSES / JAX_PROCESS_ID); a no-op for one process. A peer that does not join within `timeout`
-    seconds makes jax's coordination client abort this process: a watchdog names the problem first (stderr)."""
-    if not is_multi_host_launch():
+    """`jax.distributed.initialize` when launched multi-process: on a TPU VM always (jax reads the slice's workers,
+    coordinator and this host's id from the TPU metadata; one host is one process), elsewhere from
+    JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (or SLURM / Open MPI); a no-op for one process. A
+    peer that does not join within `timeout` seconds makes jax's coordination client abort this process: a watchdog
+    names the problem first (stderr)."""
+    if not (is_multi_host_launch() or on_tpu_vm()):
         return True
     what = (f"{os.environ.get('JAX_NUM_PROCESSES', 'all')} processes at the coordinator "
             f"{os.environ.get('JAX_COORDINATOR_ADDRESS', '(auto-detected)')}")
@@ -105,7 +114,8 @@ def join_distributed(timeout: int) -> bool:
     watchdog.daemon = True
     watchdog.start()
     try:
-        initialize_distributed(initialization_timeout=timeout)
+        if not initialize_distributed(initialization_timeout=timeout):  # a TPU VM without the multi-host variables
+            jax.distributed.initialize(initialization_timeout=timeout)
     except Exception as e:  # noqa: BLE001 - jax raises several types here; all mean the same to the user
         watchdog.cancel()
         complain()
