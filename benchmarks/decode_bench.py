@@ -67,8 +67,16 @@ from flax import nnx  # noqa: E402
 
 import configs  # noqa: E402
 from benchmarks import hf_generate_peer as peer_lib  # noqa: E402  (torch + transformers are imported inside, lazily)
-from benchmarks.trace_summary import (annotate_kernels, hlo_sources, kernel_group, load_profile,  # noqa: E402
-                                      overlap_by_group, step_idle, summarize_xplane, trace_xplane)
+from benchmarks.trace_summary import (  # noqa: E402
+    annotate_kernels,
+    hlo_sources,
+    kernel_group,
+    load_profile,
+    overlap_by_group,
+    step_idle,
+    summarize_xplane,
+    trace_xplane,
+)
 from k3jax.inference import slot_steps  # noqa: E402
 from k3jax.inference.xla_flags import apply_serving_flags  # noqa: E402
 from k3jax.model import K3Model, init_cache  # noqa: E402

@@ -33,11 +33,9 @@ import functools
 import json
 import os
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.experimental import pallas as pl
 
 import configs

@@ -33,17 +33,16 @@ from __future__ import annotations
 import argparse
 import json
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.timing import median_ms
 from k3jax.convert import mxfp4 as lut  # the converter's LUT decoder, independent of the kernel's bit decode
 from pallas_kernels.gmm import Tiling, gmm, gmm_glu, gmm_mxfp4
 from pallas_kernels.gmm import mxfp4 as mxfp4_jnp
 from pallas_kernels.gmm.epilogue import glu_f32
 from pallas_kernels.gmm.quantized import gmm_mxfp4_reference_xla
-from benchmarks.timing import median_ms
 
 
 def group_sizes_for(m: int, g: int, routing: str, seed: int = 0) -> np.ndarray:

@@ -18,7 +18,6 @@ import argparse
 import json
 import time
 
-
 import jax
 import jax.numpy as jnp
 

@@ -25,7 +25,6 @@ import json
 import statistics
 import time
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -22,14 +22,12 @@ import json
 import statistics
 import time
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.kda import KernelConfig
-from pallas_kernels.kda import chunk_bwd, chunk_fwd, common, intra_bwd_fused, intra_bwd_tiled, intra_split
 from benchmarks.kda_check import run_on_gpu
+from pallas_kernels.kda import KernelConfig, chunk_bwd, chunk_fwd, common, intra_bwd_fused, intra_bwd_tiled, intra_split
 
 
 def _inputs(b, t, h, d, dtype, seed=0):

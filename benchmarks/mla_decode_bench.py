@@ -23,15 +23,14 @@ import argparse
 import json
 import sys
 
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 
+from benchmarks.timing import median_ms  # noqa: E402
 from k3jax.layers.mla import _masked_softmax, gather_latent_rows  # noqa: E402
 from pallas_kernels.mla import DecodeConfig, paged_latent_attention  # noqa: E402
-from benchmarks.timing import median_ms  # noqa: E402
 
 
 def parse_variant(text: str) -> DecodeConfig:

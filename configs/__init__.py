@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from k3jax.config import ConfigError, ModelConfig
-
 from configs import k3, kimi_linear, small
+from k3jax.config import ConfigError, ModelConfig
 
 _REGISTRY = {
     "k3": k3.config,

@@ -1,8 +1,7 @@
 """Small configs: `tiny` (CPU tests and the README's training run) and `k3_gpu` (K3-shaped, one H200)."""
 
-from k3jax.config import ModelConfig, RuntimeConfig
-
 from configs import k3, kimi_linear
+from k3jax.config import ModelConfig, RuntimeConfig
 
 # Byte-level tokenizer ids for the tiny configs: bytes 0..255, then specials.
 BYTE_BOS, BYTE_EOS, BYTE_PAD = 256, 257, 258

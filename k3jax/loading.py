@@ -28,8 +28,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError, ModelConfig, RuntimeConfig
-from k3jax.convert.checkpoint import (abstract_model, checkpoint_values, convert_item, hf_values, make_plan, open_hf,
-                                      restore_item)
+from k3jax.convert.checkpoint import (
+    abstract_model,
+    checkpoint_values,
+    convert_item,
+    hf_values,
+    make_plan,
+    open_hf,
+    restore_item,
+)
 from k3jax.convert.checkpoint import save_checkpoint as _save_converted
 from k3jax.data.tokenizer import load_tokenizer as _load_tokenizer
 from k3jax.ops.gmm import MXFP4Experts

@@ -16,13 +16,13 @@ from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
 from k3jax.layers.attn_res import AttnResRead, push_snapshot, read_normed, snapshots_before
 from k3jax.layers.kda import KDA, KDAState, init_kda_state
-from k3jax.layers.mla import (DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init_latent_pages,
-                              pages_per_sequence)
+from k3jax.layers.mla import DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init_latent_pages, pages_per_sequence
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import wide
-from k3jax.ops.linear import project as dense, unless_single_row
+from k3jax.ops.linear import project as dense
+from k3jax.ops.linear import unless_single_row
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)

@@ -15,7 +15,6 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from k3jax.ops import kda as kda_ops
-from k3jax.ops.backend import kernel_mesh
 from sharding.context_parallel import batch_axes, model_axis
 
 __all__ = ["kda_kernel_on_mesh"]

@@ -112,10 +112,10 @@ class KDALayerDecode:
     and conv history, and `decode(**overrides)` giving the unjitted forward_cached of a config variant."""
 
     def __init__(self, seed: int):
-        import configs
         import jax.numpy as jnp
         from flax import nnx
 
+        import configs
         from k3jax.layers.kda import KDA
 
         self.cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"])

@@ -320,9 +320,9 @@ def test_grouped_glu_takes_the_fused_kernel_only_for_decode_sized_calls(rows, fu
     fused `gmm_glu` kernel, a bigger one two gmm calls + the activation; both equal the float64 loop of
     SiTU(x @ w_gate, x @ w_up) per group (interpreted kernels, f32). MXFP4 weights and impl='ragged_dot' never
     take the fused kernel."""
+    from configs import get_config
     from k3jax.ops import glu as glu_ops
     from k3jax.ops import gmm as gmm_ops
-    from configs import get_config
 
     cfg = get_config("tiny")
     calls = []

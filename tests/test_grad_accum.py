@@ -4,11 +4,10 @@ Balancing bias update of one batch N times larger (up to f32 summation order).""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-
-import jax.numpy as jnp
 
 import configs
 from k3jax.layers.moe import LatentMoE

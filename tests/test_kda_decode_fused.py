@@ -177,7 +177,6 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
 
 def test_model_decode_with_the_fused_prologue_equals_the_step_kernel(monkeypatch):
     import configs
-
     import pallas_kernels.kda.decode_fused as fused_mod
     from tests.conftest import DecodeHarness
 

@@ -223,9 +223,9 @@ def test_model_cached_decode_with_the_kernel_equals_the_recurrent_path(monkeypat
     """A 6-layer tiny model's cached decode (three tokens after a 3-token prompt, one idle slot) with kda_impl="pallas"
     and the decode kernel chosen (through the interpreter) gives the logits and KDA states of kda_impl="chunked"
     (whose one-token decode is the recurrent step); the idle slot's KDA states stay bit-identical."""
-    import configs
     from flax import nnx
 
+    import configs
     from k3jax.layers.params import RouterBias
     from k3jax.model import K3Model, init_cache
 

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import kda_recurrent
-from k3jax.ops.kda import KernelConfig, chunk_kda
+from k3jax.ops.kda import KernelConfig, chunk_kda, kda_recurrent
 from pallas_kernels.kda.common import activate_gate, chunk_layout, document_layout
 from pallas_kernels.kda.intra_split import intra_chunk_split
 from tests.test_kda_kernel import (

@@ -323,9 +323,9 @@ def test_kda_layer_with_the_kernel_equals_the_chunked_path_on_packed_documents()
     """The model's KDA layer (tiny config, f32) with kda_impl="pallas" (the kernel through the Pallas interpreter on
     CPU) gives the output and parameter/input gradients of kda_impl="chunked" on a packed batch with traced segment
     ids; "auto" picks the chunked path on CPU."""
-    import configs
     from flax import nnx
 
+    import configs
     from k3jax.layers.kda import KDA
     from k3jax.ops.kda import resolve_impl
 
@@ -405,9 +405,9 @@ def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
     """Traced under a (data 2, expert 2, model 2) mesh, the KDA layer's kernel call runs inside shard_map (GSPMD
     cannot split a Pallas call), each device on its batch rows and heads, and gives the one-device chunked result
     with packed documents (output and input gradient)."""
-    import configs
     from flax import nnx
 
+    import configs
     from k3jax.layers.kda import KDA
     from sharding.mesh import make_mesh
 

@@ -10,8 +10,8 @@ import pytest
 
 import configs
 from k3jax.layers.attn_res import attn_res_mix
-from k3jax.ops.glu import situ_glu
 from k3jax.layers.moe import route
+from k3jax.ops.glu import situ_glu
 from tests.conftest import build_model, jit_call
 from tests.reference import numpy_k3 as ref
 

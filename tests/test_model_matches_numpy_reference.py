@@ -55,7 +55,8 @@ def test_unscanned_equals_scanned(x64):
     assert any(g.num_repeats > 1 for g in cfg.layer_groups()), "tiny must exercise the layer scan"
     flat, _ = build_model(cfg.replace(scan_layers=False), weights)
     ids = jnp.asarray(random_ids(cfg, 1, 20))
-    np.testing.assert_allclose(np.asarray(jit_call(scanned, ids)), np.asarray(jit_call(flat, ids)), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(jit_call(scanned, ids)), np.asarray(jit_call(flat, ids)),
+                               rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.slow  # implied in the default suite: the chunked model matches the float64 reference, and the KDA
@@ -65,7 +66,8 @@ def test_chunked_and_recurrent_kda_give_same_model(x64):
     chunked, weights = build_model(cfg)
     recurrent, _ = build_model(cfg.replace(kda_impl="recurrent"), weights)
     ids = jnp.asarray(random_ids(cfg, 1, 45))
-    np.testing.assert_allclose(np.asarray(jit_call(chunked, ids)), np.asarray(jit_call(recurrent, ids)), rtol=0, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(jit_call(chunked, ids)), np.asarray(jit_call(recurrent, ids)),
+                               rtol=0, atol=1e-9)
 
 
 @pytest.mark.slow  # implied in the default suite: the dropless model matches the float64 reference, and the
@@ -75,7 +77,8 @@ def test_dense_and_dropless_moe_give_same_model(x64):
     dropless, weights = build_model(cfg)
     dense, _ = build_model(cfg.replace(moe_impl="dense"), weights)
     ids = jnp.asarray(random_ids(cfg, 2, 17))
-    np.testing.assert_allclose(np.asarray(jit_call(dropless, ids)), np.asarray(jit_call(dense, ids)), rtol=0, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(jit_call(dropless, ids)), np.asarray(jit_call(dense, ids)),
+                               rtol=0, atol=1e-10)
 
 
 def test_bf16_model_stays_close_to_float32():

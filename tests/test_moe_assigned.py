@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels.cuda_lowering import triton_kernels
 from pallas_kernels.gmm import DECODE_TILING, epilogue
 from pallas_kernels.moe import assigned
-from pallas_kernels.cuda_lowering import triton_kernels
 
 
 def _routing(rng, n, k, e, hot=None, hot_tokens=0):
@@ -165,7 +165,6 @@ def test_kernels_lower_for_cuda():
 
 def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch):
     import configs
-
     from k3jax.layers import moe
     from k3jax.ops import backend as backend_lib
     from tests.conftest import DecodeHarness, max_rel_err

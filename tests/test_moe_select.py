@@ -30,9 +30,8 @@ def _numpy_selection(scores, bias, k, scale, renormalize):
     (5, 6, 6, False, 1.0),  # every expert chosen, no renormalisation
 ])
 def test_selection_equals_a_numpy_ranking_and_the_xla_route(n, e, k, renormalize, scale):
-    from k3jax.layers import moe
-
     import configs
+    from k3jax.layers import moe
 
     rng = np.random.default_rng(n * e + k)
     d = 16

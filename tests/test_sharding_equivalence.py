@@ -3,9 +3,9 @@ parameters really are distributed, and a sharded optimizer step keeps every shar
 
 Parameters and the batch are sharded by the rules; under a mesh with 'expert' > 1 the MoE runs expert-parallel
 (`sharding/expert_parallel.py`) and with 'context' > 1 KDA and MLA run context-parallel over the sequence
-(`sharding/context_parallel.py`); everything else follows GSPMD propagation. Compilation dominates the cost: each mesh compiles one
-loss+grad program, at XLA:CPU backend optimisation level 0 to halve compile time (the comparison tolerance is for
-reduction order).
+(`sharding/context_parallel.py`); everything else follows GSPMD propagation. Compilation dominates the cost: each
+mesh compiles one loss+grad program, at XLA:CPU backend optimisation level 0 to halve compile time (the
+comparison tolerance is for reduction order).
 """
 
 import math

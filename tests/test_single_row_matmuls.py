@@ -5,7 +5,6 @@ k3_gpu decode at B = 1 slower than at B = 16 on an H200), and the real row's res
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from flax import nnx
 
 import configs

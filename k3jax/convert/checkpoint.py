@@ -34,8 +34,15 @@ from k3jax.config import ConfigError, ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import check_config, config_from_hf, config_to_hf, is_k3_format
 from k3jax.convert.hf_names import _to_hf, _to_ours, param_entries
-from k3jax.convert.safetensors_io import (DTYPES, CheckpointError, TensorInfo, index_directory, plan_shards,
-                                          read_tensor, write_shard)
+from k3jax.convert.safetensors_io import (
+    DTYPES,
+    CheckpointError,
+    TensorInfo,
+    index_directory,
+    plan_shards,
+    read_tensor,
+    write_shard,
+)
 from k3jax.model import K3Model
 
 FORMAT = "k3jax-orbax-v1"

@@ -5,14 +5,14 @@ plus per-slot decode fields (last token, token count, limits, sampling parameter
 static, so the decode step compiles once (per greedy/sampling variant) and admission once per (prefill batch
 bucket, prompt length bucket).
 
-MLA latents are paged: each MLA layer has one pool of `num_pages` pages of `page_size` tokens shared by all slots,
-and the cache's page table maps each slot's positions to pages (the same page ids in every layer). A host-side
-`PageAllocator` (`k3jax.inference.cache`: free list + reference counts) RESERVES a request's pages on admission for its whole budget,
-prompt + max_tokens - 1 positions (so decode never runs out mid-request and needs no preemption), and releases them
-when it finishes or is cancelled. When the free pages do not cover the next waiting request, it waits (first come,
-first served: later requests do not overtake it) until running requests free theirs; prefix-cache entries, which
-also hold page references, are evicted (least recently used first) before a request is made to wait. A request that
-needs more pages than the whole pool is rejected by `validate`.
+MLA latents are paged: each MLA layer has one pool of `num_pages` pages of `page_size` tokens shared by all slots, and
+the cache's page table maps each slot's positions to pages (the same page ids in every layer). A host-side
+`PageAllocator` (`k3jax.inference.cache`: free list + reference counts) RESERVES a request's pages on admission for its
+whole budget, prompt + max_tokens - 1 positions (so decode never runs out mid-request and needs no preemption), and
+releases them when it finishes or is cancelled. When the free pages do not cover the next waiting request, it waits
+(first come, first served: later requests do not overtake it) until running requests free theirs; prefix-cache entries,
+which also hold page references, are evicted (least recently used first) before a request is made to wait. A request
+that needs more pages than the whole pool is rejected by `validate`.
 
 Admission prefills the new prompts (right-padded) with fresh per-sequence states (KDA, length) and the slots' page
 tables, writing their latent rows straight into the shared pools, then scatters the per-sequence states into the
@@ -53,8 +53,16 @@ from k3jax.inference import sharded
 from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
-from k3jax.inference.slot_steps import (MAX_EOS_IDS, SlotState, admit_slots, copy_page, decode_slots,
-                                        extend_sequences, install_slots, intern_static)
+from k3jax.inference.slot_steps import (
+    MAX_EOS_IDS,
+    SlotState,
+    admit_slots,
+    copy_page,
+    decode_slots,
+    extend_sequences,
+    install_slots,
+    intern_static,
+)
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, pages_per_sequence
 from k3jax.model import K3Model, init_cache
 

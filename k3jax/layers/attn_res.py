@@ -13,10 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from k3jax.numerics import upcast
-
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm, rms_normalize
+from k3jax.numerics import upcast
 
 
 def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:

@@ -13,11 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import upcast, wide
-
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import rms_normalize
+from k3jax.numerics import upcast, wide
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.backend import kernel_mesh
 from k3jax.ops.conv import causal_depthwise_conv

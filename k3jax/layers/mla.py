@@ -10,13 +10,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import upcast, wide
-
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
+from k3jax.numerics import upcast, wide
 from k3jax.ops.attention import causal_attention, mla_decode_backend, paged_latent_decode
-from k3jax.ops.linear import project as dense, unless_single_row
+from k3jax.ops.linear import project as dense
+from k3jax.ops.linear import unless_single_row
 from sharding import context_parallel
 
 

@@ -10,13 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import wide
-
 from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.norms import rms_norm
 from k3jax.layers.routing import margin_histogram, routing_margins
+from k3jax.numerics import wide
 from k3jax.ops.glu import glu
 from k3jax.ops.gmm import MXFP4Experts, dense_expert_weights, expert_weights, inference_only
 from k3jax.ops.linear import project as dense

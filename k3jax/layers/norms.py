@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.numerics import upcast
-
 from k3jax.layers import params
+from k3jax.numerics import upcast
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:

@@ -33,6 +33,7 @@ from flax import nnx
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.routing import DEFAULT_MARGIN_RANGE, DEFAULT_NUM_BINS, margin_histogram, routing_margins
 
+
 def quantile_balancing_bias(scores: jax.Array, bias: jax.Array, k: int) -> jax.Array:
     """Next router bias from this step's scores (exact quantile: sort-based, linear interpolation). f32 [n]."""
     r = routing_margins(scores, bias, k)

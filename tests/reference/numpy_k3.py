@@ -305,7 +305,8 @@ def mla_layer(w, prefix, x_td, cfg):
 def dense_mlp(w, prefix, x_nd, cfg):
     """§3.4 dense MLP / shared expert: down_proj(act(gate_proj(x), up_proj(x))); prefix e.g. 'model.layers.0.mlp.'."""
     x = _f64(x_nd)
-    return _linear(w, prefix, "down_proj", _glu(cfg, _linear(w, prefix, "gate_proj", x), _linear(w, prefix, "up_proj", x)))
+    hidden = _glu(cfg, _linear(w, prefix, "gate_proj", x), _linear(w, prefix, "up_proj", x))
+    return _linear(w, prefix, "down_proj", hidden)
 
 
 def _topk_desc(values, k):
@@ -425,7 +426,8 @@ def forward(w, cfg, ids_bt, return_hidden=False):
 
     def res(l, name, live, bank):
         lp = f"model.layers.{l}." if l is not None else "model."
-        return attn_res(list(bank) + [live], _w(w, "", lp + f"{name}_norm.weight"), _w(w, "", lp + f"{name}_proj.weight"), eps)
+        norm_w, proj_w = _w(w, "", lp + f"{name}_norm.weight"), _w(w, "", lp + f"{name}_proj.weight")
+        return attn_res(list(bank) + [live], norm_w, proj_w, eps)
 
     logits = np.zeros((B, T, head.shape[0]))
     hidden = np.zeros((B, T, embed.shape[1]))
