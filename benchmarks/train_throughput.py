@@ -35,11 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import configs
 from benchmarks.trace_summary import hlo_sources, kernel_group, load_profile, trace_xplane
 from k3jax.param_count import count_params
 from k3jax.training.metrics import model_flops_per_token, peak_flops_per_device
-from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option
+from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, training_config
 
 
 def synthetic_batch(rng, batch: int, seq_len: int, vocab: int, docs_per_row: int = 4) -> dict:
@@ -83,7 +82,8 @@ def run(cfg, mesh_text: str, args) -> dict:
     tps = tokens / sec
     out = {"mesh": mesh_text, "devices": devices, "batch": opts.batch_size, "step_ms": sec * 1e3,
            "tokens_per_s": tps, "tflops_per_device": tps * fpt / devices / 1e12, "loss": float(loss),
-           "compile_s": compile_s, "mfu": (tps * fpt / (devices * peak)) if peak else None}
+           "compile_s": compile_s, "mfu": (tps * fpt / (devices * peak)) if peak else None,
+           "peak_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30}
     if args.profile:
         out["profile"] = profile_steps(step, trainable, optimizer, batch, args.profile_steps)
     del trainable, optimizer, step
@@ -209,12 +209,14 @@ def main():
     if args.cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    cfg = configs.get_config(args.config, args.set)
+    cfg = training_config(args.config, args.set)  # as train.py: f32 master parameters unless --set param_dtype=
     counts = count_params(cfg)
     print(f"{cfg.name}: total {counts['total_params'] / 1e9:.2f}B active {counts['active_params'] / 1e9:.2f}B; "
           f"device {jax.devices()[0].device_kind} x{jax.device_count()}; T={args.seq_len} "
           f"B/device={args.batch_per_device} grad_accum={args.grad_accum} optimizer={args.optimizer} "
-          f"ns={args.muon_ns_dtype} mtp={not args.no_mtp} qb={not args.no_qb} overrides={args.set}", flush=True)
+          f"ns={args.muon_ns_dtype} "
+          f"params={cfg.runtime.param_dtype} compute={cfg.runtime.dtype} "
+          f"mtp={not args.no_mtp} qb={not args.no_qb} overrides={args.set}", flush=True)
     peak = peak_flops_per_device(jax.devices()[0])
     ceiling = dense_matmul_tflops() if jax.devices()[0].platform != "cpu" else None
     if ceiling:
@@ -233,7 +235,8 @@ def main():
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
         print(f"mesh {r['mesh']:>9} devices {r['devices']} batch {r['batch']:>3}: step {r['step_ms']:8.1f} ms  "
               f"{r['tokens_per_s']:10,.0f} tokens/s  {r['tflops_per_device']:6.1f} TFLOP/s/device  MFU {mfu}  "
-              f"scaling eff {100 * eff:.0f}%  (compile {r['compile_s']:.0f}s, loss {r['loss']:.3f})", flush=True)
+              f"scaling eff {100 * eff:.0f}%  (compile {r['compile_s']:.0f}s, loss {r['loss']:.3f}, "
+              f"peak memory {r['peak_gib']:.1f} GiB)", flush=True)
         if "profile" in r:
             print_profile(r["profile"])
         args.profile = False  # the first mesh only
