@@ -8,6 +8,8 @@ a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "typ
 (unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down). `/health` reports the state
 (status, in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
 prefix cache when enabled).
+A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
+for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
 Shutdown (SIGINT / SIGTERM under `run_server`, or `runner.cleanup()`): stop accepting, let in-flight requests
 finish for up to `shutdown_grace_s`, cancel the rest (streams end with finish_reason "cancelled"), stop the engine.
 One log line per request: peer, route, status, id, token counts, finish reason, time to first token, total time.
@@ -36,6 +38,11 @@ from k3jax.inference.scheduler import FINISH_CANCELLED, Request, TokenEvent
 from sharding.mesh import describe
 
 MAX_BODY_BYTES = 4 << 20
+DISCONNECT_POLL_S = 0.1  # while a request waits for its next token, how often its connection is checked
+
+
+class ClientGone(ConnectionError):
+    """The client closed its connection before the answer was complete."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,25 +182,39 @@ class K3Server:
             if parsed.stream:
                 resp, finished = await self._stream(http, track, parsed, rid, events, chat)
             else:
-                resp, finished = await self._collect(track, parsed, rid, events, chat)
+                resp, finished = await self._collect(http, track, parsed, rid, events, chat)
             return resp
         finally:
             self.in_flight -= 1
             if not finished:
                 self.engine.cancel(rid)
 
-    async def _next(self, events: asyncio.Queue) -> TokenEvent:
-        item = await events.get()
+    async def _next(self, http: web.Request, events: asyncio.Queue) -> TokenEvent:
+        """The request's next event; raises ClientGone as soon as its connection is closed (aiohttp does not cancel
+        handlers on disconnect), so the caller cancels it in the engine instead of generating for nobody."""
+        while events.empty():
+            try:
+                item = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+                break
+            except asyncio.TimeoutError:
+                if http.transport is None or http.transport.is_closing():
+                    raise ClientGone("the client closed the connection") from None
+        else:
+            item = events.get_nowait()
         if isinstance(item, Exception):
             raise item
         return item
 
-    async def _collect(self, track, parsed, rid, events, chat):
+    async def _collect(self, http, track, parsed, rid, events, chat):
         text_out = api.TextAssembler(self.tokenizer, parsed.stop)
         created = int(time.time())
         while True:
             try:
-                ev = await self._next(events)
+                ev = await self._next(http, events)
+            except ClientGone:
+                track.finish = "client_disconnected"
+                self._log(track, 499)
+                return web.Response(status=499), False  # nobody reads it; cancelled in _generate's finally
             except ValueError as e:
                 return self._error(track, api.ApiError(400, str(e), None)), True
             except RuntimeError as e:
@@ -245,7 +266,9 @@ class K3Server:
                 await send(chunk(None, None, role=True))
             while True:
                 try:
-                    ev = await self._next(events)
+                    ev = await self._next(http, events)
+                except ClientGone:
+                    raise
                 except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
                     await send(api.ApiError(500, str(e), None, "engine_error", "server_error").body())
                     track.finish, finished = "error", True

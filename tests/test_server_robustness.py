@@ -1,0 +1,158 @@
+"""The server frees the work of clients that leave (non-streaming too: slot, pages and queue entry at once), also under
+a load of mixed normal and disconnecting clients. Loopback only, tiny model, bounded requests and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+
+import aiohttp
+import pytest
+
+from k3jax.data.text import ByteTokenizer
+from k3jax.inference.scheduler import Request, Scheduler
+from tests.test_inference_cache import tiny_model
+from tests.test_server import NAME, P2, post, serving
+
+LONG = {"prompt": P2, "max_tokens": 38, "temperature": 0}  # 26 + 38 - 1 = 63 positions of the 64
+
+
+@pytest.fixture(scope="module")
+def scheduler():
+    return Scheduler(tiny_model(NAME), num_slots=2, max_len=64)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    cfg = tiny_model(NAME).cfg
+    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
+
+
+@contextlib.contextmanager
+def slow_steps(scheduler, seconds: float):
+    """Every engine step takes at least `seconds` (a generation long enough to leave in the middle of)."""
+    step = scheduler.step
+
+    def slow():
+        time.sleep(seconds)
+        return step()
+
+    scheduler.step = slow
+    try:
+        yield
+    finally:
+        del scheduler.step
+
+
+async def wait_until(cond, timeout: float) -> float | None:
+    """Seconds until cond() held (polled every 10 ms), None if it did not within `timeout`."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return time.monotonic() - t0
+        await asyncio.sleep(0.01)
+    return None
+
+
+async def raw_request(port: int, body: dict):
+    """A POST on a plain socket (the test closes it whenever it likes); returns the writer."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+    await writer.drain()
+    return writer
+
+
+def idle(server) -> bool:
+    s = server.scheduler
+    return server.in_flight == 0 and not s.has_work and s.num_free_pages == s.num_pages
+
+
+def test_greedy_long_request_runs_to_its_length(scheduler, tokenizer):
+    """The disconnect tests below rely on LONG generating all its tokens (no early EOS)."""
+    toks, finish = scheduler.generate([Request("r", tokenizer.encode(P2), LONG["max_tokens"])])["r"]
+    assert finish == "length" and len(toks) == LONG["max_tokens"]
+
+
+def test_non_streaming_client_that_disconnects_frees_its_slot_pages_and_queue_entry(scheduler, tokenizer):
+    async def go():
+        async with serving(scheduler, tokenizer) as (server, client, logs, runner):
+            port = runner.addresses[0][1]
+            engine = server.engine
+            with slow_steps(scheduler, 0.05):
+                writer = await raw_request(port, LONG)
+                assert await wait_until(lambda: scheduler.num_running == 1, 30) is not None
+                engine.pause()  # the request holds its slot and pages; only a cancel can free them now
+                writer.close()
+                slot_freed = await wait_until(lambda: scheduler.num_running == 0 and idle(server), 3)
+
+                writer = await raw_request(port, LONG)  # still paused: it waits in the queue
+                assert await wait_until(lambda: scheduler.num_waiting == 1, 30) is not None
+                writer.close()
+                queue_freed = await wait_until(lambda: idle(server), 3)
+                engine.resume()
+                status, body = await post(client, "/v1/completions", {**LONG, "max_tokens": 3})
+            return slot_freed, queue_freed, status, logs
+
+    slot_freed, queue_freed, status, logs = asyncio.run(go())
+    assert slot_freed is not None and slot_freed < 1.0, slot_freed
+    assert queue_freed is not None and queue_freed < 1.0, queue_freed
+    assert status == 200
+    assert sum(" 499 " in m and "finish=client_disconnected stream=False" in m for m in logs) == 2
+
+
+def test_client_timeouts_with_two_retries_leave_no_generation_running(scheduler, tokenizer):
+    """As the `openai` client does with timeout=0.5 and max_retries=2: three attempts, each abandoned."""
+    async def go():
+        async with serving(scheduler, tokenizer) as (server, client, logs, _):
+            with slow_steps(scheduler, 0.1):  # one attempt would generate for ~4 s
+                attempts = 0
+                for _ in range(3):
+                    attempts += 1
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        async with client.post("/v1/completions", json=LONG,
+                                               timeout=aiohttp.ClientTimeout(total=0.5)) as r:
+                            await r.read()
+                        break
+                freed = await wait_until(lambda: idle(server), 1.0)
+            return attempts, freed
+
+    attempts, freed = asyncio.run(go())
+    assert attempts == 3
+    assert freed is not None, "abandoned attempts were still generating 1 s after the last timeout"
+
+
+def test_mixed_load_with_disconnecting_clients_leaks_no_slot(scheduler, tokenizer):
+    """12 clients (half streaming) send long requests and leave at random times: within 1 s of the last one leaving
+    every slot, page and queue entry is free. Then 12 patient and 12 more leaving clients at once: the patient ones
+    get the scheduler's own greedy output, and afterwards nothing is held."""
+    want = tokenizer.decode(scheduler.generate([Request("r", tokenizer.encode(P2), 6)])["r"][0])
+    rng = random.Random(0)
+
+    async def patient(client):
+        return await post(client, "/v1/completions", {**LONG, "max_tokens": 6})
+
+    async def leaving(port, stream: bool):
+        writer = await raw_request(port, {**LONG, "stream": stream})
+        await asyncio.sleep(rng.uniform(0.0, 0.6))
+        writer.close()
+
+    async def go():
+        async with serving(scheduler, tokenizer, max_queue=32) as (server, client, logs, runner):
+            port = runner.addresses[0][1]
+            with slow_steps(scheduler, 0.02):  # all 12 leavers' tokens would take ~5 s on the 2 slots
+                await asyncio.wait_for(asyncio.gather(*[leaving(port, i % 2 == 0) for i in range(12)]), 60)
+                freed_after_leaving = await wait_until(lambda: idle(server), 1.0)
+                jobs = [patient(client) if i % 2 else leaving(port, stream=i % 4 == 0) for i in range(24)]
+                results = await asyncio.wait_for(asyncio.gather(*jobs), 120)
+                freed_at_end = await wait_until(lambda: idle(server), 2.0)
+            return freed_after_leaving, [r for r in results if r is not None], freed_at_end
+
+    freed_after_leaving, answers, freed_at_end = asyncio.run(go())
+    assert freed_after_leaving is not None, "abandoned requests still held slots, pages or queue entries after 1 s"
+    assert len(answers) == 12 and all(st == 200 and b["choices"][0]["text"] == want for st, b in answers)
+    assert freed_at_end is not None, "slots, pages or queue entries still held after the mixed load"
