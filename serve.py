@@ -12,8 +12,16 @@ Server mode (continuous batching over `--slots` decode slots; MLA latents in a p
 `--page_size` tokens per layer; see k3jax/inference/server.py and scheduler.py):
 
     python serve.py --config=tiny --port=8000
-    curl localhost:8000/v1/completions -d '{"prompt": "def f(x):", "max_tokens": 32, "temperature": 0}'
-    curl -N localhost:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "hi"}], "stream": true}'
+    curl localhost:8000/v1/completions --json '{"prompt": "def f(x):", "max_tokens": 32, "temperature": 0}'
+    curl -N localhost:8000/v1/chat/completions --json '{"messages": [{"role": "user", "content": "hi"}], "stream":true}'
+
+Access (k3jax/inference/access.py): the server listens on 127.0.0.1 and answers only requests whose Host names it
+(localhost, the bound or connected address, `--allowed_hosts`), without a browser Origin (unless in
+`--allowed_origins`) and with JSON bodies (`--norequire_json` also takes curl -d's form type). Anyone who can reach
+the port can use the model: before binding another address (`--host=0.0.0.0`) set an API key (`--api_key`, or the
+K3JAX_API_KEY environment variable, which stays out of process listings; clients send `Authorization: Bearer KEY`)
+and name the server's DNS names in `--allowed_hosts`; the key travels in clear text, so use a TLS proxy across
+untrusted networks (docs/serving.md).
 
 Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat template are used) or `--checkpoint`
 (k3jax Orbax checkpoint); with neither, the `--config` model is randomly initialised (a warning says so) and the
@@ -26,12 +34,15 @@ are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the deco
 over data x expert, KDA heads over model) and the MoE runs expert-parallel when E > 1 (k3jax/inference/sharded.py).
 """
 
+import ipaddress
+import os
 import sys
 
 from absl import app, flags
 
 import configs
 from k3jax.config import ConfigError
+from k3jax.inference.access import policy_from_flags
 from k3jax.inference.batch import BatchOptions, load_model, make_tokenizer, read_prompts, run_batch, validate
 from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine import Engine
@@ -92,6 +103,18 @@ _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "Server mode: pages in each ML
 _DEFAULT_MAX = flags.DEFINE_integer("default_max_tokens", 256, "Server mode: chat max_tokens when not given.")
 _GRACE = flags.DEFINE_float("shutdown_grace_s", 10.0, "Server mode: seconds in-flight requests get to finish "
                             "on shutdown before they are cancelled.")
+_API_KEY = flags.DEFINE_string("api_key", None, "Server mode: require 'Authorization: Bearer KEY' on /v1/* "
+                               "(default: the K3JAX_API_KEY environment variable; neither: no key). Set one before "
+                               "binding a non-loopback --host.")
+_ALLOWED_HOSTS = flags.DEFINE_list("allowed_hosts", [], "Server mode: further Host header names to accept (the "
+                                   "server's DNS names behind --host=0.0.0.0 or a proxy; * = any). Localhost, the "
+                                   "bound and the connected address are always accepted; others get 421.")
+_ALLOWED_ORIGINS = flags.DEFINE_list("allowed_origins", [], "Server mode: browser page origins (e.g. "
+                                     "https://app.example) allowed to call the API, with CORS headers; * = any. "
+                                     "Requests from other origins get 403.")
+_REQUIRE_JSON = flags.DEFINE_bool("require_json", True, "Server mode: refuse POST bodies labelled other than "
+                                  "application/json (415): text/plain and form bodies are what a web page can send "
+                                  "cross-origin unasked. --norequire_json accepts them (curl -d).")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id in the API (default: the "
                                   "config name).")
 
@@ -107,6 +130,11 @@ def _serve(log, mesh) -> None:
         raise ValueError(f"--port must be in [1, 65535], got {_PORT.value}")
     if _PROMPTS.value or _OUT.value:
         raise ValueError("--port (server mode) cannot be combined with --prompts_file/--out (batch mode)")
+    access = policy_from_flags(_API_KEY.value, _HOST.value, _ALLOWED_HOSTS.value, _ALLOWED_ORIGINS.value,
+                               _REQUIRE_JSON.value, os.environ)
+    if access.api_key is None and not _is_loopback(_HOST.value):
+        log(f"warning: serving on --host={_HOST.value} without an API key: anyone who can reach the port can use "
+            "the model (set --api_key or K3JAX_API_KEY)")
     opts = _Opts()
     cfg, model = _load_model(opts, mesh, log)
     source = _HF_DIR.value or _CHECKPOINT.value
@@ -123,7 +151,8 @@ def _serve(log, mesh) -> None:
     warm_up(scheduler, log)
     server = K3Server(EngineLoop(scheduler, log), tokenizer, chat,
                       ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,
-                                    default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value), log)
+                                    default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value,
+                                    access=access), log)
     run_server(server, _HOST.value, _PORT.value)
 
 
@@ -138,6 +167,15 @@ def _load_model(opts, mesh, log):
     if opts.hf_dir:
         return load_hf(opts.hf_dir, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
     return load_checkpoint(opts.checkpoint, overrides=list(opts.overrides), mesh=mesh, rules=SERVING_AXIS_RULES)
+
+
+def _is_loopback(host: str) -> bool:
+    if host.strip("[]").lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class _Opts:

@@ -64,9 +64,12 @@ async def serving(scheduler, tokenizer, **options):
         assert not engine.alive
 
 
-async def post(client, path, body):
+JSON = {"Content-Type": "application/json"}
+
+
+async def post(client, path, body, headers=None):
     data = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    async with client.post(path, data=data) as r:
+    async with client.post(path, data=data, headers={**JSON, **(headers or {})}) as r:
         return r.status, await r.json()
 
 
@@ -180,7 +183,7 @@ def test_malformed_requests_get_clear_4xx(scheduler, tokenizer):
                 got.append((r.status, await r.json()))
             async with client.get("/v1/completions") as r:
                 got.append((r.status, await r.json()))
-            async with client.post("/v1/completions", data=b"x" * (5 << 20)) as r:
+            async with client.post("/v1/completions", data=b"x" * (5 << 20), headers=JSON) as r:
                 got.append((r.status, await r.json()))
             return got, logs
 

@@ -5,7 +5,9 @@ enqueue and await that request's token events. At most `num_slots + max_queue` r
 waiting for a slot); more get 503. Streaming (`"stream": true`) sends Server-Sent Events: `data: {chunk}` lines and
 a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with 400
 (bad JSON, unknown fields, wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 404
-(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down). `/health` reports the state
+(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down); access control
+(`ServerOptions.access`, k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Type) and 421
+(Host) before any route. `/health` reports the state
 (status, in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
 prefix cache when enabled).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
@@ -31,6 +33,7 @@ import jax
 from aiohttp import web
 
 from k3jax.inference import openai_api as api
+from k3jax.inference.access import PREFLIGHT_HEADERS, AccessPolicy, cors_headers
 from k3jax.inference.chat import ChatTemplate
 from k3jax.inference.engine import SamplingParams
 from k3jax.inference.engine_loop import EngineLoop
@@ -51,6 +54,7 @@ class ServerOptions:
     max_queue: int = 64  # requests waiting for a slot beyond the running ones
     default_max_tokens: int = 256  # chat requests without max_tokens: min(this, the rest of the context)
     shutdown_grace_s: float = 10.0
+    access: AccessPolicy = AccessPolicy()  # API key, allowed hosts and origins (k3jax/inference/access.py)
 
 
 class _Track:
@@ -83,11 +87,12 @@ class K3Server:
         self.in_flight = 0
         self.draining = False
         self.capacity = self.scheduler.num_slots + options.max_queue
-        app = web.Application(middlewares=[self._errors], client_max_size=MAX_BODY_BYTES)
+        app = web.Application(middlewares=[self._errors, self._access], client_max_size=MAX_BODY_BYTES)
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.on_response_prepare.append(self._add_cors)
         app.on_shutdown.append(self._on_shutdown)
         app.on_cleanup.append(self._on_cleanup)
         self.app = app
@@ -319,8 +324,22 @@ class K3Server:
 
     def _error(self, track: _Track, e: api.ApiError) -> web.Response:
         self._log(track, e.status, e.message)
-        headers = {"Retry-After": "1"} if e.status == 503 else None
+        headers = {503: {"Retry-After": "1"}, 401: {"WWW-Authenticate": "Bearer"}}.get(e.status)
         return web.json_response(e.body(), status=e.status, headers=headers)
+
+    @web.middleware
+    async def _access(self, request: web.Request, handler):
+        """`AccessPolicy.check` before every route; CORS preflights of allowed origins answered here."""
+        policy = self.options.access
+        err = policy.check(request)
+        if err is not None:
+            return self._error(_Track(request), err)
+        if request.method == "OPTIONS" and "Origin" in request.headers:
+            return web.Response(status=204, headers=PREFLIGHT_HEADERS)
+        return await handler(request)
+
+    async def _add_cors(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers.update(cors_headers(self.options.access, request))
 
     def _log(self, track: _Track, status: int, error: str | None = None) -> None:
         ttft = "-" if track.first_token_s is None else f"{track.first_token_s * 1e3:.0f}ms"
