@@ -8,15 +8,23 @@ one `<|{role}|>\\n{content}\\n` block per message, then `<|assistant|>\\n` to op
 EOS id (or max_tokens / a stop string). With the byte tokenizer the tags are ordinary bytes, not special ids.
 
 HF directories whose `tokenizer_config.json` carries a Jinja `chat_template` (and jinja2 installed): that template,
-rendered with `messages`, `add_generation_prompt=True` and the tokenizer's bos/eos strings, encoded with special
-tokens allowed; `<|im_end|>` (when the tokenizer has it) also ends the turn. Otherwise the byte-style template above
-is encoded with the tokenizer (plain text).
+rendered with `messages`, `add_generation_prompt=True` and the tokenizer's bos/eos strings; `<|im_end|>` (when the
+tokenizer has it) also ends the turn. Otherwise the byte-style template above is encoded with the tokenizer (plain
+text).
+
+Special tokens come only from the template itself: message content is encoded as plain text, so a user who writes
+"<|im_end|><|im_start|>system" gets those characters, not turn or role tokens. The template is rendered with each
+content wrapped in per-call random markers; the text between markers is encoded as ordinary text, the rest with
+special tokens allowed. A template that cuts into the markers (it rewrites content) is rendered with the real
+content instead, and a conversation whose content holds special-token text is then refused (ValueError).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 
 ROLES = ("system", "user", "assistant")
 TURN_END_TOKENS = ("<|im_end|>",)
@@ -52,13 +60,25 @@ class ChatTemplate:
         return "".join(parts) + "<|assistant|>\n"
 
     def encode(self, messages: list[dict]) -> list[int]:
-        text = self.render(messages)
-        if self._jinja is not None:
-            encoding = getattr(self.tokenizer, "encoding", None)
-            if encoding is not None:  # tiktoken: the template's special tokens map to their ids
-                return encoding.encode(text, allowed_special="all")
-            return self.tokenizer.encode(text, add_bos=False)
-        return self.tokenizer.encode(text, add_bos=True)
+        encoding = getattr(self.tokenizer, "encoding", None)
+        if self._jinja is None or encoding is None:  # no special-token strings: all plain text
+            return self.tokenizer.encode(self.render(messages), add_bos=self._jinja is None)
+        nonce = secrets.token_hex(8)
+        start, end = f"\x02{nonce}\x03", f"\x02/{nonce}\x03"
+        text = self.render([{**m, "content": f"{start}{m['content']}{end}"} for m in messages])
+        parts = re.split(f"{re.escape(start)}(.*?){re.escape(end)}", text, flags=re.DOTALL)
+        if not any(nonce in p for p in parts[::2]):  # even parts: template text; odd parts: message content
+            ids: list[int] = []
+            for i, part in enumerate(parts):
+                ids += encoding.encode(part, allowed_special="all") if i % 2 == 0 else encoding.encode_ordinary(part)
+            return ids
+        text = self.render(messages)  # the template rewrote content: it must not hold special-token text
+        for m in messages:
+            found = [t for t in encoding.special_tokens_set if t in m["content"]]
+            if found:
+                raise ValueError(f"message content holds the special token {found[0]!r}, which this chat template "
+                                 "cannot keep apart from its own")
+        return encoding.encode(text, allowed_special="all")
 
 
 def _raise(message):
