@@ -27,7 +27,9 @@ Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat templ
 (k3jax Orbax checkpoint); with neither, the `--config` model is randomly initialised (a warning says so) and the
 byte tokenizer is used. `--expert_weights=mxfp4` keeps the routed experts packed at 4.25 bits per weight in device
 memory (MXFP4 experts of the HF release / an `--experts mxfp4` checkpoint copied as-is, bf16 ones quantized),
-run by the MXFP4 grouped matmul. SIGINT / SIGTERM shut the server down gracefully.
+run by the MXFP4 grouped matmul. SIGINT / SIGTERM shut the server down gracefully. At start-up the engine compiles
+every prefill bucket and the decode step (one progress line each; k3jax/inference/warmup.py) while the server already
+listens: /health answers 503 "warming up" until then, and requests wait for it.
 
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
 are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
@@ -48,8 +50,9 @@ from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine import Engine
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.scheduler import Scheduler
-from k3jax.inference.server import K3Server, ServerOptions, run_server, warm_up
+from k3jax.inference.server import K3Server, ServerOptions, run_server
 from k3jax.inference.sharded import mesh_from_spec
+from k3jax.inference.warmup import warm_up
 from k3jax.inference.xla_flags import apply_serving_flags
 from k3jax.loading import load_checkpoint, load_hf
 from sharding.mesh import describe
@@ -148,8 +151,8 @@ def _serve(log, mesh) -> None:
     if scheduler.num_pages < scheduler.pages_per_seq:
         log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
             f"less than one sequence of --max_len={max_len}: longer requests get a 400")
-    warm_up(scheduler, log)
-    server = K3Server(EngineLoop(scheduler, log), tokenizer, chat,
+    engine = EngineLoop(scheduler, log, warm_up=lambda: warm_up(scheduler, log))  # compiles before serving
+    server = K3Server(engine, tokenizer, chat,
                       ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,
                                     default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value,
                                     access=access), log)

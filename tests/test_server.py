@@ -388,14 +388,18 @@ def test_serve_cli_serves_and_stops_on_sigterm():
     try:
         async def go():
             async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as client:
-                for _ in range(600):
+                statuses = set()
+                for _ in range(1200):  # loading, then warm-up (every prefill bucket compiles) before "ok"
                     try:
                         async with client.get("/health") as r:
+                            statuses.add((await r.json())["status"])
                             if r.status == 200:
                                 pages = (await r.json())["pages"]
                                 break
                     except aiohttp.ClientConnectionError:
-                        await asyncio.sleep(0.25)
+                        pass
+                    await asyncio.sleep(0.25)
+                assert "warming up" in statuses
                 return pages, await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 5,
                                                                      "temperature": 0})
 
@@ -410,3 +414,4 @@ def test_serve_cli_serves_and_stops_on_sigterm():
             proc.communicate()
     assert proc.returncode == 0, err
     assert "RANDOMLY INITIALISED" in err and '"POST /v1/completions" 200' in err and "server stopped" in err
+    assert "warm-up 1/5: prefill of 1 x 1 tokens compiled" in err and "warm-up done: 5 programs" in err

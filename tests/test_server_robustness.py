@@ -1,5 +1,6 @@
 """The server frees the work of clients that leave (non-streaming too: slot, pages and queue entry at once), also under
-a load of mixed normal and disconnecting clients. Loopback only, tiny model, bounded requests and timeouts."""
+a load of mixed normal and disconnecting clients; it compiles every program at start-up (warm-up) and says "ok" on
+/health only afterwards. Loopback only, tiny model, bounded requests and timeouts."""
 
 from __future__ import annotations
 
@@ -7,15 +8,22 @@ import asyncio
 import contextlib
 import json
 import random
+import threading
 import time
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from k3jax.data.text import ByteTokenizer
+from k3jax.inference.chat import load_chat_template
+from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.server import K3Server, ServerOptions
+from k3jax.inference.slot_steps import TRACE_COUNTS
+from k3jax.inference.warmup import prompt_lengths, warm_up
 from tests.test_inference_cache import tiny_model
-from tests.test_server import NAME, P2, post, serving
+from tests.test_server import NAME, P2, TIMEOUT, post, serving
 
 LONG = {"prompt": P2, "max_tokens": 38, "temperature": 0}  # 26 + 38 - 1 = 63 positions of the 64
 
@@ -156,3 +164,54 @@ def test_mixed_load_with_disconnecting_clients_leaks_no_slot(scheduler, tokenize
     assert freed_after_leaving is not None, "abandoned requests still held slots, pages or queue entries after 1 s"
     assert len(answers) == 12 and all(st == 200 and b["choices"][0]["text"] == want for st, b in answers)
     assert freed_at_end is not None, "slots, pages or queue entries still held after the mixed load"
+
+
+def test_health_says_warming_up_until_the_engine_has_compiled_and_early_requests_wait(scheduler, tokenizer):
+    release = threading.Event()
+    logs: list[str] = []
+
+    async def go():
+        engine = EngineLoop(scheduler, logs.append, warm_up=lambda: release.wait(60)).start()
+        server = K3Server(engine, tokenizer, load_chat_template(tokenizer, None), ServerOptions(model_name="tiny"),
+                          log=logs.append)
+        runner = web.AppRunner(server.app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        try:
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{runner.addresses[0][1]}", timeout=TIMEOUT) as c:
+                async with c.get("/health") as r:
+                    before = r.status, (await r.json())["status"]
+                early = asyncio.create_task(post(c, "/v1/completions", {**LONG, "max_tokens": 3}))
+                await asyncio.sleep(0.3)
+                waited = not early.done()
+                release.set()
+                answer = await asyncio.wait_for(early, 60)
+                async with c.get("/health") as r:
+                    after = r.status, (await r.json())["status"]
+            return before, waited, answer[0], after
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    before, waited, status, after = asyncio.run(go())
+    assert before == (503, "warming up") and waited and status == 200 and after == (200, "ok")
+
+
+def test_after_warm_up_no_prompt_length_or_sampling_compiles(scheduler, tokenizer):
+    """Prompts in every prefill bucket (1, 17 and 40 tokens: buckets 16, 32, 64 of max_len 64), greedy and sampled,
+    through the server after `warm_up`: no program is traced again."""
+    logs: list[str] = []
+    warm_up(scheduler, logs.append)
+    assert prompt_lengths(scheduler) == [1, 17, 33]
+    assert sum("warm-up" in m and "compiled" in m for m in logs) == 3 + 2 and "warm-up done" in logs[-1]
+    traces = dict(TRACE_COUNTS)
+    bodies = [{"prompt": [7] * n, "max_tokens": 3, "temperature": t, "seed": 1} for n in (1, 17, 40)
+              for t in (0, 1.0)]
+
+    async def go():
+        async with serving(scheduler, tokenizer) as (_, client, _, _):
+            return [await post(client, "/v1/completions", b) for b in bodies]
+
+    assert [st for st, _ in asyncio.run(go())] == [200] * len(bodies)
+    assert dict(TRACE_COUNTS) == traces, "a request compiled a program after warm-up"

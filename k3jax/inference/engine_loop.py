@@ -1,6 +1,7 @@
 """The engine thread: the one place the model runs. Other threads (the HTTP event loop) only submit and cancel.
 
-    loop = EngineLoop(Scheduler(model, num_slots=8, max_len=2048)).start()
+    loop = EngineLoop(Scheduler(model, num_slots=8, max_len=2048), warm_up=compile_all).start()
+    loop.ready.wait()                # set once warm_up (run first, on the engine thread) has returned
     loop.submit(request, on_event)   # on_event(TokenEvent) is called from the engine thread, once per token,
                                      # or on_event(exception) if the request was rejected or the step failed
     loop.cancel(request.request_id)
@@ -23,9 +24,12 @@ EventCallback = Callable[[TokenEvent | Exception], None]
 class EngineLoop:
     """Runs `scheduler.step()` in a daemon thread while there is work; sleeps on its inbox when idle."""
 
-    def __init__(self, scheduler: Scheduler, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr)):
+    def __init__(self, scheduler: Scheduler, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr),
+                 warm_up: Callable[[], None] | None = None):
         self.scheduler = scheduler
         self.log = log
+        self._warm_up = warm_up
+        self.ready = threading.Event()  # warm-up done; requests submitted before wait in the inbox
         self._inbox: queue.Queue = queue.Queue()
         self._callbacks: dict[Hashable, EventCallback] = {}
         self._running = threading.Event()  # cleared = paused (tests use it to hold requests in the queue)
@@ -71,6 +75,13 @@ class EngineLoop:
     # ------------------------------------------------------------------ engine thread
 
     def _main(self) -> None:
+        if self._warm_up is not None:
+            try:
+                self._warm_up()
+            except Exception as e:  # the engine cannot serve: the thread ends (alive False, the server says 503)
+                self.log(f"warm-up failed: {e!r}\n{traceback.format_exc()}")
+                return
+        self.ready.set()
         while True:
             idle = not self.scheduler.has_work or not self._running.is_set()
             cmds = [self._inbox.get()] if idle else []  # idle: sleep until a command arrives

@@ -3,7 +3,9 @@
 Every slot is one row of a `DecodeCache` with batch = `num_slots` (its KDA states, MLA page-table row and length)
 plus per-slot decode fields (last token, token count, limits, sampling parameters, PRNG key, EOS ids). All shapes are
 static, so the decode step compiles once (per greedy/sampling variant) and admission once per (prefill batch
-bucket, prompt length bucket).
+bucket, prompt length bucket): admission always runs the sampling program (greedy rows take the argmax; the one
+sort of the vocabulary per admitted row costs little next to the prefill), which halves the programs a server
+compiles at start-up (`k3jax.inference.warmup`).
 
 MLA latents are paged: each MLA layer has one pool of `num_pages` pages of `page_size` tokens shared by all slots, and
 the cache's page table maps each slot's positions to pages (the same page ids in every layer). A host-side
@@ -448,12 +450,11 @@ class Scheduler:
             ids[i, :len(r.prompt_ids)] = r.prompt_ids
             lens[i] = len(r.prompt_ids)
         new, slot_n = self._new_fields(batch, slots, n)
-        greedy_only = all(r.sampling.temperature == 0 for r in batch)
         with sharded.context(self.mesh):
             self.cache, self.state, tok_n, done_n = admit_slots(
                 self.params, self.cache, self.state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(slot_n),
                 jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)), new, spec=self.model_spec,
-                layout=self.layout, max_len=self.max_len, page_size=self.page_size, greedy_only=greedy_only,
+                layout=self.layout, max_len=self.max_len, page_size=self.page_size, greedy_only=False,
                 mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n)
 
@@ -507,7 +508,7 @@ class Scheduler:
             self._set_pools(pools)
             self.cache, self.state, tok_n, done_n = install_slots(
                 self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
-                greedy_only=r.sampling.temperature == 0, mesh=self._mesh)
+                greedy_only=False, mesh=self._mesh)
         return self._started([r], [slot], [pages], tok_n, done_n)
 
     def _decode_running(self) -> list[TokenEvent]:

@@ -8,7 +8,8 @@ a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "typ
 (unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down); access control
 (`ServerOptions.access`, k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Type) and 421
 (Host) before any route. `/health` reports the state
-(status, in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
+(status: "ok", or 503 with "warming up" while the engine compiles at start-up, "draining", "engine stopped";
+in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
 prefix cache when enabled).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
@@ -35,7 +36,6 @@ from aiohttp import web
 from k3jax.inference import openai_api as api
 from k3jax.inference.access import PREFLIGHT_HEADERS, AccessPolicy, cors_headers
 from k3jax.inference.chat import ChatTemplate
-from k3jax.inference.engine import SamplingParams
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.scheduler import FINISH_CANCELLED, Request, TokenEvent
 from sharding.mesh import describe
@@ -100,8 +100,10 @@ class K3Server:
     # ------------------------------------------------------------------ routes
 
     async def health(self, request: web.Request) -> web.Response:
-        ok = self.engine.alive and not self.draining
-        body = {"status": "ok" if ok else ("draining" if self.draining else "engine stopped"),
+        ok = self.engine.alive and self.engine.ready.is_set() and not self.draining
+        status = "ok" if ok else ("draining" if self.draining else "engine stopped" if not self.engine.alive
+                                  else "warming up")
+        body = {"status": status,
                 "in_flight": self.in_flight, "capacity": self.capacity, "slots": self.scheduler.num_slots,
                 "max_len": self.scheduler.max_len,
                 "pages": {"size": self.scheduler.page_size, "total": self.scheduler.num_pages,
@@ -392,26 +394,17 @@ def _seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
-def warm_up(scheduler, log: Callable[[str], None]) -> None:
-    """Compiles admission (shortest prompt bucket) and the decode step, greedy and sampling, before serving."""
-    t0 = time.monotonic()
-    n = min(3, scheduler.max_len)
-    scheduler.generate([Request("warmup-greedy", [0], n, eos_ids=[])])
-    scheduler.generate([Request("warmup-sampled", [0], n, SamplingParams(temperature=1.0), jax.random.key(0),
-                                eos_ids=[])])
-    log(f"warm-up compile: {time.monotonic() - t0:.1f}s")
-
-
 def run_server(server: K3Server, host: str, port: int) -> None:
     """Serves until SIGINT / SIGTERM, then shuts down gracefully (see the module docstring)."""
     server.engine.start()
     sched = server.scheduler
     prefix = f"{sched.prefix_cache.block}-token blocks" if sched.prefix_cache is not None else "off"
     devices = "one device" if getattr(sched, "mesh", None) is None else f"mesh {describe(sched.mesh)}"
+    warming = "" if server.engine.ready.is_set() else "; warming up: /health says ok when done"
     server.log(f"serving {server.options.model_name!r} on http://{host}:{port} ({sched.num_slots} slots x "
                f"{sched.max_len} tokens, {sched.num_pages} latent pages of {sched.page_size} tokens, queue "
                f"{server.options.max_queue}, prefix cache {prefix}, chat template: "
-               f"{server.chat.name}, {devices})")
+               f"{server.chat.name}, {devices}{warming})")
     web.run_app(server.app, host=host, port=port, access_log=None, print=None,
                 shutdown_timeout=server.options.shutdown_grace_s + 10, handle_signals=True)
     server.log("server stopped")

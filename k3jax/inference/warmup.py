@@ -1,0 +1,75 @@
+"""Start-up compilation of every program a request can reach, so that no request waits while one compiles (a new
+prompt length used to stall every stream for the length of a compile).
+
+`warm_up(scheduler, log)` runs the scheduler through: admission at every prefill batch bucket x prompt-length bucket
+(through the prefix cache's chunk programs when it is on, plus its partial-page copy), then the decode step greedy
+and sampling. One progress line per program. The server runs it on the engine thread before the first request;
+`/health` says "ok" only afterwards. Warm-up requests are ordinary ones (max_tokens 1 or 2), so the compilations
+are exactly the ones serving uses; the prefix cache is emptied afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import jax
+
+from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
+from k3jax.inference.scheduler import Request, Scheduler
+
+
+def prompt_lengths(scheduler: Scheduler) -> list[int]:
+    """One prompt length per prefill bucket (the shortest that pads to it): admission pads prompts to a power of two
+    >= MIN_PROMPT_BUCKET, capped at max_len; prefix-cache chunks (at most `prefix_block` tokens) are not capped."""
+    pc = scheduler.prefix_cache
+    longest = scheduler.max_len if pc is None else min(pc.block, scheduler.max_len)
+    cap = scheduler.max_len if pc is None else bucket(longest, MIN_PROMPT_BUCKET)
+    padded = sorted({min(bucket(n, MIN_PROMPT_BUCKET), cap) for n in _powers_up_to(longest)} |
+                    {min(bucket(longest, MIN_PROMPT_BUCKET), cap)})
+    return [prev + 1 for prev in [0] + padded[:-1]]
+
+
+def batch_sizes(scheduler: Scheduler) -> list[int]:
+    """Requests admitted together, one count per prefill batch bucket (1 with the prefix cache: one at a time)."""
+    if scheduler.prefix_cache is not None:
+        return [1]
+    return sorted({min(n, scheduler.num_slots) for n in _powers_up_to(scheduler.max_prefill_batch)})
+
+
+def warm_up(scheduler: Scheduler, log: Callable[[str], None]) -> None:
+    """Compiles admission for every (batch, prompt length) bucket and the decode step, greedy and sampling."""
+    t0 = time.monotonic()
+    plan = [(n, length) for n in batch_sizes(scheduler) for length in prompt_lengths(scheduler)]
+    pc = scheduler.prefix_cache
+    copy = pc is not None and pc.block + 1 <= scheduler.max_len and pc.block % scheduler.page_size != 0
+    total = len(plan) + 2 + copy
+    for i, (n, length) in enumerate(plan):
+        t = time.monotonic()
+        scheduler.generate([Request(f"warmup-{i}-{j}", [(i + j) % scheduler.cfg.vocab_size] * length, 1,
+                                    eos_ids=[]) for j in range(n)])
+        log(f"warm-up {i + 1}/{total}: prefill of {n} x {length} tokens compiled ({time.monotonic() - t:.1f}s)")
+    if copy:  # a prefix-cache hit ending inside a page copies that page
+        t = time.monotonic()
+        prompt = [1] * (pc.block + 1)
+        scheduler.generate([Request("warmup-prefix", prompt, 1, eos_ids=[])])
+        scheduler.generate([Request("warmup-prefix-hit", prompt, 1, eos_ids=[])])
+        log(f"warm-up {len(plan) + 1}/{total}: prefix-cache page copy compiled ({time.monotonic() - t:.1f}s)")
+    for k, sampling in enumerate((SamplingParams(), SamplingParams(temperature=1.0))):
+        t = time.monotonic()
+        scheduler.generate([Request(f"warmup-decode-{k}", [0], 2, sampling, jax.random.key(0), eos_ids=[])])
+        log(f"warm-up {total - 1 + k}/{total}: {'sampling' if k else 'greedy'} decode step compiled "
+            f"({time.monotonic() - t:.1f}s)")
+    if pc is not None:
+        pc.clear()
+        pc.hits = pc.tokens_reused = 0
+        scheduler.page_copies = 0
+    log(f"warm-up done: {total} programs in {time.monotonic() - t0:.1f}s")
+
+
+def _powers_up_to(n: int) -> list[int]:
+    out, p = [], 1
+    while p <= n:
+        out.append(p)
+        p *= 2
+    return out
