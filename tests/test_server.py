@@ -15,15 +15,17 @@ import sys
 import time
 
 import aiohttp
+import jax
 import pytest
 from aiohttp import web
 
 from k3jax.data.text import ByteTokenizer
 from k3jax.inference.chat import load_chat_template
+from k3jax.inference.engine import SamplingParams
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.openai_api import TextAssembler
 from k3jax.inference.scheduler import Request, Scheduler
-from k3jax.inference.server import K3Server, ServerOptions
+from k3jax.inference.server import K3Server, ServerOptions, seed_key
 from tests.test_inference_cache import tiny_model
 
 NAME = "tiny_kimi_linear"
@@ -158,8 +160,19 @@ BAD = [  # (path, body, status, param or code)
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "unknown_field"),
+    ("/v1/completions", {"prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "unknown_field"),
+    ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "unknown_field"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ("/v1/completions", {"prompt": "x", "stop": ["a", 3]}, 400, "stop"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
@@ -276,6 +289,68 @@ def test_a_failed_engine_step_fails_in_flight_requests_and_keeps_serving(schedul
     assert done and chunks[-1]["error"]["code"] == "engine_error"
     assert again[0] == 200 and again[1]["choices"][0]["finish_reason"] in ("length", "stop")
     assert any("engine step failed" in m for m in logs)
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(scheduler, tokenizer):
+    """What the `openai` client and others send by default: null logprobs, zero penalties, empty tools ..."""
+    g = {"temperature": 0, "max_tokens": 5}
+    neutral = {"logprobs": None, "frequency_penalty": 0, "presence_penalty": 0.0, "logit_bias": {}, "n": 1,
+               "best_of": 1, "echo": False, "suffix": None, "user": "u", "stream_options": None}
+    neutral_chat = {"logprobs": False, "top_logprobs": 0, "frequency_penalty": 0, "presence_penalty": 0,
+                    "logit_bias": None, "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+                    "parallel_tool_calls": True, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+                    "n": None}
+
+    async def go():
+        async with serving(scheduler, tokenizer) as (_, client, _, _):
+            return [await post(client, "/v1/completions", {"prompt": P1, **g}),
+                    await post(client, "/v1/completions", {"prompt": P1, **g, **neutral}),
+                    await post(client, "/v1/chat/completions", {"messages": CHAT, **g}),
+                    await post(client, "/v1/chat/completions", {"messages": CHAT, **g, **neutral_chat})]
+
+    plain, with_neutral, chat, chat_neutral = asyncio.run(go())
+    assert plain[0] == with_neutral[0] == chat[0] == chat_neutral[0] == 200, (with_neutral, chat_neutral)
+    assert plain[1]["choices"] == with_neutral[1]["choices"] and chat[1]["choices"] == chat_neutral[1]["choices"]
+
+
+def test_n_choices_and_echo(scheduler, tokenizer):
+    """n sampled choices: choice 0 is the n=1 answer of the same seed, choice i draws with fold_in(seed key, i),
+    each the scheduler's own output for that key; streamed choices carry their index; echo puts the prompt first."""
+    sampled = {"temperature": 1.0, "seed": 5, "max_tokens": 6}
+    eos = [scheduler.cfg.eos_token_id]
+    key = seed_key(5)
+    want, counts = [], []
+    for i in range(3):
+        out = scheduler.generate([Request("ref", tokenizer.encode(P1), 6, SamplingParams(temperature=1.0),
+                                          key if i == 0 else jax.random.fold_in(key, i), eos_ids=eos)])["ref"]
+        want.append((tokenizer.decode(out[0]), out[1]))
+        counts.append(len(out[0]))
+
+    async def go():
+        async with serving(scheduler, tokenizer, max_queue=8) as (_, client, _, _):
+            return (await post(client, "/v1/completions", {"prompt": P1, "n": 3, **sampled}),
+                    await post(client, "/v1/completions", {"prompt": P1, **sampled}),
+                    await stream(client, "/v1/completions", {"prompt": P1, "n": 3, **sampled}),
+                    await stream(client, "/v1/chat/completions", {"messages": CHAT, "n": 2, **sampled}),
+                    await post(client, "/v1/chat/completions", {"messages": CHAT, "n": 2, **sampled}),
+                    await post(client, "/v1/completions", {"prompt": P1, "n": 2, "echo": True, **sampled}),
+                    await stream(client, "/v1/completions", {"prompt": P1, "echo": True, **sampled}))
+
+    three, one, (chunks, done), (chat_chunks, chat_done), chat, echoed, (echo_chunks, _) = asyncio.run(go())
+    assert three[0] == 200 and [(c["index"], c["text"], c["finish_reason"]) for c in three[1]["choices"]] == [
+        (i, text, finish) for i, (text, finish) in enumerate(want)]
+    assert one[1]["choices"] == three[1]["choices"][:1]
+    assert three[1]["usage"]["completion_tokens"] == sum(counts)
+    assert done and ["".join(c["choices"][0]["text"] for c in chunks if c["choices"][0]["index"] == i)
+                     for i in range(3)] == [text for text, _ in want]
+    assert chat[0] == 200 and len(chat[1]["choices"]) == 2
+    for i in range(2):
+        mine = [c["choices"][0] for c in chat_chunks if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""} and mine[-1]["finish_reason"]
+        assert "".join(c["delta"].get("content", "") for c in mine) == chat[1]["choices"][i]["message"]["content"]
+    assert chat_done
+    assert [c["text"] for c in echoed[1]["choices"]] == [P1 + text for text, _ in want[:2]]
+    assert "".join(c["choices"][0]["text"] for c in echo_chunks) == P1 + want[0][0]
 
 
 class _Bytes(ByteTokenizer):

@@ -1,11 +1,17 @@
 """OpenAI-compatible request validation and response bodies (pure functions; the HTTP side is `server.py`).
 
 Accepted fields — /v1/completions: model, prompt (a string or a non-empty list of token ids), max_tokens (default
-16), temperature (default 1, as OpenAI), top_p, top_k (0 = off), n (1 only), stream, stream_options
+16), temperature (default 1, as OpenAI), top_p, top_k (0 = off), n (choices, 1..MAX_CHOICES: independent
+generations of the prompt; with a seed, choice 0 draws as the same request with n 1 and choice i from
+fold_in(seed's key, i)), echo (the prompt text before each choice's text), stream, stream_options
 ({"include_usage": bool}), stop (a string or up to 4), seed, user.
-/v1/chat/completions: the same with messages ([{role: system|user|assistant, content: string or [{type: "text",
-text}]}]) instead of prompt and max_tokens / max_completion_tokens (default: the rest of the context, capped by the
-server's default_max_tokens). Anything else is rejected with 400 naming the field.
+/v1/chat/completions: the same without echo, with messages ([{role: system|user|assistant, content: string or
+[{type: "text", text}]}]) instead of prompt and max_tokens / max_completion_tokens (default: the rest of the
+context, capped by the server's default_max_tokens).
+Fields that clients send with a neutral default (`NEUTRAL`: frequency_penalty 0, presence_penalty 0, logprobs null /
+false, top_logprobs 0, logit_bias {}, best_of 1, tools [], ...) are accepted with that value or null; any other
+value is rejected with 400 naming the field (code "unsupported_value"): token log-probabilities, penalties, logit
+biases and tools are not implemented. Unknown fields are rejected with 400 naming the field.
 
 finish_reason: "stop" (EOS or a stop string), "length" (max_tokens), "cancelled" (the server shut down or dropped
 the request before it finished; streaming only — a non-streaming request gets 503 instead).
@@ -19,10 +25,32 @@ import math
 from k3jax.inference.chat import ROLES
 from k3jax.inference.engine import SamplingParams
 
+
+def _eq(*values):
+    """Accepts exactly these values (numbers by value, but never a boolean for a number)."""
+    return lambda v: any(type(v) is type(x) or (_is_number(v) and _is_number(x)) for x in values) and v in values
+
+
+# field -> (accepts the value, what is accepted): neutral defaults of features this server does not implement
+NEUTRAL_COMMON = {
+    "frequency_penalty": (_eq(0), "0"), "presence_penalty": (_eq(0), "0"), "repetition_penalty": (_eq(1), "1"),
+    "min_p": (_eq(0), "0"), "logit_bias": (lambda v: v == {}, "{}"),
+}
+NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "logprobs": (lambda v: False, "null"), "best_of": (_eq(1), "1"),
+                      "suffix": (_eq(""), '""')}
+NEUTRAL_CHAT = {
+    **NEUTRAL_COMMON, "logprobs": (_eq(False), "false"), "top_logprobs": (_eq(0), "0"),
+    "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'), "tools": (_eq([]), "[]"),
+    "tool_choice": (_eq("none", "auto"), '"none" or "auto"'), "parallel_tool_calls": (_eq(True, False), "a boolean"),
+    "functions": (_eq([]), "[]"), "function_call": (_eq("none", "auto"), '"none" or "auto"'),
+    "store": (_eq(False), "false"), "service_tier": (_eq("auto", "default"), '"auto" or "default"'),
+    "metadata": (lambda v: isinstance(v, dict), "an object"), "modalities": (_eq(["text"]), '["text"]'),
+}
 COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens", "echo"} | set(NEUTRAL_COMPLETION)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens"} | set(NEUTRAL_CHAT)
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -51,6 +79,8 @@ class ParsedRequest:
     include_usage: bool
     seed: int | None
     model: str | None
+    n: int = 1  # choices
+    echo: bool = False  # completions: the prompt text before each choice's text
 
 
 def _is_int(v) -> bool:
@@ -65,12 +95,17 @@ def _bad(msg: str, param: str, code: str = "invalid_value") -> ApiError:
     return ApiError(400, msg, param, code)
 
 
-def _check_fields(body, allowed: set[str]) -> None:
+def _check_fields(body, allowed: set[str], neutral: dict) -> None:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", None, "invalid_json")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise ApiError(400, f"unknown or unsupported field(s): {', '.join(unknown)}", unknown[0], "unknown_field")
+    for name, (accepts, what) in neutral.items():
+        v = body.get(name)
+        if v is not None and not accepts(v):
+            raise ApiError(400, f"'{name}' is not supported here: only {what} (or null) is accepted, got {v!r}", name,
+                           "unsupported_value")
 
 
 def _optional(body: dict, name: str, check, what: str, default=None):
@@ -99,8 +134,8 @@ def _common(body: dict) -> dict:
     temperature = _optional(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
     top_p = _optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
     top_k = _optional(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)", 0)
-    n = _optional(body, "n", lambda v: _is_int(v) and v == 1, "the integer 1 (one choice per request)", 1)
-    del n
+    n = _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]",
+                  1)
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     include_usage = False
     opts = body.get("stream_options")
@@ -125,7 +160,7 @@ def _common(body: dict) -> dict:
     _optional(body, "user", lambda v: isinstance(v, str), "a string")
     sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
     return dict(sampling=sampling, stop=list(stop), stream=stream, include_usage=include_usage, seed=seed,
-                model=model)
+                model=model, n=n)
 
 
 def _max_tokens(body: dict, names: tuple[str, ...]):
@@ -139,7 +174,7 @@ def _max_tokens(body: dict, names: tuple[str, ...]):
 
 def parse_completion(body) -> ParsedRequest:
     """Validates a /v1/completions body; raises ApiError(400) naming the first problem."""
-    _check_fields(body, COMPLETION_FIELDS)
+    _check_fields(body, COMPLETION_FIELDS, NEUTRAL_COMPLETION)
     if "prompt" not in body:
         raise _bad("'prompt' is required", "prompt", "missing_field")
     prompt = body["prompt"]
@@ -153,14 +188,15 @@ def parse_completion(body) -> ParsedRequest:
         raise _bad("'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
                    "prompt", "invalid_type")
     max_tokens = _max_tokens(body, ("max_tokens",))
+    echo = _optional(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
     return ParsedRequest(prompt=prompt, messages=None,
-                         max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens,
+                         max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, echo=echo,
                          **_common(body))
 
 
 def parse_chat(body) -> ParsedRequest:
     """Validates a /v1/chat/completions body; raises ApiError(400) naming the first problem."""
-    _check_fields(body, CHAT_FIELDS)
+    _check_fields(body, CHAT_FIELDS, NEUTRAL_CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list", "messages", "invalid_type")
@@ -188,25 +224,28 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def completion_body(rid: str, created: int, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+    """`choices`: (text, finish_reason) per choice, in index order."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}], "usage": use}
+            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
+                        for i, (text, finish) in enumerate(choices)], "usage": use}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None) -> dict:
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
 
-def chat_body(rid: str, created: int, model: str, text: str, finish: str, use: dict) -> dict:
+def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
+    """`choices`: (text, finish_reason) per choice, in index order."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish}], "usage": use}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                         "finish_reason": finish} for i, (text, finish) in enumerate(choices)], "usage": use}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None) -> dict:
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:

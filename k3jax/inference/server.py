@@ -1,16 +1,16 @@
 """OpenAI-compatible HTTP server (aiohttp): /v1/completions, /v1/chat/completions, /v1/models, /health.
 
 The model runs in one engine thread (`EngineLoop` driving a continuous-batching `Scheduler`); handlers validate,
-enqueue and await that request's token events. At most `num_slots + max_queue` requests are in flight (running or
-waiting for a slot); more get 503. Streaming (`"stream": true`) sends Server-Sent Events: `data: {chunk}` lines and
-a final `data: [DONE]`. Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with 400
-(bad JSON, unknown fields, wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 404
-(unknown route or model), 405, 413 (body too large), 503 (queue full, shutting down); access control
-(`ServerOptions.access`, k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Type) and 421
-(Host) before any route. `/health` reports the state
-(status: "ok", or 503 with "warming up" while the engine compiles at start-up, "draining", "engine stopped";
-in-flight requests, capacity, slots, max_len, the MLA page pool `pages: {size, total, free}`, and the
-prefix cache when enabled).
+enqueue and await that request's token events. At most `num_slots + max_queue` generations are in flight (running
+or waiting for a slot; a request with `n` choices counts n); more get 503. Streaming (`"stream": true`) sends
+Server-Sent Events: `data: {chunk}` lines (each choice's with its index) and a final `data: [DONE]`.
+Errors are OpenAI-style JSON `{"error": {"message", "type", "param", "code"}}` with 400 (bad JSON, unknown fields,
+wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 404 (unknown route or model), 405,
+413 (body too large), 503 (queue full, shutting down); access control (`ServerOptions.access`,
+k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Type) and 421 (Host) before any route.
+`/health` reports the state (status: "ok", or 503 with "warming up" while the engine compiles at start-up,
+"draining", "engine stopped"; in-flight generations, capacity, slots, max_len, the MLA page pool
+`pages: {size, total, free}`, and the prefix cache when enabled).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
 Shutdown (SIGINT / SIGTERM under `run_server`, or `runner.cleanup()`): stop accepting, let in-flight requests
@@ -72,6 +72,43 @@ class _Track:
         self.stream = False
 
 
+class _Choice:
+    """One choice of a request: its engine request id, text so far and how it ended (None while it runs)."""
+
+    def __init__(self, rid: str, index: int, tokenizer, stop: list[str]):
+        self.rid, self.index = rid, index
+        self.text = api.TextAssembler(tokenizer, stop)
+        self.finish: str | None = None
+        self.engine_done = False  # the engine sent its final event (nothing left to cancel)
+
+
+@dataclasses.dataclass
+class _Run:
+    """A request being answered: its choices by engine request id, and what the response needs."""
+
+    http: web.Request
+    track: _Track
+    parsed: api.ParsedRequest
+    rid: str
+    created: int
+    events: asyncio.Queue
+    choices: dict[str, _Choice]
+    chat: bool
+    echo: str
+
+    @property
+    def ordered(self) -> list[_Choice]:
+        return sorted(self.choices.values(), key=lambda c: c.index)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish is not None for c in self.choices.values())
+
+    @property
+    def finish_summary(self) -> str:
+        return ",".join(c.finish or "-" for c in self.ordered)
+
+
 class K3Server:
     """Holds the engine loop, tokenizer and chat template; `app` is the aiohttp application."""
 
@@ -128,7 +165,9 @@ class K3Server:
                 ids = self.tokenizer.encode(parsed.prompt, add_bos=True)
             else:
                 ids = parsed.prompt
-            return await self._generate(request, track, parsed, ids, parsed.max_tokens, (), chat=False)
+            echo = "" if not parsed.echo else parsed.prompt if isinstance(parsed.prompt, str) else \
+                self.tokenizer.decode(ids)
+            return await self._generate(request, track, parsed, ids, parsed.max_tokens, (), chat=False, echo=echo)
         except api.ApiError as e:
             return self._error(track, e)
 
@@ -151,27 +190,31 @@ class K3Server:
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, http: web.Request, track: _Track, parsed: api.ParsedRequest, ids: list[int],
-                        max_tokens: int, extra_eos: tuple[int, ...], chat: bool) -> web.StreamResponse:
+                        max_tokens: int, extra_eos: tuple[int, ...], chat: bool, echo: str = ""
+                        ) -> web.StreamResponse:
+        """Runs `parsed.n` choices of the prompt `ids` (one engine request each) and answers with all of them."""
+        n = parsed.n
         track.prompt_tokens, track.stream = len(ids), parsed.stream
         if self.draining:
             raise api.ApiError(503, "the server is shutting down", None, "shutting_down", "server_error")
         if not self.engine.alive:
             raise api.ApiError(503, "the engine is not running", None, "engine_stopped", "server_error")
-        if self.in_flight >= self.capacity:
-            raise api.ApiError(503, f"the request queue is full ({self.capacity} requests in flight); retry later",
-                               None, "queue_full", "server_error")
-        temp = parsed.sampling.temperature
-        key = None
-        if temp > 0:
-            key = _seed_key(parsed.seed if parsed.seed is not None else secrets.randbits(64))
+        if self.in_flight + n > self.capacity:
+            raise api.ApiError(503, f"the request queue is full ({self.in_flight} of {self.capacity} generations in "
+                               "flight); retry later", None, "queue_full", "server_error")
+        keys = [None] * n
+        if parsed.sampling.temperature > 0:
+            key = seed_key(parsed.seed if parsed.seed is not None else secrets.randbits(64))
+            keys = [key] + [jax.random.fold_in(key, i) for i in range(1, n)]
         eos = ([] if self.cfg.eos_token_id is None else [int(self.cfg.eos_token_id)]) + list(extra_eos)
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         track.rid = rid
         try:
-            req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, key, eos))
+            req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, keys[0], eos))
         except ValueError as e:
             code = "context_length_exceeded" if "maximum length" in str(e) else "invalid_value"
             raise api.ApiError(400, str(e), "messages" if chat else "prompt", code) from None
+        choices = [_Choice(rid if n == 1 else f"{rid}-{i}", i, self.tokenizer, parsed.stop) for i in range(n)]
 
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
@@ -182,19 +225,17 @@ class K3Server:
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
-        self.in_flight += 1
-        finished = False
+        self.in_flight += n
         try:
-            self.engine.submit(req, on_event)
-            if parsed.stream:
-                resp, finished = await self._stream(http, track, parsed, rid, events, chat)
-            else:
-                resp, finished = await self._collect(http, track, parsed, rid, events, chat)
-            return resp
+            for c in choices:
+                self.engine.submit(dataclasses.replace(req, request_id=c.rid, key=keys[c.index]), on_event)
+            run = _Run(http, track, parsed, rid, int(time.time()), events, {c.rid: c for c in choices}, chat, echo)
+            return await (self._stream(run) if parsed.stream else self._collect(run))
         finally:
-            self.in_flight -= 1
-            if not finished:
-                self.engine.cancel(rid)
+            self.in_flight -= n
+            for c in choices:
+                if not c.engine_done:  # stopped by a stop string, the client left, or an error: free its slot
+                    self.engine.cancel(c.rid)
 
     async def _next(self, http: web.Request, events: asyncio.Queue) -> TokenEvent:
         """The request's next event; raises ClientGone as soon as its connection is closed (aiohttp does not cancel
@@ -212,103 +253,102 @@ class K3Server:
             raise item
         return item
 
-    async def _collect(self, http, track, parsed, rid, events, chat):
-        text_out = api.TextAssembler(self.tokenizer, parsed.stop)
-        created = int(time.time())
+    async def _advance(self, run: _Run) -> tuple[_Choice, str]:
+        """Waits for the next event of a running choice and applies it: (that choice, its new text)."""
         while True:
+            ev = await self._next(run.http, run.events)
+            choice = run.choices[ev.request_id]
+            if ev.finish_reason:
+                choice.engine_done = True
+            if choice.finish is not None:  # already ended by a stop string: later tokens are dropped
+                continue
+            delta = ""
+            if ev.token is not None:
+                if run.track.first_token_s is None:
+                    run.track.first_token_s = time.monotonic() - run.track.t0
+                run.track.completion_tokens += 1
+                delta = choice.text.add(ev.token)
+                if choice.text.stopped:
+                    choice.finish = "stop"
+                    if not choice.engine_done:
+                        self.engine.cancel(choice.rid)  # free its slot now, the other choices go on
+            if ev.finish_reason and choice.finish is None:
+                if ev.finish_reason != FINISH_CANCELLED:
+                    delta += choice.text.finish()
+                choice.finish = "stop" if choice.text.stopped else ev.finish_reason
+            return choice, delta
+
+    async def _collect(self, run: _Run) -> web.Response:
+        track = run.track
+        while not run.done:
             try:
-                ev = await self._next(http, events)
+                choice, _ = await self._advance(run)
             except ClientGone:
                 track.finish = "client_disconnected"
                 self._log(track, 499)
-                return web.Response(status=499), False  # nobody reads it; cancelled in _generate's finally
+                return web.Response(status=499)  # nobody reads it; cancelled in _generate's finally
             except ValueError as e:
-                return self._error(track, api.ApiError(400, str(e), None)), True
+                return self._error(track, api.ApiError(400, str(e), None))
             except RuntimeError as e:
-                return self._error(track, api.ApiError(500, str(e), None, "engine_error", "server_error")), True
-            if ev.token is not None:
-                if track.first_token_s is None:
-                    track.first_token_s = time.monotonic() - track.t0
-                track.completion_tokens += 1
-                text_out.add(ev.token)
-                if text_out.stopped:
-                    track.finish = "stop"
-                    return self._done(track, parsed, rid, created, text_out.text, chat), False  # cancels in finally
-            if ev.finish_reason:
-                if ev.finish_reason == FINISH_CANCELLED:
-                    track.finish = FINISH_CANCELLED
-                    return self._error(track, api.ApiError(503, "the request was cancelled (server shutting down)",
-                                                           None, "cancelled", "server_error")), True
-                text = text_out.text + text_out.finish()
-                track.finish = "stop" if text_out.stopped else ev.finish_reason
-                return self._done(track, parsed, rid, created, text, chat), True
-
-    def _done(self, track, parsed, rid, created, text, chat) -> web.Response:
+                return self._error(track, api.ApiError(500, str(e), None, "engine_error", "server_error"))
+            if choice.finish == FINISH_CANCELLED:
+                track.finish = FINISH_CANCELLED
+                return self._error(track, api.ApiError(503, "the request was cancelled (server shutting down)",
+                                                       None, "cancelled", "server_error"))
+        track.finish = run.finish_summary
         use = api.usage(track.prompt_tokens, track.completion_tokens)
-        model = self.options.model_name
-        body = (api.chat_body if chat else api.completion_body)(rid, created, model, text, track.finish, use)
+        texts = [(run.echo + c.text.text, c.finish) for c in run.ordered]
+        body = (api.chat_body if run.chat else api.completion_body)(run.rid, run.created, self.options.model_name,
+                                                                    texts, use)
         self._log(track, 200)
         return web.json_response(body)
 
-    async def _stream(self, http, track, parsed, rid, events, chat):
-        created = int(time.time())
-        model = self.options.model_name
+    async def _stream(self, run: _Run) -> web.StreamResponse:
+        track, chat, model = run.track, run.chat, self.options.model_name
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(http)
-        text_out = api.TextAssembler(self.tokenizer, parsed.stop)
+        await resp.prepare(run.http)
 
-        def chunk(text: str | None, finish: str | None, role: bool = False) -> dict:
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                return api.chat_chunk(rid, created, model, delta, finish)
-            return api.completion_chunk(rid, created, model, text or "", finish)
+                return api.chat_chunk(run.rid, run.created, model, delta, finish, index)
+            return api.completion_chunk(run.rid, run.created, model, text or "", finish, index)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
 
-        finished = False
         status = 200
         try:
-            if chat:
-                await send(chunk(None, None, role=True))
-            while True:
+            for c in run.ordered:
+                if chat:
+                    await send(chunk(c.index, None, role=True))
+                elif run.echo:
+                    await send(chunk(c.index, run.echo))
+            while not run.done:
                 try:
-                    ev = await self._next(http, events)
+                    choice, delta = await self._advance(run)
                 except ClientGone:
                     raise
                 except Exception as e:  # engine failure mid-stream: an error event, then [DONE]
                     await send(api.ApiError(500, str(e), None, "engine_error", "server_error").body())
-                    track.finish, finished = "error", True
+                    track.finish = "error"
                     break
-                if ev.token is not None:
-                    if track.first_token_s is None:
-                        track.first_token_s = time.monotonic() - track.t0
-                    track.completion_tokens += 1
-                    delta = text_out.add(ev.token)
-                    if delta:
-                        await send(chunk(delta, None))
-                    if text_out.stopped:
-                        track.finish = "stop"
-                        break  # not finished in the engine: cancelled in _generate's finally
-                if ev.finish_reason:
-                    finished = True
-                    tail = text_out.finish()
-                    if tail:
-                        await send(chunk(tail, None))
-                    track.finish = "stop" if text_out.stopped else ev.finish_reason
-                    break
+                if delta:
+                    await send(chunk(choice.index, delta))
+                if choice.finish is not None:
+                    await send(chunk(choice.index, None if chat else "", choice.finish))
             if track.finish != "error":
-                await send(chunk(None if chat else "", track.finish))
-            if parsed.include_usage:
+                track.finish = run.finish_summary
+            if run.parsed.include_usage:
                 obj = "chat.completion.chunk" if chat else "text_completion"
-                await send(api.usage_chunk(rid, created, model, obj,
+                await send(api.usage_chunk(run.rid, run.created, model, obj,
                                            api.usage(track.prompt_tokens, track.completion_tokens)))
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
         except (ConnectionResetError, ConnectionError):
             status, track.finish = 499, "client_disconnected"  # the client went away: cancelled in finally
         self._log(track, status)
-        return resp, finished
+        return resp
 
     # ------------------------------------------------------------------ helpers
 
@@ -388,7 +428,7 @@ class K3Server:
         self.log("engine stopped")
 
 
-def _seed_key(seed: int) -> jax.Array:
+def seed_key(seed: int) -> jax.Array:
     """A PRNG key for any integer seed (all 64 bits count: jax.random.key alone keeps only the low 32 here)."""
     seed &= (1 << 64) - 1
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
