@@ -95,6 +95,9 @@ class RuntimeConfig:
     # multi-device mesh, else "xla" (gather the pages, then einsums); "pallas" forces the kernel (interpreter off GPU).
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
+    # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised) or
+    # "cudnn" (GPU flash attention, bf16 operands, unpacked rows only: RESULTS.md 2026-12-03).
+    mla_attention_impl: Literal["xla", "cudnn"] = "xla"
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
     moe_impl: Literal["dropless", "dense"] = "dropless"

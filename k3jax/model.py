@@ -20,9 +20,7 @@ from k3jax.layers.mla import DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
-from k3jax.numerics import wide
-from k3jax.ops.linear import project as dense
-from k3jax.ops.linear import unless_single_row
+from k3jax.ops.linear import project_wide, unless_single_row
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
 Carry = tuple[jax.Array, jax.Array]  # (h_btd, bank_nbtd)
@@ -309,12 +307,10 @@ class K3Model(nnx.Module):
 
     def logits(self, h_btd: jax.Array) -> jax.Array:
         dt = self.cfg.runtime.jnp_dtype
-        if self.cfg.tie_word_embeddings:  # a transposed view: the XLA product (no per-step transposed copy)
-            emb_vd = self.embed_tokens[...]
-            return constrain(unless_single_row(lambda h: jnp.einsum(
-                "btd,dv->btv", h, emb_vd.T.astype(dt), preferred_element_type=wide(dt)), h_btd.astype(dt), 2), ACT_BTV)
-        return constrain(dense(h_btd.astype(dt), self.lm_head[...].astype(dt), self.cfg,
-                               preferred_element_type=wide(dt)), ACT_BTV)
+        # f32 logits; the backward's matmuls in the compute dtype (`project_wide`)
+        w_dv = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
+        return constrain(unless_single_row(lambda h: project_wide(h, w_dv.astype(dt)), h_btd.astype(dt), 2),
+                         ACT_BTV)
 
     def __call__(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Logits f32 [B, T, V]; `segment_ids_bt`: packed documents (see `hidden_states`)."""

@@ -1,10 +1,19 @@
 """Attention cores: causal softmax attention (MLA's training / prefill core) and the paged latent decode kernel
-(MLA's absorbed one-token step, `pallas_kernels.mla`) with the choice of its backend."""
+(MLA's absorbed one-token step, `pallas_kernels.mla`) with the choice of their backends.
+
+The XLA core materialises f32 scores (T x T per head). `impl="cudnn"` runs cuDNN's flash attention on a GPU
+(`jax._src.cudnn.fused_attention_stablehlo`: private, because the public `jax.nn.dot_product_attention` takes no
+value head dim unlike the key's, MLA's 192 vs 128). Its packed-document layout (segment offsets) gave wrong outputs
+in `benchmarks/attention_check.py` (benchmarks/RESULTS.md, 2026-12-03; timed 0.71 ms against the XLA core's 4.11 ms
+forward+backward at T = 4096, 12 heads), so it takes unpacked rows only and training, which packs documents, stays
+on the XLA core.
+"""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from k3jax.numerics import wide
 from k3jax.ops import backend as backend_lib
@@ -15,13 +24,17 @@ __all__ = ["causal_attention", "mla_decode_backend", "paged_latent_decode"]
 
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,
                      impl: str = "xla", segment_ids_bt: jax.Array | None = None) -> jax.Array:
-    """softmax(q kᵀ · scale + causal mask) v with f32 logits and softmax; returns f32 [B, T, H, V].
+    """softmax(q kᵀ · scale + causal mask) v with f32 softmax; returns f32 [B, T, H, V].
 
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
+    impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU, flash attention (output rounded
+    to the operands' dtype, then widened), no `segment_ids_bt`.
     """
+    if impl == "cudnn":
+        return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt)
     if impl != "xla":
-        raise ValueError(f"unknown attention impl {impl!r}; available: 'xla'")
+        raise ValueError(f"unknown attention impl {impl!r}; available: 'xla', 'cudnn'")
     b, t = q_bthk.shape[:2]
     logits = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk, preferred_element_type=wide(q_bthk.dtype)) * scale
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]  # [1, 1, T, T]
@@ -32,6 +45,16 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     logits = jnp.where(mask, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
     return jnp.einsum("bhqs,bshv->bqhv", probs, v_bthv.astype(probs.dtype))
+
+
+def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt):
+    if segment_ids_bt is not None:
+        raise ValueError("mla_attention_impl='cudnn' takes unpacked rows only (its packed layout failed the "
+                         "exactness check, benchmarks/attention_check.py); use mla_attention_impl='xla'")
+    dt = q_bthk.dtype
+    out = cudnn_attention.dot_product_attention(q_bthk, k_bthk.astype(dt), v_bthv.astype(dt), scale=scale,
+                                                qkv_layout="BTNH", mask_type=cudnn_attention.MaskType.CAUSAL)
+    return out.astype(wide(dt))
 
 
 def mla_decode_backend(cfg, num_pages: int, page_size: int) -> str | None:

@@ -10,7 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["project", "unless_single_row"]
+__all__ = ["project", "project_wide", "unless_single_row"]
 
 
 def project(x: jax.Array, w: jax.Array, cfg, *, contract: int = 1, preferred_element_type=None) -> jax.Array:
@@ -23,6 +23,39 @@ def project(x: jax.Array, w: jax.Array, cfg, *, contract: int = 1, preferred_ele
     return unless_single_row(
         lambda x2: jax.lax.dot_general(x2, w, (dims, ((), ())), preferred_element_type=preferred_element_type),
         x, x.ndim - contract)
+
+
+@jax.custom_vjp
+def project_wide(x_nk: jax.Array, w_km: jax.Array) -> jax.Array:
+    """``x @ w`` (one contracted axis) with f32 accumulation and an f32 result (the LM head's logits), whose
+    backward rounds the f32 output cotangent to x's dtype before its two matmuls: with bf16 compute they run as
+    bf16 gemms (f32 accumulation) instead of f32/TF32 gemms on a [tokens, vocab] f32 operand, which took about a
+    fifth of a k3_gpu training micro-step (benchmarks/RESULTS.md, 2026-12-03). Exact for f32 compute."""
+    return _project_wide(x_nk, w_km)
+
+
+def _project_wide(x, w):
+    return jax.lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=_wide(x.dtype))
+
+
+def _project_wide_fwd(x, w):
+    return _project_wide(x, w), (x, w)
+
+
+def _project_wide_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jax.lax.dot_general(g, w, (((g.ndim - 1,), (1,)), ((), ())), preferred_element_type=_wide(x.dtype))
+    lead = tuple(range(x.ndim - 1))
+    dw = jax.lax.dot_general(x, g, ((lead, lead), ((), ())), preferred_element_type=_wide(x.dtype))
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+def _wide(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+project_wide.defvjp(_project_wide_fwd, _project_wide_bwd)
 
 
 def unless_single_row(fn, x: jax.Array, lead: int) -> jax.Array:

@@ -1,0 +1,56 @@
+"""The LM head's `project_wide` (f32 logits, backward in the compute dtype) against float64 NumPy references; the
+cuDNN attention path's guard."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import configs
+from k3jax.ops.attention import causal_attention
+from k3jax.ops.linear import project_wide
+
+
+def _head_grads_f64(x, w, g):
+    return g @ w.T, np.einsum("btd,btv->dv", x, g)
+
+
+def test_project_wide_gradients_equal_the_float64_reference_in_f32():
+    rng = np.random.default_rng(0)
+    x, w, g = rng.normal(size=(2, 5, 8)), rng.normal(size=(8, 11)), rng.normal(size=(2, 5, 11))
+    out, vjp = jax.vjp(project_wide, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    dx, dw = vjp(jnp.asarray(g, jnp.float32))
+    np.testing.assert_allclose(np.asarray(out), x @ w, rtol=1e-5, atol=1e-5)
+    want_dx, want_dw = _head_grads_f64(x, w, g)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_project_wide_bf16_keeps_f32_logits_and_rounds_only_the_cotangent():
+    """bf16 operands: f32 logits; gradients are the reference's on the bf16-rounded cotangent (bf16 results)."""
+    rng = np.random.default_rng(1)
+    bf = jnp.bfloat16
+    x, w = jnp.asarray(rng.normal(size=(3, 7, 16)), bf), jnp.asarray(rng.normal(size=(16, 24)), bf)
+    g = jnp.asarray(rng.normal(size=(3, 7, 24)), jnp.float32)
+    out, vjp = jax.vjp(project_wide, x, w)
+    assert out.dtype == jnp.float32
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    np.testing.assert_allclose(np.asarray(out), x64 @ w64, rtol=1e-6, atol=1e-5)
+    dx, dw = vjp(g)
+    assert dx.dtype == bf and dw.dtype == bf
+    want_dx, want_dw = _head_grads_f64(x64, w64, np.asarray(g.astype(bf), np.float64))
+    np.testing.assert_allclose(np.asarray(dx, np.float64), want_dx, rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=2e-2, atol=5e-2)
+
+
+def test_cudnn_attention_refuses_packed_documents_by_name():
+    """Its packed layout failed the GPU exactness check (RESULTS.md 2026-12-03): packed rows must not reach it."""
+    q = jnp.zeros((1, 4, 2, 16), jnp.bfloat16)
+    with pytest.raises(ValueError, match="unpacked rows only"):
+        causal_attention(q, q, q, scale=0.25, impl="cudnn", segment_ids_bt=jnp.ones((1, 4), jnp.int32))
+
+
+def test_training_attention_defaults_to_the_xla_core():
+    assert configs.get_config("k3_gpu").runtime.mla_attention_impl == "xla"
