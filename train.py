@@ -63,7 +63,8 @@ _HALT = flags.DEFINE_integer("halt_at_step", None, "Stop (and save) after this s
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.getLogger("absl").setLevel(logging.WARNING)
+    for name in ("absl", "jax"):  # our own lines only: no library INFO logs (e.g. "Unable to initialize backend")
+        logging.getLogger(name).setLevel(logging.WARNING)
     if not _COMPILE_ONLY.value and not join_distributed(_INIT_TIMEOUT.value):  # compile-only: one process
         return 3
     cfg = training_config(_CONFIG.value, _SET.value)  # f32 master parameters unless --set param_dtype=...
