@@ -28,8 +28,9 @@ Weights: `--hf_dir` (HF K3 / Kimi-Linear directory; its tokenizer and chat templ
 byte tokenizer is used. `--expert_weights=mxfp4` keeps the routed experts packed at 4.25 bits per weight in device
 memory (MXFP4 experts of the HF release / an `--experts mxfp4` checkpoint copied as-is, bf16 ones quantized),
 run by the MXFP4 grouped matmul. SIGINT / SIGTERM shut the server down gracefully. At start-up the engine compiles
-every prefill bucket and the decode step (one progress line each; k3jax/inference/warmup.py) while the server already
-listens: /health answers 503 "warming up" until then, and requests wait for it.
+every prefill bucket and the decode step (one progress line each; k3jax/inference/warmup.py; `--warm_up=shortest`
+for a quick start) while the server already listens: /health answers 503 "warming up" until then, and requests
+wait for it.
 
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
 are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
@@ -118,6 +119,11 @@ _ALLOWED_ORIGINS = flags.DEFINE_list("allowed_origins", [], "Server mode: browse
 _REQUIRE_JSON = flags.DEFINE_bool("require_json", True, "Server mode: refuse POST bodies labelled other than "
                                   "application/json (415): text/plain and form bodies are what a web page can send "
                                   "cross-origin unasked. --norequire_json accepts them (curl -d).")
+_WARM_UP = flags.DEFINE_enum("warm_up", "all", ["all", "shortest"], "Server mode: prefill programs compiled at "
+                              "start-up, before /health says ok: all (every prompt-length and prefill-batch bucket: "
+                              "no request ever waits for a compile; minutes on a CPU) or shortest (the shortest "
+                              "bucket: a quick start for development; a new prompt length then stalls every "
+                              "stream while it compiles). The decode steps are always compiled.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id in the API (default: the "
                                   "config name).")
 
@@ -151,7 +157,8 @@ def _serve(log, mesh) -> None:
     if scheduler.num_pages < scheduler.pages_per_seq:
         log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
             f"less than one sequence of --max_len={max_len}: longer requests get a 400")
-    engine = EngineLoop(scheduler, log, warm_up=lambda: warm_up(scheduler, log))  # compiles before serving
+    every = _WARM_UP.value == "all"
+    engine = EngineLoop(scheduler, log, warm_up=lambda: warm_up(scheduler, log, every))  # compiles before serving
     server = K3Server(engine, tokenizer, chat,
                       ServerOptions(model_name=_MODEL_NAME.value or cfg.name, max_queue=_MAX_QUEUE.value,
                                     default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value,

@@ -215,3 +215,6 @@ def test_after_warm_up_no_prompt_length_or_sampling_compiles(scheduler, tokenize
 
     assert [st for st, _ in asyncio.run(go())] == [200] * len(bodies)
     assert dict(TRACE_COUNTS) == traces, "a request compiled a program after warm-up"
+    quick: list[str] = []
+    warm_up(scheduler, quick.append, every_bucket=False)  # serve.py --warm_up=shortest: 1 prefill + 2 decode steps
+    assert [m.split(":")[0] for m in quick if "compiled" in m] == ["warm-up 1/3", "warm-up 2/3", "warm-up 3/3"]

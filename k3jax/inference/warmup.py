@@ -37,12 +37,15 @@ def batch_sizes(scheduler: Scheduler) -> list[int]:
     return sorted({min(n, scheduler.num_slots) for n in _powers_up_to(scheduler.max_prefill_batch)})
 
 
-def warm_up(scheduler: Scheduler, log: Callable[[str], None]) -> None:
-    """Compiles admission for every (batch, prompt length) bucket and the decode step, greedy and sampling."""
+def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool = True) -> None:
+    """Compiles admission for every (batch, prompt length) bucket and the decode step, greedy and sampling.
+    `every_bucket` False: the shortest bucket only (a quick start; longer prompts compile when they first come)."""
     t0 = time.monotonic()
     plan = [(n, length) for n in batch_sizes(scheduler) for length in prompt_lengths(scheduler)]
     pc = scheduler.prefix_cache
     copy = pc is not None and pc.block + 1 <= scheduler.max_len and pc.block % scheduler.page_size != 0
+    if not every_bucket:
+        plan, copy = plan[:1], False
     total = len(plan) + 2 + copy
     for i, (n, length) in enumerate(plan):
         t = time.monotonic()
