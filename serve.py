@@ -44,6 +44,7 @@ import sys
 from absl import app, flags
 
 import configs
+from k3jax.atomic import os_error
 from k3jax.config import ConfigError
 from k3jax.inference.access import policy_from_flags
 from k3jax.inference.batch import BatchOptions, load_model, make_tokenizer, read_prompts, run_batch, validate
@@ -230,8 +231,11 @@ def main(argv):
             read_prompts(opts.prompts_file)
             engine = Engine(_load_model(opts, mesh, log)[1], mesh=mesh)
         run_batch(opts, engine=engine)
-    except (ValueError, ConfigError, NotImplementedError) as e:
+    except (ValueError, ConfigError, NotImplementedError) as e:  # also non-finite weights (refused on load)
         print(f"serve.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # an unwritable --out, an unreadable checkpoint, a port already in use
+        print(f"serve.py: error: {os_error(e)}", file=sys.stderr)
         sys.exit(2)
 
 
