@@ -466,9 +466,23 @@ def _chunk_recurrence(inter, state_bhkv):
 
     Per chunk: ``v' = u - w S``; ``o = qdec S + Aqk v'``; ``S <- diag(decay) S + kdec^T v'``.
 
+    ``state_bhkv=None`` (a zero start) reads no state in the first chunk: ``o = Aqk u``, ``S = kdec^T u``, the same
+    values. A zero state known at compile time must not reach the state-pass matmuls: when a single chunk
+    inlines the scan, XLA:CPU (jaxlib 0.10.2) fuses ``dot(x, broadcast(0.0))`` into a YNNPACK fusion that reads
+    uninitialised memory, and the outputs were wrong, differing from compile to compile
+    (tests/test_two_models_one_process.py).
+
     Returns ``(o_bhncv, final_state_bhkv)``.
     """
     xs = {name: jnp.moveaxis(x, 2, 0) for name, x in inter.items()}  # chunk axis first
+    if state_bhkv is None:
+        first = {name: x[0] for name, x in xs.items()}
+        o_bhcv = _einsum("bhcd,bhdv->bhcv", first["aqk_bhncc"], first["u_bhncv"])
+        state_bhkv = _einsum("bhck,bhcv->bhkv", first["kdec_bhnck"], first["u_bhncv"])
+        if xs["u_bhncv"].shape[0] == 1:
+            return o_bhcv[:, :, None], state_bhkv
+        o_rest, state_bhkv = _chunk_recurrence({name: x[:, :, 1:] for name, x in inter.items()}, state_bhkv)
+        return jnp.concatenate([o_bhcv[:, :, None], o_rest], axis=2), state_bhkv
 
     def body(s_bhkv, x):
         vnew_bhcv = x["u_bhncv"] - _einsum("bhck,bhkv->bhcv", x["w_bhnck"], s_bhkv)
@@ -519,9 +533,7 @@ def kda_chunked(
     _check_segment_ids(segment_ids_bt, q_bthk)
     t = q_bthk.shape[1]
     cdt = _compute_dtype(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth)
-    if initial_state_bhkv is None:
-        initial_state_bhkv = jnp.zeros((b, h, kd, vd), cdt)
-    state_bhkv = initial_state_bhkv.astype(cdt)
+    state_bhkv = None if initial_state_bhkv is None else initial_state_bhkv.astype(cdt)
 
     q_bhnck, k_bhnck, v_bhncv, g_bhnck = (
         _to_chunks(x.astype(cdt), chunk_size) for x in (q_bthk, k_bthk, v_bthv, g_bthk)
