@@ -53,12 +53,31 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, *, active_params: int,
 
 
 class MetricsLog:
-    """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` (a no-op without a workdir)."""
+    """Appends one JSON object per logged step to `<workdir>/metrics.jsonl` (a no-op without a workdir).
 
-    def __init__(self, workdir: str | None):
+    `resumed_step`: the step a run starts after (0: a fresh run). Rows of later steps, which the previous run wrote
+    after its last checkpoint and this run writes again, are dropped first (the file is rewritten atomically), so
+    the log holds one row per step across resumes."""
+
+    def __init__(self, workdir: str | None, resumed_step: int | None = None):
         self.path = os.path.join(workdir, "metrics.jsonl") if workdir else None
         if self.path:
             os.makedirs(workdir, exist_ok=True)
+            if resumed_step is not None and os.path.exists(self.path):
+                self._truncate_after(resumed_step)
+
+    def _truncate_after(self, step: int) -> None:
+        with open(self.path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if _row_step(line) <= step]
+        if len(keep) == len(lines):
+            return
+        tmp = f"{self.path}.tmp-{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.writelines(line if line.endswith("\n") else line + "\n" for line in keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
 
     def write(self, step: int, values: dict[str, Any]) -> None:
         if not self.path:
@@ -69,3 +88,11 @@ class MetricsLog:
             row[k] = None if isinstance(v, float) and not math.isfinite(v) else v
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def _row_step(line: str) -> float:
+    """A row's step; a line that does not parse (a write cut short) counts as past every step (dropped)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
 import signal
 import time
 from typing import Any, Callable
@@ -32,6 +31,7 @@ from flax import nnx
 
 import configs
 from k3jax.config import ModelConfig
+from k3jax.convert.checkpoint import read_manifest
 from k3jax.convert.hf_config import check_config
 from k3jax.data import pipeline, prepare
 from k3jax.data.global_batch import make_global_dataset
@@ -345,14 +345,16 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     dp = data_parallel_size(mesh)
     meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys(), "data_parallel_size": dp}
     start = 0
+    candidates: list[tuple[int, dict]] = []  # (step, metadata) newest first, of the steps whose metadata reads
     try:
-        if manager is not None and opts.resume and manager.latest_step() is not None:
-            start = manager.latest_step()
-            path = os.path.join(checkpointing.checkpoint_dir(opts.workdir), str(start))
-            saved = checkpointing.read_meta(manager, start)
-            checkpointing.check_meta(saved, cfg, opts.resume_keys(), path)
-            if data is None:  # the trainer's GlobalBatchIterator: one saved state per data-parallel shard
-                _check_data_parallel(saved, dp, path, mesh)
+        if manager is not None and opts.resume and manager.all_steps():
+            candidates = checkpointing.readable_steps(manager, log_fn)
+            if not candidates:
+                raise checkpointing.CheckpointCorruptError(_none_verify(opts.workdir))
+            start, saved = candidates[0]
+            _check_resume(saved, cfg, opts, dp, mesh, checkpointing.step_path(manager, start), data is None)
+        if opts.init_from and not start:  # a missing or malformed checkpoint is reported before the build
+            check_config(read_manifest(opts.init_from)[1], cfg)
         if start < opts.steps:
             trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
     except BaseException:
@@ -368,19 +370,19 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     log_fn(f"model: config={cfg.name} params={counts['total']:,} (mtp {counts['mtp']:,}) "
            f"mesh={dict(mesh.shape)} optimizer={opts.optimizer} quantile_balancing={opts.quantile_balancing}")
     stage, seq_len = stage_at(opts, max(start, 1))
+    own_data = data is None
     if data is None:
         data = open_data(cfg, opts, log_fn, mesh, seq_len=seq_len, stage=stage)
     if start:
-        state = checkpointing.restore(manager, start, nnx.state((trainable, optimizer)), data)
-        nnx.update((trainable, optimizer), state)
-        log_fn(f"resumed from {path} (step {start})")
+        start = _restore_newest_verified(manager, candidates, (trainable, optimizer), data, own_data, cfg, opts,
+                                         dp, mesh, log_fn)
     elif opts.init_from:
         init_weights(trainable.model, opts.init_from, mesh)
         log_fn(f"initialised the model from {opts.init_from}")
 
     active = count_params(cfg)["active_params"]
     peak = peak_flops_per_device()
-    metrics_log = MetricsLog(opts.workdir if jax.process_index() == 0 else None)
+    metrics_log = MetricsLog(opts.workdir if jax.process_index() == 0 else None, resumed_step=start)
     stop = _SignalFlag()
     losses: list[float] = []
     pending: list[tuple[int, jax.Array, dict]] = []
@@ -429,6 +431,43 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     if stop.raised:
         log_fn(f"stopped by signal after step {last_saved}; checkpoint saved in {opts.workdir}")
     return losses
+
+
+def _check_resume(saved: dict, cfg: ModelConfig, opts: TrainOptions, dp: int, mesh, path: str,
+                  own_data: bool) -> None:
+    checkpointing.check_meta(saved, cfg, opts.resume_keys(), path)
+    if own_data:  # the trainer's GlobalBatchIterator: one saved state per data-parallel shard
+        _check_data_parallel(saved, dp, path, mesh)
+
+
+def _restore_newest_verified(manager, candidates, modules, data, own_data, cfg, opts, dp, mesh, log_fn) -> int:
+    """Restores the newest of `candidates` whose state reads and matches its saved fingerprint into `modules`;
+    each one skipped is logged with the reason and, once a step verifies, moved aside (so the resumed run can save
+    those steps again). Returns the restored step; raises CheckpointCorruptError when none verifies."""
+    skipped = []
+    for k, (step, saved) in enumerate(candidates):
+        path = checkpointing.step_path(manager, step)
+        if k:
+            _check_resume(saved, cfg, opts, dp, mesh, path, own_data)
+        try:
+            state = checkpointing.restore(manager, step, nnx.state(modules), data, saved.get("fingerprint"))
+        except checkpointing.CheckpointCorruptError as e:
+            log_fn(f"skipping checkpoint step {step}: {e}")
+            skipped.append(step)
+            continue
+        nnx.update(modules, state)
+        unreadable = [s for s in manager.all_steps() if s > step and s not in skipped]
+        if skipped or unreadable:
+            checkpointing.set_aside(manager, sorted(skipped + unreadable), log_fn)
+        log_fn(f"resumed from {path} (step {step})" + ("" if "fingerprint" in saved else
+                                                     "; an older checkpoint without a fingerprint: not verified"))
+        return step
+    raise checkpointing.CheckpointCorruptError(_none_verify(opts.workdir))
+
+
+def _none_verify(workdir: str) -> str:
+    return (f"no checkpoint in {checkpointing.checkpoint_dir(workdir)} reads and verifies (each is listed above); "
+            f"use --noresume to start over in it, or a fresh --workdir")
 
 
 def init_weights(model: K3Model, ckpt: str, mesh) -> None:
