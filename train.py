@@ -21,7 +21,11 @@ import jax
 from absl import app, flags
 
 import configs
+from k3jax.atomic import os_error
+from k3jax.config import ConfigError
+from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.training.aot import compile_train_step
+from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown
 from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
@@ -83,6 +87,12 @@ def main(argv):
         losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))
     except DoesNotFitError as e:
         print(f"does not fit: {e}", file=sys.stderr, flush=True)
+        return 2
+    except (CheckpointError, ConfigError, CheckpointMismatchError, CheckpointCorruptError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except OSError as e:  # an unwritable --workdir (read-only, full disk) or an unreadable input
+        print(f"error: {os_error(e)}", file=sys.stderr, flush=True)
         return 2
     if losses:
         print(f"first loss {losses[0]:.4f}, last loss {losses[-1]:.4f}", flush=True)

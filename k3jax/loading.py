@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from k3jax.config import ConfigError, ModelConfig, RuntimeConfig
 from k3jax.convert.checkpoint import (
+    NonFiniteError,
     abstract_model,
     checkpoint_values,
     convert_item,
@@ -48,7 +49,8 @@ _OVERRIDABLE = frozenset(f.name for f in dataclasses.fields(RuntimeConfig)) - {"
 _QUANTIZE_CHUNK_BYTES = 256 << 20  # f32 bytes of dense experts quantized per host call
 
 
-def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=None):
+def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=None, allow_nonfinite: bool = False,
+              source: str = "", prefix: str = ""):
     """A model for `cfg` (default `plan.cfg`) filled from `(slot, value)` pairs (one layer's tensors on the host at
     a time; a slot's `path` names the model variable, so packed experts arrive as `wN_packed` / `wN_scale`).
 
@@ -56,6 +58,10 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=Non
     gives it (`jax.make_array_from_callback`: every device receives only its slice; a scan-stacked parameter is
     allocated sharded and filled one layer row at a time by a donated in-place update), without a mesh the
     default device. Missing or unknown parameters are errors naming them.
+
+    Unless `allow_nonfinite`, every placed value is checked for NaN/Inf on its devices (a reduction per value,
+    dispatched as it is placed and read back once at the end: no host pass over the weights) and NonFiniteError
+    names the first offending tensor (HF name with `prefix`, expert index, parameter path; `source`: the checkpoint).
     """
     graphdef, state = nnx.split(abstract_model(plan.cfg if cfg is None else cfg))
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(state)}
@@ -77,6 +83,7 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=Non
 
     filled: dict[tuple[str, ...], object] = {}
     rows_left: dict[tuple[str, ...], int] = {}
+    finite: list[tuple[object, object]] = []  # (slot, device flags) to read back at the end
     for slot, value in values:
         key = tuple(slot.path)
         if key not in flat:
@@ -87,22 +94,64 @@ def _assemble(plan, values, mesh=None, cfg: ModelConfig | None = None, rules=Non
         if tuple(value.shape) != tuple(want):
             raise ValueError(f"value for {'.'.join(key)} has shape {list(value.shape)}; the model expects "
                              f"{list(want)}")
+        placed = place(value, sharding if slot.index is None else row_sharding(sharding))
+        if not allow_nonfinite:
+            finite.append((slot, _finite_flags(placed, slot.kind == "experts", slot.path[-1].endswith("_scale"))))
         if slot.index is None:
-            filled[key] = place(value, sharding)
+            filled[key] = placed
             continue
         if key not in filled:
             shape, dtype = flat[key].get_value().shape, flat[key].get_value().dtype
             filled[key] = _zeros_maker(tuple(shape), np.dtype(dtype), sharding)()
             rows_left[key] = shape[0]
-        filled[key] = _row_setter(sharding)(filled[key], slot.index, place(value, row_sharding(sharding)))
+        filled[key] = _row_setter(sharding)(filled[key], slot.index, placed)
         rows_left[key] -= 1
     missing = sorted(".".join(k) for k in flat if k not in filled)
     incomplete = sorted(".".join(k) for k, n in rows_left.items() if n)
     if missing or incomplete:
         raise KeyError(f"no value for parameter(s) {(missing + incomplete)[:5]}")
+    _check_finite(finite, source, prefix)
     for key, var in flat.items():
         var.set_value(filled[key])
     return nnx.merge(graphdef, state)
+
+
+def _finite_flags(x, per_expert: bool, mxfp4_scale: bool):
+    """Device-side int32 [3]: (number of experts, or 1, holding NaN/Inf; the first of them; 0), reduced to a
+    replicated result; None for integer tensors other than MXFP4 scales (E8M0 255 is NaN)."""
+    if mxfp4_scale and x.dtype == jnp.uint8:
+        return _all_finite(x.ndim, per_expert, True)(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        return None
+    return _all_finite(x.ndim, per_expert, False)(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _all_finite(ndim: int, per_expert: bool, mxfp4_scale: bool):
+    axes = tuple(range(1 if per_expert else 0, ndim))
+
+    def flags(x):
+        ok = jnp.all(x != 255 if mxfp4_scale else jnp.isfinite(x), axis=axes).reshape(-1)
+        return jnp.stack([jnp.sum(~ok, dtype=jnp.int32), jnp.argmin(ok).astype(jnp.int32), jnp.int32(0)])
+
+    return jax.jit(flags)
+
+
+def _check_finite(finite, source: str, prefix: str) -> None:
+    """Raises NonFiniteError naming the first tensor whose flags (from `_finite_flags`) are not all True."""
+    for slot, flags in finite:
+        if flags is None:
+            continue
+        n_bad, first, _ = (int(v) for v in np.asarray(flags.addressable_data(0)))
+        if not n_bad:
+            continue
+        hf_name = prefix + slot.hf_name
+        if slot.kind == "experts":
+            hf_name = prefix + slot.hf_name.format(e=first) + (f" (and {n_bad - 1} more experts)" if n_bad > 1 else "")
+        row = "" if slot.index is None else f" row {slot.index}"
+        raise NonFiniteError(f"{source + ': ' if source else ''}tensor {hf_name} (parameter "
+                             f"{'.'.join(slot.path)}{row}) holds NaN/Inf values; refusing non-finite weights "
+                             f"(allow_nonfinite=True / --allow_nonfinite to load them anyway)")
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +195,7 @@ def _runtime(cfg: ModelConfig, overrides) -> ModelConfig:
 
 
 def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, overrides=(), mesh=None,
-            expert_weights: str | None = None, rules=None):
+            expert_weights: str | None = None, rules=None, allow_nonfinite: bool = False):
     """(config, model) from an HF directory (K3 or Kimi-Linear format).
 
     `dtype`: "bf16"/"f32" (or "bfloat16"/"float32"); None takes the config.json `torch_dtype` (bf16 default).
@@ -157,6 +206,7 @@ def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, ov
     `rules`: the logical-axis table for `mesh` (default: training's; `sharding.rules.SERVING_AXIS_RULES` to serve).
     `expert_weights`: "bf16" (default: MXFP4 experts decoded exactly to the parameter dtype) or "mxfp4" (kept
     packed; inference only, see the module docstring).
+    `allow_nonfinite`: accept weights holding NaN/Inf (default: NonFiniteError naming the tensor).
     """
     overrides, chosen = _expert_weights_choice(overrides, expert_weights, config)
     if isinstance(config, ModelConfig):
@@ -164,24 +214,26 @@ def load_hf(hf_dir: str, dtype=None, config: ModelConfig | str | None = None, ov
     src = open_hf(hf_dir, config=config, dtype=_dtype_name(dtype))
     if overrides:
         src.plan = make_plan(_runtime(src.plan.cfg, overrides))
+    check = dict(rules=rules, allow_nonfinite=allow_nonfinite, source=hf_dir, prefix=src.prefix)
     if chosen != "mxfp4":
-        return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh, rules=rules)
+        return src.plan.cfg, _assemble(src.plan, hf_values(src), mesh, **check)
     cfg = src.plan.cfg.replace(expert_weights="mxfp4")
-    return cfg, _assemble(src.plan, _hf_packed_values(src), mesh, cfg, rules=rules)
+    return cfg, _assemble(src.plan, _hf_packed_values(src), mesh, cfg, **check)
 
 
 def load_checkpoint(orbax_dir: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None,
-                    rules=None):
+                    rules=None, allow_nonfinite: bool = False):
     """(config, model) from a k3jax Orbax checkpoint. `expert_weights`: "bf16" (default: experts kept MXFP4 by
     `--experts mxfp4` are decoded to the parameter dtype) or "mxfp4" (kept packed, byte for byte; bf16 experts are
-    quantized). `overrides`, `mesh`, `rules`: as for `load_hf`."""
+    quantized). `overrides`, `mesh`, `rules`, `allow_nonfinite`: as for `load_hf`."""
     overrides, chosen = _expert_weights_choice(overrides, expert_weights)
     plan, values = checkpoint_values(orbax_dir, _dtype_name(dtype), lambda c: _runtime(c, overrides))
+    check = dict(rules=rules, allow_nonfinite=allow_nonfinite, source=orbax_dir)
     if chosen != "mxfp4":
-        return plan.cfg, _assemble(plan, values, mesh, rules=rules)
+        return plan.cfg, _assemble(plan, values, mesh, **check)
     values.close()  # not started: nothing was read
     cfg = plan.cfg.replace(expert_weights="mxfp4")
-    return cfg, _assemble(plan, _checkpoint_packed_values(orbax_dir, plan), mesh, cfg, rules=rules)
+    return cfg, _assemble(plan, _checkpoint_packed_values(orbax_dir, plan), mesh, cfg, **check)
 
 
 def _hf_packed_values(src):

@@ -4,8 +4,10 @@
   python -m k3jax.convert --to_hf --checkpoint DIR --out DIR [--shard_size_gb 4] [--dtype bf16|f32]
 
 Every input check (config.json, every safetensors header, tensor names/shapes/dtypes) runs before anything is
-written; the output appears atomically (written as OUT.tmp-<pid>, renamed when complete); an existing OUT is
-replaced only with --overwrite.
+written; the output appears atomically (written as OUT.tmp-<pid>-<hex>, renamed when complete; a killed
+conversion's leftover is removed by the next one, with a message); an existing OUT is replaced only with
+--overwrite. A tensor holding NaN/Inf stops the conversion (naming it) unless --allow_nonfinite. Bad input or an
+unwritable output ends with one `error: ...` line and exit status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 
 from absl import app, flags
 
+from k3jax.atomic import os_error
 from k3jax.config import ConfigError
 from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
 from k3jax.convert.safetensors_io import CheckpointError
@@ -31,6 +34,7 @@ flags.DEFINE_bool("to_hf", False, "convert a k3jax checkpoint (--checkpoint) bac
 flags.DEFINE_string("checkpoint", None, "k3jax checkpoint directory (with --to_hf)")
 flags.DEFINE_float("shard_size_gb", 4.0, "maximum safetensors shard size with --to_hf")
 flags.DEFINE_bool("overwrite", False, "replace an existing --out")
+flags.DEFINE_bool("allow_nonfinite", False, "convert tensors holding NaN/Inf (refused by default)")
 FLAGS = flags.FLAGS
 
 
@@ -51,9 +55,13 @@ def main(argv):
             if not FLAGS.hf_dir:
                 raise app.UsageError("--hf_dir is required (or --to_hf --checkpoint)")
             out = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, config=FLAGS.config, dtype=FLAGS.dtype,
-                              experts=FLAGS.experts, overwrite=FLAGS.overwrite, log=log)
+                              experts=FLAGS.experts, overwrite=FLAGS.overwrite, log=log,
+                              allow_nonfinite=FLAGS.allow_nonfinite)
     except (CheckpointError, ConfigError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:  # an unwritable output (read-only, full disk) or unreadable input
+        print(f"error: {os_error(e)}", file=sys.stderr)
         sys.exit(2)
     print(f"wrote {out} in {time.time() - start:.1f}s")
 

@@ -64,6 +64,8 @@ def read_header(path: str) -> dict[str, TensorInfo]:
             raw = f.read(n)
     except FileNotFoundError:
         raise CheckpointError(f"missing safetensors file {path}") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read it ({e.strerror or e})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -117,12 +119,17 @@ def index_directory(hf_dir: str) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     if os.path.exists(index_path):
         try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index_path}: unreadable index ({e})") from None
+            with open(index_path, "rb") as f:
+                weight_map = json.loads(f.read().decode("utf-8"))["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: 'weight_map' must map tensor names to shard file names")
         by_file: dict[str, list[str]] = {}
         for name, file in weight_map.items():
+            if not isinstance(file, str) or not _inside(file):
+                raise CheckpointError(f"{index_path}: tensor {name!r} is assigned to {file!r}, not a file name "
+                                      f"inside the HF directory")
             by_file.setdefault(file, []).append(name)
         missing = sorted(f for f in by_file if not os.path.exists(os.path.join(hf_dir, f)))
         if missing:
@@ -149,6 +156,14 @@ def index_directory(hf_dir: str) -> dict[str, TensorInfo]:
                 raise CheckpointError(f"tensor {name!r} is in both {tensors[name].file} and {info.file}")
             tensors[name] = info
     return tensors
+
+
+def _inside(file: str) -> bool:
+    """Whether an index's shard name stays inside the directory (relative, no `..`; symlinked shards, as in the HF
+    hub cache, are fine: only the name is checked)."""
+    norm = os.path.normpath(file)
+    return bool(file) and not os.path.isabs(file) and norm not in (".", "..") and not norm.startswith(".." + os.sep) \
+        and "\x00" not in file
 
 
 # ------------------------------------------------------------------------------------------------ writing
