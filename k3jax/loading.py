@@ -36,6 +36,7 @@ from k3jax.convert.checkpoint import (
     hf_values,
     make_plan,
     open_hf,
+    read_manifest,
     restore_item,
 )
 from k3jax.convert.checkpoint import save_checkpoint as _save_converted
@@ -247,8 +248,9 @@ def _hf_packed_values(src):
 
 def _checkpoint_packed_values(ckpt: str, plan):
     """`(slot, value)` of a k3jax checkpoint with the routed experts as MXFP4 bytes, one item at a time."""
+    hashes = read_manifest(ckpt)[0].get("hashes", {})
     for name, slots in plan.items.items():
-        item = restore_item(os.path.join(ckpt, "params", name))
+        item = restore_item(os.path.join(ckpt, "params", name), hashes.get(name))
         for slot in slots:
             yield from _packed_slot_values(slot, item)
         del item

@@ -206,3 +206,19 @@ def test_train_cli_unwritable_workdir_and_garbage_init_checkpoint_are_one_error_
     ckpt.mkdir()
     (ckpt / "manifest.json").write_text("{garbage")
     _one_error_line(_cli(*common, f"--init_from={ckpt}"), "manifest.json")
+
+
+def test_flipped_bytes_in_a_converted_checkpoint_are_refused_on_load(hf, tmp_path):
+    out = tmp_path / "out"
+    hf_to_orbax(hf, str(out))
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert set(manifest["hashes"]) == set(manifest["items"])
+    item = out / "params" / "layer_0001"
+    data = max((p for p in item.rglob("*") if p.is_file() and p.parent.name == "d"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    for pos in range(len(raw) // 3, 2 * len(raw) // 3, max(1, len(raw) // 20)):
+        raw[pos] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"params/layer_0001: (its arrays differ from the hash recorded in "
+                                              r"manifest.json|unreadable checkpoint item)"):
+        load_checkpoint(str(out))
