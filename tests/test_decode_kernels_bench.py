@@ -53,7 +53,7 @@ def test_glu_lhs_op_one_hot_pick_is_exact_and_the_diagnostic_is_flagged(capsys):
 
 
 def test_hbm_ceiling_script_reports_bandwidth(capsys):
-    import hbm_ceiling
+    from benchmarks import hbm_ceiling
 
     rows = hbm_ceiling.main(["--gb=0.002", "--iters=1", "--no_torch"])
     assert [r["impl"] for r in rows] == ["xla_sum", "xla_scale"]
