@@ -8,6 +8,10 @@ topology's devices via
 with the mesh and the per-chip `memory_analysis()` figures. Nothing is allocated: model and optimizer are abstract
 (`nnx.eval_shape`).
 
+With the compiled step's cost analysis it also prints a roofline estimate of the step time per chip
+(`roofline`): a model from the compiler's FLOP and HBM byte counts, the collective bytes in the HLO and the chip's
+published peaks, not a measurement.
+
 Install libtpu matching jax (`pip install "jax[tpu]==<jax version>"` pins it) only where this is wanted.
 """
 
@@ -24,9 +28,49 @@ import jax.numpy as jnp
 from flax import nnx
 
 import configs
+from k3jax.param_count import count_params
+from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
 from sharding.aot import libtpu_available, tpu_topology
 from sharding.mesh import describe, make_mesh, parse_mesh
+
+# Published per-chip peaks: dense bf16 FLOP/s, HBM bytes/s, ICI bytes/s (all links, one direction).
+CHIP_PEAKS = {
+    "v5p": {"flops": 459e12, "hbm": 2.765e12, "ici": 600e9},
+    "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 200e9},
+    "v6e": {"flops": 918e12, "hbm": 1.64e12, "ici": 448e9},
+    "v4": {"flops": 275e12, "hbm": 1.2e12, "ici": 300e9},
+}
+_COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
+                         r"(?:-start)?\(")
+_SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|s8|u8|pred|f64|s64)\[([0-9,]*)\]")
+_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
+
+
+def collective_bytes(hlo_text: str) -> int:
+    """Bytes produced by the collectives of a compiled HLO module, each counted once (a loop body's once too)."""
+    total = 0
+    for out_shape, _ in _COLLECTIVE.findall(hlo_text):
+        for dtype, dims in _SHAPE.findall(out_shape):
+            total += _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
+    return total
+
+
+def roofline(cost: dict, model_flops_per_chip: float, generation: str) -> dict | None:
+    """Step-time model per chip: max(compute, HBM) + collectives, where compute uses the larger of the compiler's
+    FLOPs and the model's training FLOPs x 4/3 (remat recomputes the forward; the compiler counts a scanned
+    layer's body once), HBM the compiler's bytes accessed, collectives their bytes over the chip's ICI bandwidth
+    (no overlap assumed). Returns seconds and the predicted MFU, or None for an unknown chip."""
+    peaks = CHIP_PEAKS.get(generation)
+    if peaks is None:
+        return None
+    compute_s = max(cost.get("flops", 0.0), model_flops_per_chip * 4 / 3) / peaks["flops"]
+    hbm_s = cost.get("bytes_accessed", 0.0) / peaks["hbm"]
+    ici_s = cost.get("collective_bytes", 0) / peaks["ici"]
+    step_s = max(compute_s, hbm_s) + ici_s
+    return {"compute_s": round(compute_s, 4), "hbm_s": round(hbm_s, 4), "collectives_s": round(ici_s, 4),
+            "step_s": round(step_s, 4), "predicted_mfu": round(model_flops_per_chip / (step_s * peaks["flops"]), 4),
+            "note": "a roofline model from compiler counts and published peaks, not a measurement"}
 
 
 def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_size: int, seq_len: int,
@@ -44,6 +88,13 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     lowered = step.jitted.lower(state, batch)
     kernels = sorted(set(re.findall(r"(kda_[a-z_]+|k3_t?gmm[a-z_0-9]*)", lowered.as_text())))
     compiled = lowered.compile()
+    raw_cost = compiled.cost_analysis()
+    raw_cost = (raw_cost[0] if isinstance(raw_cost, (list, tuple)) else raw_cost) or {}
+    cost = {"flops": float(raw_cost.get("flops", 0.0)), "bytes_accessed": float(raw_cost.get("bytes accessed", 0.0)),
+            "collective_bytes": collective_bytes(compiled.as_text())}
+    active = count_params(cfg)["active_params"]
+    chips = len(topo.devices)
+    model_flops = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp) * batch_size * seq_len
     mem = compiled.memory_analysis()
     fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
               "generated_code_size_in_bytes")
@@ -67,6 +118,10 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "per_chip_bytes": per_chip,
         "per_chip_total_gib": round(total / 2**30, 2),
         "fallbacks": len(step.plan.fallbacks),
+        "tokens_per_chip": batch_size * seq_len // chips,
+        "cost_per_chip": cost,
+        "model_flops_per_chip": model_flops / chips,
+        "roofline": roofline(cost, model_flops / chips, topology.partition(":")[0]),
     }
 
 
