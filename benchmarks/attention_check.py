@@ -1,11 +1,13 @@
-"""MLA training attention on a GPU: cuDNN flash attention (`mla_attention_impl=cudnn`) against the XLA core, both
-through `k3jax.ops.attention.causal_attention`: forward and input gradients on causal unpacked rows (bf16
-operands, compared with a float32 XLA run), then forward+backward time of each at long T beside this process's
-dense bf16 matmul throughput.
+"""MLA training attention: cuDNN flash attention (`mla_attention_impl=cudnn`, GPU) and the blockwise JAX core
+(`mla_attention_impl=flash`) against the XLA core, all through `k3jax.ops.attention.causal_attention`: forward and
+input gradients (bf16 operands, compared with a float32 XLA run; cuDNN on unpacked rows, flash on packed
+documents), then forward+backward time of each at long T beside this process's dense bf16 matmul throughput.
 
-    python -m benchmarks.attention_check [--heads 12] [--seq 4096 32768] [--batch 1]
+    python -m benchmarks.attention_check [--heads 12] [--seq 4096 32768] [--batch 1] [--impls cudnn flash xla]
+        [--block 512] [--check_seq 1024] [--matmul_n 8192]
 
-Exit status 1 when the cuDNN path disagrees with the f32 reference by more than bf16 rounding allows.
+Exit status 1 when a checked path disagrees with the f32 reference by more than bf16 rounding allows. On a CPU,
+e.g. `--impls flash xla --seq 256 --check_seq 128 --heads 2 --matmul_n 512`.
 """
 
 from __future__ import annotations
@@ -32,29 +34,33 @@ def _inputs(rng, b, t, h, docs, dtype):
     return q, k, v, jnp.asarray(seg)
 
 
-def _loss_and_grads(impl, q, k, v, seg, w):
+def _loss_and_grads(impl, q, k, v, seg, w, block=512):
     def loss(q, k, v):
-        out = causal_attention(q, k, v, scale=QK ** -0.5, impl=impl, segment_ids_bt=seg)
+        out = causal_attention(q, k, v, scale=QK ** -0.5, impl=impl, segment_ids_bt=seg, block_q=block,
+                               block_k=block)
         return jnp.sum(out * w)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
 
 
-def check(rng) -> bool:
-    b, t, h = 2, 1024, 4
-    q, k, v, _ = _inputs(rng, b, t, h, docs=5, dtype=jnp.bfloat16)
-    seg = None  # the cuDNN path takes unpacked rows only
+def check(rng, impls, t, block) -> bool:
+    b, h = 2, 4
+    q, k, v, packed = _inputs(rng, b, t, h, docs=5, dtype=jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(b, t, h, V)), jnp.float32)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    _, want = _loss_and_grads("xla", *f32, seg, w)(*f32)
-    out_ref = causal_attention(*f32, scale=QK ** -0.5, impl="xla", segment_ids_bt=seg)
-    out = jax.jit(lambda q, k, v: causal_attention(q, k, v, scale=QK ** -0.5, impl="cudnn",
-                                                   segment_ids_bt=seg))(q, k, v)
-    _, got = _loss_and_grads("cudnn", q, k, v, seg, w)(q, k, v)
     ok = True
-    for name, a, r in [("output", out, out_ref)] + [(f"d{n}", g, x) for n, g, x in zip("qkv", got, want)]:
-        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - r)) / (jnp.max(jnp.abs(r)) + 1e-30))
-        ok &= err < 2e-2
-        print(f"cudnn vs f32 xla, {name}: max |error| / max |reference| = {err:.2e}", flush=True)
+    for impl in [i for i in impls if i != "xla"]:
+        seg = None if impl == "cudnn" else packed  # the cuDNN path takes unpacked rows only
+        _, want = _loss_and_grads("xla", *f32, seg, w, block)(*f32)
+        out_ref = causal_attention(*f32, scale=QK ** -0.5, impl="xla", segment_ids_bt=seg)
+        out = jax.jit(lambda q, k, v: causal_attention(q, k, v, scale=QK ** -0.5, impl=impl, segment_ids_bt=seg,
+                                                       block_q=block, block_k=block))(q, k, v)
+        _, got = _loss_and_grads(impl, q, k, v, seg, w, block)(q, k, v)
+        for name, a, r in [("output", out, out_ref)] + [(f"d{n}", g, x) for n, g, x in zip("qkv", got, want)]:
+            err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - r)) / (jnp.max(jnp.abs(r)) + 1e-30))
+            ok &= err < 2e-2
+            rows = "unpacked" if seg is None else "packed"
+            print(f"{impl} vs f32 xla ({rows} rows, T={t}), {name}: max |error| / max |reference| = {err:.2e}",
+                  flush=True)
     return ok
 
 
@@ -72,11 +78,15 @@ def main():
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--seq", type=int, nargs="+", default=[4096, 32768])
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--impls", nargs="+", choices=("cudnn", "flash", "xla"), default=["cudnn", "flash", "xla"])
+    p.add_argument("--block", type=int, default=512, help="query and key block of impl=flash")
+    p.add_argument("--check_seq", type=int, default=1024, help="T of the exactness check")
+    p.add_argument("--matmul_n", type=int, default=8192, help="n of the n^3 dense matmul throughput reference")
     args = p.parse_args()
     rng = np.random.default_rng(0)
-    ok = check(rng)
-    ceiling = dense_matmul_tflops()
-    print(f"dense bf16 matmul 8192^3: {ceiling:.0f} TFLOP/s", flush=True)
+    ok = check(rng, args.impls, args.check_seq, args.block)
+    ceiling = dense_matmul_tflops(args.matmul_n)
+    print(f"dense bf16 matmul {args.matmul_n}^3: {ceiling:.1f} TFLOP/s", flush=True)
     for t in args.seq:
         q, k, v, _ = _inputs(rng, args.batch, t, args.heads, 1, jnp.bfloat16)
         seg = None
@@ -84,9 +94,9 @@ def main():
         # causal forward = half of 2·B·H·T²·(QK + V); backward 2.5x the forward (the usual flash convention)
         flops = 3.5 * args.batch * args.heads * t * t * (QK + V)
         line = f"T={t} B={args.batch} H={args.heads}:"
-        for impl in ("cudnn", "xla"):
+        for impl in args.impls:
             try:
-                sec = timed(_loss_and_grads(impl, q, k, v, seg, w), q, k, v)
+                sec = timed(_loss_and_grads(impl, q, k, v, seg, w, args.block), q, k, v)
                 line += f"  {impl} fwd+bwd {sec * 1e3:8.2f} ms ({flops / sec / 1e12:6.1f} TFLOP/s causal)"
             except Exception as e:  # noqa: BLE001 -- XLA's T x T scores may not fit at long T: say so, go on
                 line += f"  {impl}: {type(e).__name__} {str(e).splitlines()[0][:120]}"

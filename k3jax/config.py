@@ -95,9 +95,11 @@ class RuntimeConfig:
     # multi-device mesh, else "xla" (gather the pages, then einsums); "pallas" forces the kernel (interpreter off GPU).
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
-    # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised) or
-    # "cudnn" (GPU flash attention, bf16 operands, unpacked rows only: RESULTS.md 2026-12-03).
-    mla_attention_impl: Literal["xla", "cudnn"] = "xla"
+    # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised),
+    # "cudnn" (GPU flash attention, bf16 operands, unpacked rows only: RESULTS.md 2026-12-03) or "flash"
+    # (k3jax/ops/flash_attention.py: blockwise in plain JAX, segment ids, f32 statistics and output, no T x T array).
+    mla_attention_impl: Literal["xla", "cudnn", "flash"] = "xla"
+    mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
     moe_impl: Literal["dropless", "dense"] = "dropless"
@@ -139,7 +141,7 @@ class RuntimeConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        for name in ("kda_chunk_size", "routing_histogram_bins"):
+        for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.mla_decode_splits < 0:

@@ -86,7 +86,8 @@ class MLA(nnx.Module):
         k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
         k_bthk = jnp.concatenate([k_nope, k_rope], axis=-1)
         o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5,
-                                  impl=cfg.runtime.mla_attention_impl, segment_ids_bt=segment_ids_bt)  # f32
+                                  impl=cfg.runtime.mla_attention_impl, segment_ids_bt=segment_ids_bt,
+                                  block_q=cfg.runtime.mla_flash_block, block_k=cfg.runtime.mla_flash_block)  # f32
         return self._output(proj, o_bthv)
 
     def _output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:

@@ -6,7 +6,8 @@ The XLA core materialises f32 scores (T x T per head). `impl="cudnn"` runs cuDNN
 value head dim unlike the key's, MLA's 192 vs 128). Its packed-document layout (segment offsets) gave wrong outputs
 in `benchmarks/attention_check.py` (benchmarks/RESULTS.md, 2026-12-03; timed 0.71 ms against the XLA core's 4.11 ms
 forward+backward at T = 4096, 12 heads), so it takes unpacked rows only and training, which packs documents, stays
-on the XLA core.
+on the XLA core. `impl="flash"` (`k3jax/ops/flash_attention.py`) is blockwise attention in plain JAX with segment
+ids, f32 statistics and output, and a recomputing backward: no T x T array, on any backend.
 """
 
 from __future__ import annotations
@@ -17,24 +18,30 @@ from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 from k3jax.numerics import wide
 from k3jax.ops import backend as backend_lib
+from k3jax.ops.flash_attention import DEFAULT_BLOCK, flash_causal_attention
 from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attention
 
 __all__ = ["causal_attention", "mla_decode_backend", "paged_latent_decode"]
 
 
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,
-                     impl: str = "xla", segment_ids_bt: jax.Array | None = None) -> jax.Array:
+                     impl: str = "xla", segment_ids_bt: jax.Array | None = None,
+                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> jax.Array:
     """softmax(q kᵀ · scale + causal mask) v with f32 softmax; returns f32 [B, T, H, V].
 
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
     impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU, flash attention (output rounded
-    to the operands' dtype, then widened), no `segment_ids_bt`.
+    to the operands' dtype, then widened), no `segment_ids_bt`. impl "flash": blockwise (`block_q` x `block_k`
+    tiles), f32 statistics and output, probabilities rounded to the operands' dtype before the value matmul.
     """
     if impl == "cudnn":
         return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt)
+    if impl == "flash":
+        return flash_causal_attention(q_bthk, k_bthk, v_bthv, scale=scale, segment_ids_bt=segment_ids_bt,
+                                      block_q=block_q, block_k=block_k)
     if impl != "xla":
-        raise ValueError(f"unknown attention impl {impl!r}; available: 'xla', 'cudnn'")
+        raise ValueError(f"unknown attention impl {impl!r}; available: 'xla', 'cudnn', 'flash'")
     b, t = q_bthk.shape[:2]
     logits = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bthk, preferred_element_type=wide(q_bthk.dtype)) * scale
     mask = jnp.tril(jnp.ones((t, t), dtype=bool))[None, None]  # [1, 1, T, T]
