@@ -109,6 +109,11 @@ class RuntimeConfig:
     # How routed experts are held: 'bf16' (parameters in param_dtype, trainable) or 'mxfp4' (inference only: E2M1
     # nibbles + E8M0 scales as uint8, decoded inside the grouped matmul).
     expert_weights: Literal["bf16", "mxfp4"] = dataclasses.field(default="bf16", metadata=_STATE)
+    # Quantization-aware training of the routed experts (k3jax/ops/mx_quant.py, docs/training.md#qat): 'mxfp4'
+    # fake-quantizes their weights (E2M1, one E8M0 scale per 32 inputs) in the forward, straight-through gradients
+    # to the unquantized masters; expert_act_qat 'mxfp8' does the same (E4M3) to their matmul inputs.
+    expert_qat: Literal["none", "mxfp4"] = "none"
+    expert_act_qat: Literal["none", "mxfp8"] = "none"
     moe_decode_row_tile: int = 16  # rows per tile of the decode grouped matmuls (power of two >= 16; GPU only)
     # Decode-step routed experts on the GPU kernels: "planned" (expert-sorted row plan, grouped matmuls), "assigned"
     # (pallas_kernels/moe/assigned.py: top-k ids read directly, no plan) or "auto": assigned up to
@@ -163,6 +168,9 @@ class RuntimeConfig:
             raise ConfigError(f"moe_expert_parallel must be 'auto', 'dropless', 'off', 'capacity' or "
                               f"'capacity:<factor>' with factor > 0 (e.g. 'capacity:1.25'), "
                               f"got {self.moe_expert_parallel!r}")
+        if self.expert_weights == "mxfp4" and (self.expert_qat != "none" or self.expert_act_qat != "none"):
+            raise ConfigError("expert_qat / expert_act_qat fake-quantize trainable experts; expert_weights='mxfp4' "
+                              "holds them packed already (serve the export instead, or set expert_weights='bf16')")
         if self.expert_weights == "mxfp4" and self.record_routing_stats:
             raise ConfigError("expert_weights='mxfp4' is inference-only (packed experts have no gradients); "
                               "training (record_routing_stats=True, set by the trainer) needs expert_weights='bf16'")
@@ -311,13 +319,17 @@ class ModelConfig:
             raise ConfigError(f"num_nextn_predict_layers > 1 is not supported, got {self.num_nextn_predict_layers}")
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise ConfigError("latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
-        if self.runtime.expert_weights == "mxfp4":
+        run = self.runtime
+        mx = [f"{k}={v!r}" for k, v in (("expert_weights", run.expert_weights), ("expert_qat", run.expert_qat),
+                                         ("expert_act_qat", run.expert_act_qat)) if v not in ("bf16", "none")]
+        if mx:
             bad = {n: v for n, v in (("expert width (routed_expert_hidden_size or hidden_size)",
                                       self.expert_input_size), ("moe_intermediate_size", self.moe_intermediate_size))
                    if v % 32}
             if bad:
-                raise ConfigError(f"expert_weights='mxfp4' needs both expert matmul input widths divisible by the "
-                                  f"MXFP4 group of 32; got {', '.join(f'{n}={v}' for n, v in bad.items())}")
+                widths = ', '.join(f'{n}={v}' for n, v in bad.items())
+                raise ConfigError(f"{', '.join(mx)} needs both expert matmul input widths divisible by the MXFP4 "
+                                  f"group of 32 (the MX block size); got {widths}")
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod

@@ -2,6 +2,7 @@
 
   python -m k3jax.convert --hf_dir DIR --out DIR [--config NAME] [--dtype bf16|f32] [--experts bf16|mxfp4]
   python -m k3jax.convert --to_hf --checkpoint DIR --out DIR [--shard_size_gb 4] [--dtype bf16|f32]
+      [--experts bf16|mxfp4]
 
 Every input check (config.json, every safetensors header, tensor names/shapes/dtypes) runs before anything is
 written; the output appears atomically (written as OUT.tmp-<pid>-<hex>, renamed when complete; a killed
@@ -28,8 +29,10 @@ flags.DEFINE_string("config", None, "registry config name to check config.json a
 flags.DEFINE_enum("dtype", None, ["bf16", "f32"],
                   "parameter dtype (default: config.json torch_dtype, or --config's); with --to_hf the safetensors "
                   "dtype (default: the HF source's, else bf16: the release's, also for f32 training masters)")
-flags.DEFINE_enum("experts", "bf16", ["bf16", "mxfp4"],
-                  "bf16: decode MXFP4 experts to the parameter dtype; mxfp4: keep them packed (decoded on load)")
+flags.DEFINE_enum("experts", None, ["bf16", "mxfp4"],
+                  "bf16 (default): decode MXFP4 experts to the parameter dtype; mxfp4: keep them packed (decoded on "
+                  "load). With --to_hf (default: as the checkpoint holds them): bf16 writes dense experts; mxfp4 "
+                  "writes packed ones, quantizing dense experts exactly as an expert_qat=mxfp4 forward does")
 flags.DEFINE_bool("to_hf", False, "convert a k3jax checkpoint (--checkpoint) back to HF safetensors")
 flags.DEFINE_string("checkpoint", None, "k3jax checkpoint directory (with --to_hf)")
 flags.DEFINE_float("shard_size_gb", 4.0, "maximum safetensors shard size with --to_hf")
@@ -50,12 +53,12 @@ def main(argv):
                 raise app.UsageError("--to_hf needs --checkpoint")
             out = orbax_to_hf(FLAGS.checkpoint, FLAGS.out, overwrite=FLAGS.overwrite,
                               max_shard_bytes=int(FLAGS.shard_size_gb * (1 << 30)), log=log,
-                              dtype=FLAGS.dtype or "auto")
+                              dtype=FLAGS.dtype or "auto", experts=FLAGS.experts)
         else:
             if not FLAGS.hf_dir:
                 raise app.UsageError("--hf_dir is required (or --to_hf --checkpoint)")
             out = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, config=FLAGS.config, dtype=FLAGS.dtype,
-                              experts=FLAGS.experts, overwrite=FLAGS.overwrite, log=log,
+                              experts=FLAGS.experts or "bf16", overwrite=FLAGS.overwrite, log=log,
                               allow_nonfinite=FLAGS.allow_nonfinite)
     except (CheckpointError, ConfigError, FileExistsError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)

@@ -33,6 +33,7 @@ import shutil
 from collections import OrderedDict
 from typing import Any, Callable, Iterator
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -52,6 +53,7 @@ from k3jax.convert.safetensors_io import (
     write_shard,
 )
 from k3jax.model import K3Model
+from k3jax.ops import mx_quant
 
 FORMAT = "k3jax-orbax-v1"
 K3_PREFIX = "language_model."
@@ -512,6 +514,9 @@ def _read_json(path: str, what: str) -> dict:
     return value
 
 
+_pack_mxfp4 = jax.jit(mx_quant.pack_mxfp4)
+
+
 def _decode_stack(packed: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
     """[E, out, in/2] + [E, out, in/32] -> our [E, in, out] in `dtype`."""
     e_count, out_f, half = packed.shape
@@ -566,14 +571,24 @@ def hf_values(src: Source) -> Iterator:
 # ------------------------------------------------------------------------------------------------ ours -> HF
 
 
+MXFP4_QUANTIZATION_CONFIG = {"quant_method": "mxfp4", "group_size": mxfp4.GROUP, "scale_format": "e8m0",
+                             "modules": ["experts"]}
+
+
 def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes: int = 4 << 30,
-                log: Callable[[str], None] | None = None, dtype: str | None = "auto") -> str:
+                log: Callable[[str], None] | None = None, dtype: str | None = "auto",
+                experts: str | None = None) -> str:
     """Writes a k3jax checkpoint as sharded HF safetensors + index + config.json (one item in memory at a time).
-    Release names (with `language_model.` for K3-format sources), A_log re-padded to its source shape, MXFP4
-    experts re-packed bit-exactly when the checkpoint kept them packed. Tensors are written in the dtypes a model
-    with param_dtype `dtype` holds: "bf16" (K3's release: bf16 but for the tensors the model always keeps in f32),
-    "f32", None (the checkpoint's own) or "auto" (default: the dtype of the HF source the checkpoint was converted
-    from, else bf16, so f32 training masters are written as the release's bf16)."""
+    Release names (with `language_model.` for K3-format sources), A_log re-padded to its source shape. Tensors are
+    written in the dtypes a model with param_dtype `dtype` holds: "bf16" (K3's release: bf16 but for the tensors
+    the model always keeps in f32), "f32", None (the checkpoint's own) or "auto" (default: the dtype of the HF source
+    the checkpoint was converted from, else bf16, so f32 training masters are written as the release's bf16).
+    `experts`: None (as stored: MXFP4 experts the checkpoint kept packed re-written bit-exactly, others dense),
+    "bf16" (dense; kept-packed experts decoded exactly) or "mxfp4" (packed; dense experts quantized from the
+    checkpoint's own values, before any dtype cast, by `k3jax.ops.mx_quant.pack_mxfp4`: the codes an
+    `expert_qat=mxfp4` forward of those weights uses)."""
+    if experts not in (None, "bf16", "mxfp4"):
+        raise ConfigError(f"experts must be bf16 or mxfp4, got {experts!r}")
     source_config = os.path.join(ckpt, "hf_config.json")
     if dtype == "auto" and os.path.exists(source_config):
         with open(source_config) as f:
@@ -590,16 +605,31 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
     for name, slots in plan.items.items():
         meta = manifest["items"][name]
         for slot in slots:
-            if slot.kind == "experts" and slot.local + ".packed" in meta:
+            stored_packed = slot.kind == "experts" and slot.local + ".packed" in meta
+            if stored_packed and experts != "bf16":
                 for part, suffix in (("packed", "_packed"), ("scale", "_scale")):
                     dt, shape = meta[f"{slot.local}.{part}"]
                     for e in range(shape[0]):
                         entries.append((slot.hf_name.format(e=e) + suffix, np.dtype(dt), tuple(shape[1:]), name,
                                         (f"{slot.local}.{part}", e, "raw")))
                 continue
-            dt, shape = meta[slot.local]
+            if stored_packed:
+                e_count, out_f, half = meta[f"{slot.local}.packed"][1]
+                dt, shape = str(slot.dtype), (e_count, 2 * half, out_f)
+            else:
+                dt, shape = meta[slot.local]
             dt = out_dtypes.get((name, slot.local), dt)
             dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
+            if slot.kind == "experts" and experts == "mxfp4":
+                e_count, in_f, out_f = shape
+                if in_f % mxfp4.GROUP:
+                    raise ConfigError(f"--experts mxfp4 needs expert input widths divisible by {mxfp4.GROUP}; "
+                                      f"{name}/{slot.local} is {list(shape)} ([E, in, out])")
+                for e in range(e_count):
+                    for part, shp in (("packed", (out_f, in_f // 2)), ("scale", (out_f, in_f // mxfp4.GROUP))):
+                        entries.append((slot.hf_name.format(e=e) + "_" + part, np.dtype(np.uint8), shp, name,
+                                        (slot.local, e, part)))
+                continue
             if slot.kind == "experts":
                 for e in range(shape[0]):
                     entries.append((slot.hf_name.format(e=e), dt, (shape[2], shape[1]), name,
@@ -620,7 +650,15 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             cache["item"] = restore_item(os.path.join(ckpt, "params", item_name),
                                          manifest.get("hashes", {}).get(item_name))
             cache["name"] = item_name
-        arr = cache["item"][key]
+        item = cache["item"]
+        if how in ("packed", "scale"):  # MXFP4 of the stored values, before any cast: the QAT forward's codes
+            if cache.get("packed_of") != (item_name, key, e):
+                cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(item[key][e].T))]
+                cache["packed_of"] = (item_name, key, e)
+            return cache["packed"][0 if how == "packed" else 1]
+        if key not in item:  # a kept-packed expert stack written dense (experts="bf16")
+            item[key] = _decode_stack(item[key + ".packed"], item[key + ".scale"], np.float32)
+        arr = item[key]
         if how == "raw":
             return arr[e]
         arr = arr.astype(dt) if arr.dtype != dt else arr
@@ -650,13 +688,16 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         if os.path.exists(os.path.join(ckpt, "hf_config.json")):
             with open(os.path.join(ckpt, "hf_config.json")) as f:
                 hf_config = json.load(f)
-        kept_packed = manifest.get("experts") == "mxfp4"
+        packed_out = experts == "mxfp4" or (experts is None and manifest.get("experts") == "mxfp4")
         if hf_config is None:
             torch_dtype = "float32" if (out_dtype or cfg.runtime.param_dtype) == "float32" else "bfloat16"
-            hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype)
-        elif not kept_packed:
+            hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype,
+                                     quantization_config=MXFP4_QUANTIZATION_CONFIG if packed_out else None)
+        elif not packed_out:
             hf_config.pop("quantization_config", None)
             hf_config.get("text_config", {}).pop("quantization_config", None)
+        elif "quantization_config" not in hf_config and "quantization_config" not in hf_config.get("text_config", {}):
+            hf_config["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
         _copy_tokenizer(os.path.join(ckpt, "tokenizer"), tmp)

@@ -28,6 +28,7 @@ from k3jax.ops.moe import (
     router_logits,
     select_backend,
 )
+from k3jax.ops.mx_quant import expert_activation_qat, expert_weight_qat
 from sharding import expert_parallel
 
 
@@ -62,6 +63,7 @@ def experts_dense(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: Mod
     combine_ne = jnp.zeros((z_nl.shape[0], cfg.num_experts), weights_nk.dtype)
     combine_ne = combine_ne.at[jnp.arange(z_nl.shape[0])[:, None], experts_nk].add(weights_nk)
     hidden = glu(jnp.einsum("nl,elm->enm", z_nl, w1_elm), jnp.einsum("nl,elm->enm", z_nl, w3_elm), cfg)
+    hidden = expert_activation_qat(hidden, cfg)  # the down projection's input (as `grouped_glu`'s output)
     out = jnp.einsum("enm,eml->enl", hidden, w2_eml, preferred_element_type=wide(hidden.dtype))
     return jnp.einsum("enl,ne->nl", out, combine_ne)
 
@@ -151,9 +153,15 @@ class LatentMoE(nnx.Module):
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
         under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
-        Records the expert-rank load statistics when the layer keeps them."""
+        Records the expert-rank load statistics when the layer keeps them.
+
+        Quantization-aware training (`expert_qat`, `expert_act_qat`) happens here for every path: the weights are
+        fake-quantized along their reduction axis before the cast to the compute dtype (so the f32 masters are what
+        is quantized, as the MXFP4 export does), the experts' input rows along the width; the down projection's
+        input is quantized where the GLU produces it (`k3jax.ops.glu.grouped_glu`, `experts_dense`)."""
         cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
-        w1, w3, w2 = (expert_weights(w, dt) for w in self.routed_expert_weights())
+        w1, w3, w2 = (expert_weights(expert_weight_qat(w, cfg), dt) for w in self.routed_expert_weights())
+        z_nl = expert_activation_qat(z_nl, cfg)
         ep = expert_parallel.active_mode(cfg, b, t)
         kernels = assigned_backend(cfg, z_nl.shape, t) if ep is None else None
         if kernels is not None:

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.numerics import upcast
 from k3jax.ops import gmm as gmm_ops
+from k3jax.ops.mx_quant import expert_activation_qat
 
 __all__ = ["glu", "grouped_glu", "silu_glu", "situ_glu"]
 
@@ -36,11 +37,14 @@ def grouped_glu(rows_mk: jax.Array, w_gate, w_up, group_sizes_g: jax.Array, cfg:
     """The experts' gated up-projection act(rows @ w_gate[e], rows @ w_up[e]) per expert row group, in the rows'
     dtype. Decode-sized calls on a kernel backend run the fused kernel (`k3jax.ops.gmm.gmm_glu`: one launch,
     pre-activations kept in f32); otherwise two grouped matmuls (pre-activations rounded to the rows' dtype, as
-    the released model) and `glu`. `impl`, `tiling`: as `k3jax.ops.gmm.gmm`."""
+    the released model) and `glu`. `impl`, `tiling`: as `k3jax.ops.gmm.gmm`. The result is the down projection's
+    input, MXFP8-fake-quantized under `cfg.runtime.expert_act_qat` (`k3jax.ops.mx_quant`)."""
     if gmm_ops.fused_glu_applies(rows_mk.shape[0], w_gate, impl):
         situ = cfg.hidden_act == "situ"
-        return gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act,
-                               beta1=cfg.activation_situ_beta if situ else None,
-                               beta2=cfg.activation_situ_linear_beta if situ else None, impl=impl, tiling=tiling)
-    return glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl, tiling=tiling),
-               gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl, tiling=tiling), cfg)
+        hidden = gmm_ops.gmm_glu(rows_mk, w_gate, w_up, group_sizes_g, activation=cfg.hidden_act,
+                                 beta1=cfg.activation_situ_beta if situ else None,
+                                 beta2=cfg.activation_situ_linear_beta if situ else None, impl=impl, tiling=tiling)
+    else:
+        hidden = glu(gmm_ops.gmm(rows_mk, w_gate, group_sizes_g, impl=impl, tiling=tiling),
+                     gmm_ops.gmm(rows_mk, w_up, group_sizes_g, impl=impl, tiling=tiling), cfg)
+    return expert_activation_qat(hidden, cfg)

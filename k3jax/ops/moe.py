@@ -70,12 +70,13 @@ def assigned_backend(cfg: ModelConfig, z_shape, t: int) -> str | None:
     """The GPU kernel backend ('gpu', or 'interpret' in tests) when the plan-free expert kernels apply to the
     single-program path: a decode step (t == 1) of the dropless MoE with array weights on the GPU kernel family, at
     sizes `pallas_kernels.moe.assigned` takes, and `cfg.runtime.moe_decode_experts` "assigned" (or "auto" with at most
-    `AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average); else None (the planned path)."""
+    `AUTO_MAX_ROWS_PER_EXPERT` rows per expert on average), without expert QAT; else None (the planned path)."""
     if cfg.runtime.moe_decode_experts == "planned" or cfg.runtime.moe_impl != "dropless" or t != 1:
         return None
     backend = backend_lib.gpu_kernel_backend_here()
-    if cfg.runtime.expert_weights == "mxfp4" or backend is None:
-        return None
+    if cfg.runtime.expert_weights == "mxfp4" or backend is None or \
+            (cfg.runtime.expert_qat, cfg.runtime.expert_act_qat) != ("none", "none"):
+        return None  # the kernels decode packed bytes / do not fake-quantize: the planned path
     n, lat = z_shape
     m = cfg.moe_intermediate_size
     glu_tiling, down_tiling = assigned_tilings(cfg)
