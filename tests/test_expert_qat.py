@@ -24,10 +24,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from safetensors import safe_open
 
 import configs
 import k3jax
 from k3jax.config import ConfigError
+from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
 
@@ -276,6 +278,34 @@ def test_qat_forward_equals_the_mxfp4_serving_forward_of_its_export(tmp_path):
     got = logits(served, ids)
     assert np.isfinite(want).all() and want.std() > 0
     np.testing.assert_array_equal(got, want)
+
+
+def test_to_hf_experts_bf16_decodes_kept_packed_experts_exactly(tmp_path):
+    """A checkpoint that kept MXFP4 experts packed, written with `--experts bf16`: dense experts equal to the
+    fake-quantized masters they came from (and no quantization_config)."""
+    cfg = configs.get_config("tiny", WIDTHS).replace(num_hidden_layers=2, full_attn_layers=(2,))
+    model = K3Model(cfg, rngs=nnx.Rngs(0))
+    paths = [str(tmp_path / n) for n in ("ckpt", "hf4", "packed", "hf16")]
+    k3jax.save_checkpoint(model, paths[0])
+    orbax_to_hf(paths[0], paths[1], experts="mxfp4", dtype="f32")
+    hf_to_orbax(paths[1], paths[2], experts="mxfp4")
+    orbax_to_hf(paths[2], paths[3], experts="bf16", dtype="f32")
+    with open(os.path.join(paths[3], "config.json")) as f:
+        assert "quantization_config" not in json.dumps(json.load(f))
+    tensors = {}
+    for file in sorted(os.listdir(paths[3])):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(paths[3], file), "numpy") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    experts = {k: v for k, v in tensors.items() if ".experts." in k}
+    assert experts and not any(k.endswith(("_packed", "_scale")) for k in tensors)
+    for path, var in _routed(model).items():  # one MoE layer: each stack is [E, in, out] (after a scan axis of 1)
+        fq = np.asarray(mx_quant.fake_quant_mxfp4(var.get_value(), -2))
+        fq = fq.reshape(-1, *fq.shape[-3:])
+        assert fq.shape[0] == 1, path
+        for e in range(cfg.num_experts):
+            (got,) = [v for k, v in experts.items() if k.endswith(f".experts.{e}.{path[-1]}.weight")]
+            np.testing.assert_array_equal(got, fq[0, e].T, err_msg=f"{path} expert {e}")
 
 
 def _ce(model, ids):
