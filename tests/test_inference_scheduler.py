@@ -156,7 +156,7 @@ def test_request_validation(sched):
     with pytest.raises(ValueError, match="already in use"):
         sched.add(Request("dup", [1], 1))
     sched.cancel("dup")
-    assert [tuple(e) for e in sched.step()] == [("dup", None, 0, "cancelled")] and not sched.has_work
+    assert [tuple(e)[:4] for e in sched.step()] == [("dup", None, 0, "cancelled")] and not sched.has_work
 
 
 def test_write_slots_uses_the_batch_axis_of_scanned_groups():

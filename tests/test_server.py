@@ -25,7 +25,7 @@ from k3jax.inference.engine import SamplingParams
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.openai_api import TextAssembler
 from k3jax.inference.scheduler import Request, Scheduler
-from k3jax.inference.server import K3Server, ServerOptions, seed_key
+from k3jax.inference.server import K3Runner, K3Server, ServerOptions, seed_key
 from tests.test_inference_cache import tiny_model
 
 NAME = "tiny_kimi_linear"
@@ -52,7 +52,7 @@ async def serving(scheduler, tokenizer, **options):
     engine = EngineLoop(scheduler, log=logs.append).start()
     server = K3Server(engine, tokenizer, load_chat_template(tokenizer, None),
                       ServerOptions(model_name="tiny", **options), log=logs.append)
-    runner = web.AppRunner(server.app, access_log=None)
+    runner = K3Runner(server, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -166,11 +166,20 @@ BAD = [  # (path, body, status, param or code)
     ("/v1/completions", {"prompt": "x", "bogus": 1}, 400, "unknown_field"),
     ("/v1/completions", {"prompt": "x", "frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": False}, 400, "presence_penalty"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 2, "echo": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "top_k": 2 ** 40}, 400, "top_k"),
+    ("/v1/completions", {"prompt": "x", "temperature": 10 ** 400}, 400, "temperature"),
+    ("/v1/completions", '{"prompt": "\\ud800x"}', 400, "invalid_json"),  # a lone surrogate
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "invalid_json"),
+    ("/v1/completions", "[" * 100000 + "]" * 100000, 400, "invalid_json"),
+    ("/v1/completions", '{"prompt": "x", "seed": ' + "9" * 5000 + "}", 400, "invalid_json"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"prompt": "x", "echo": 1}, 400, "echo"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 3}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "echo": True}, 400, "unknown_field"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -489,4 +498,4 @@ def test_serve_cli_serves_and_stops_on_sigterm():
             proc.communicate()
     assert proc.returncode == 0, err
     assert "RANDOMLY INITIALISED" in err and '"POST /v1/completions" 200' in err and "server stopped" in err
-    assert "warm-up 1/5: prefill of 1 x 1 tokens compiled" in err and "warm-up done: 5 programs" in err
+    assert "warm-up 1/6: prefill of 1 x 1 tokens compiled" in err and "warm-up done: 6 programs" in err

@@ -200,14 +200,14 @@ def test_health_says_warming_up_until_the_engine_has_compiled_and_early_requests
 
 def test_after_warm_up_no_prompt_length_or_sampling_compiles(scheduler, tokenizer):
     """Prompts in every prefill bucket (1, 17 and 40 tokens: buckets 16, 32, 64 of max_len 64), greedy and sampled,
-    through the server after `warm_up`: no program is traced again."""
+    and one with logprobs, through the server after `warm_up`: no program is traced again."""
     logs: list[str] = []
     warm_up(scheduler, logs.append)
     assert prompt_lengths(scheduler) == [1, 17, 33]
-    assert sum("warm-up" in m and "compiled" in m for m in logs) == 3 + 2 and "warm-up done" in logs[-1]
+    assert sum("warm-up" in m and "compiled" in m for m in logs) == 3 + 3 and "warm-up done" in logs[-1]
     traces = dict(TRACE_COUNTS)
     bodies = [{"prompt": [7] * n, "max_tokens": 3, "temperature": t, "seed": 1} for n in (1, 17, 40)
-              for t in (0, 1.0)]
+              for t in (0, 1.0)] + [{"prompt": [7] * 17, "max_tokens": 3, "temperature": 0, "logprobs": 2}]
 
     async def go():
         async with serving(scheduler, tokenizer) as (_, client, _, _):
@@ -216,5 +216,49 @@ def test_after_warm_up_no_prompt_length_or_sampling_compiles(scheduler, tokenize
     assert [st for st, _ in asyncio.run(go())] == [200] * len(bodies)
     assert dict(TRACE_COUNTS) == traces, "a request compiled a program after warm-up"
     quick: list[str] = []
-    warm_up(scheduler, quick.append, every_bucket=False)  # serve.py --warm_up=shortest: 1 prefill + 2 decode steps
-    assert [m.split(":")[0] for m in quick if "compiled" in m] == ["warm-up 1/3", "warm-up 2/3", "warm-up 3/3"]
+    warm_up(scheduler, quick.append, every_bucket=False)  # serve.py --warm_up=shortest: 1 prefill + 3 decode steps
+    assert [m.split(":")[0] for m in quick if "compiled" in m] == [f"warm-up {i}/4" for i in range(1, 5)]
+
+
+async def read_response(reader) -> tuple[int, dict, bytes]:
+    """(status, lower-cased headers, body) of one HTTP/1.1 response with a Content-Length."""
+    lines = (await reader.readuntil(b"\r\n\r\n")).decode().split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in lines[1:] if h)}
+    return int(lines[0].split()[1]), headers, await reader.readexactly(int(headers.get("content-length", 0)))
+
+
+def test_request_on_a_kept_alive_connection_during_drain_gets_503_and_connection_close_at_once(scheduler,
+                                                                                             tokenizer):
+    """A long request keeps the server draining (grace 8 s); a request sent then on an idle kept-alive connection
+    is answered 503 with Connection: close within a second (it used to wait out the grace period, unanswered)."""
+    short = json.dumps({"prompt": "x", "max_tokens": 1, "temperature": 0}).encode()
+    raw = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n%s" % (len(short), short))
+
+    async def go():
+        async with serving(scheduler, tokenizer, shutdown_grace_s=8) as (server, client, _, runner):
+            reader, writer = await asyncio.open_connection("127.0.0.1", runner.addresses[0][1])
+            writer.write(raw)
+            first = await read_response(reader)  # the connection stays open (keep-alive)
+            with slow_steps(scheduler, 0.05):
+                long = asyncio.create_task(post(client, "/v1/completions", LONG))
+                assert await wait_until(lambda: server.scheduler.num_running, 20) is not None
+                cleanup = asyncio.create_task(runner.cleanup())
+                await wait_until(lambda: server.draining, 5)
+                t0 = time.monotonic()
+                writer.write(raw)
+                try:
+                    during = await asyncio.wait_for(read_response(reader), 3)
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError) as e:
+                    during = (repr(e), {}, b"")
+                waited = time.monotonic() - t0
+                await cleanup
+                long_status, long_body = await long
+            writer.close()
+            return first, during, waited, (long_status, long_body)
+
+    first, (status, headers, body), waited, long_status = asyncio.run(go())
+    assert first[0] == 200 and first[1].get("connection", "keep-alive").lower() != "close"
+    assert status == 503 and headers.get("connection", "").lower() == "close", (status, headers)
+    assert json.loads(body)["error"]["code"] == "shutting_down" and waited < 1.0
+    assert long_status[0] == 200, long_status  # the in-flight request finished within the grace period

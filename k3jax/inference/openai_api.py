@@ -4,14 +4,22 @@ Accepted fields — /v1/completions: model, prompt (a string or a non-empty list
 16), temperature (default 1, as OpenAI), top_p, top_k (0 = off), n (choices, 1..MAX_CHOICES: independent
 generations of the prompt; with a seed, choice 0 draws as the same request with n 1 and choice i from
 fold_in(seed's key, i)), echo (the prompt text before each choice's text), stream, stream_options
-({"include_usage": bool}), stop (a string or up to 4), seed, user.
+({"include_usage": bool}), stop (a string or up to 4), seed, user, logprobs (null, or an integer k in
+[0, MAX_LOGPROBS]: each generated token's log-probability and its k most likely alternatives, the legacy format
+{tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; not with echo: prompt log-probabilities
+are not computed).
 /v1/chat/completions: the same without echo, with messages ([{role: system|user|assistant, content: string or
 [{type: "text", text}]}]) instead of prompt and max_tokens / max_completion_tokens (default: the rest of the
-context, capped by the server's default_max_tokens).
-Fields that clients send with a neutral default (`NEUTRAL`: frequency_penalty 0, presence_penalty 0, logprobs null /
-false, top_logprobs 0, logit_bias {}, best_of 1, tools [], ...) are accepted with that value or null; any other
-value is rejected with 400 naming the field (code "unsupported_value"): token log-probabilities, penalties, logit
-biases and tools are not implemented. Unknown fields are rejected with 400 naming the field.
+context, capped by the server's default_max_tokens), logprobs (a boolean) and top_logprobs (an integer in
+[0, MAX_LOGPROBS], only with logprobs true): choices[i].logprobs = {content: [{token, logprob, bytes,
+top_logprobs: [{token, logprob, bytes}]}], refusal: null}.
+Log-probabilities are log-softmax of the model's raw logits, before temperature / top_k / top_p (the model's own
+distribution, as OpenAI reports it); a streamed chunk carries the entries of the tokens whose text it sends; tokens
+cut by a stop string are left out with their text.
+Fields that clients send with a neutral default (`NEUTRAL`: frequency_penalty 0, presence_penalty 0, logit_bias {},
+best_of 1, tools [], ...) are accepted with that value or null; any other value is rejected with 400 naming the
+field (code "unsupported_value"): penalties, logit biases and tools are not implemented. Unknown fields are
+rejected with 400 naming the field.
 
 finish_reason: "stop" (EOS or a stop string), "length" (max_tokens), "cancelled" (the server shut down or dropped
 the request before it finished; streaming only — a non-streaming request gets 503 instead).
@@ -21,9 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 from k3jax.inference.chat import ROLES
 from k3jax.inference.engine import SamplingParams
+from k3jax.inference.slot_steps import MAX_TOP_LOGPROBS
 
 
 def _eq(*values):
@@ -36,10 +46,10 @@ NEUTRAL_COMMON = {
     "frequency_penalty": (_eq(0), "0"), "presence_penalty": (_eq(0), "0"), "repetition_penalty": (_eq(1), "1"),
     "min_p": (_eq(0), "0"), "logit_bias": (lambda v: v == {}, "{}"),
 }
-NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "logprobs": (lambda v: False, "null"), "best_of": (_eq(1), "1"),
+NEUTRAL_COMPLETION = {**NEUTRAL_COMMON, "best_of": (_eq(1), "1"),
                       "suffix": (_eq(""), '""')}
 NEUTRAL_CHAT = {
-    **NEUTRAL_COMMON, "logprobs": (_eq(False), "false"), "top_logprobs": (_eq(0), "0"),
+    **NEUTRAL_COMMON,
     "response_format": (lambda v: v == {"type": "text"}, '{"type": "text"}'), "tools": (_eq([]), "[]"),
     "tool_choice": (_eq("none", "auto"), '"none" or "auto"'), "parallel_tool_calls": (_eq(True, False), "a boolean"),
     "functions": (_eq([]), "[]"), "function_call": (_eq("none", "auto"), '"none" or "auto"'),
@@ -47,10 +57,12 @@ NEUTRAL_CHAT = {
     "metadata": (lambda v: isinstance(v, dict), "an object"), "modalities": (_eq(["text"]), '["text"]'),
 }
 COMMON_FIELDS = {"model", "temperature", "top_p", "top_k", "n", "stream", "stream_options", "stop", "seed", "user"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens", "echo"} | set(NEUTRAL_COMPLETION)
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens"} | set(NEUTRAL_CHAT)
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "max_tokens", "echo", "logprobs"} | set(NEUTRAL_COMPLETION)
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs"} | set(
+    NEUTRAL_CHAT)
 MAX_STOP_STRINGS = 4
 MAX_CHOICES = 16
+MAX_LOGPROBS = MAX_TOP_LOGPROBS  # alternatives per token (the engine computes this many on the device)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 
 
@@ -81,6 +93,7 @@ class ParsedRequest:
     model: str | None
     n: int = 1  # choices
     echo: bool = False  # completions: the prompt text before each choice's text
+    logprobs: int | None = None  # None: no log-probabilities; k: each token's and its top k alternatives'
 
 
 def _is_int(v) -> bool:
@@ -88,7 +101,10 @@ def _is_int(v) -> bool:
 
 
 def _is_number(v) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+    """A finite float or an int of at most 2**53 in magnitude (never a bool; no OverflowError for huge ints)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return math.isfinite(v) if isinstance(v, float) else abs(v) <= 2 ** 53
 
 
 def _bad(msg: str, param: str, code: str = "invalid_value") -> ApiError:
@@ -133,7 +149,8 @@ def _type_ok(v, what: str) -> bool:
 def _common(body: dict) -> dict:
     temperature = _optional(body, "temperature", lambda v: _is_number(v) and v >= 0, "a number >= 0", 1.0)
     top_p = _optional(body, "top_p", lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]", 1.0)
-    top_k = _optional(body, "top_k", lambda v: _is_int(v) and v >= 0, "an integer >= 0 (0 = off)", 0)
+    top_k = _optional(body, "top_k", lambda v: _is_int(v) and 0 <= v < 2 ** 31, "an integer >= 0 (0 = off), < 2**31",
+                      0)
     n = _optional(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]",
                   1)
     stream = _optional(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
@@ -189,9 +206,14 @@ def parse_completion(body) -> ParsedRequest:
                    "prompt", "invalid_type")
     max_tokens = _max_tokens(body, ("max_tokens",))
     echo = _optional(body, "echo", lambda v: isinstance(v, bool), "a boolean", False)
+    logprobs = _optional(body, "logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                         f"an integer in [0, {MAX_LOGPROBS}]")
+    if logprobs is not None and echo:
+        raise _bad("'logprobs' with 'echo' is not supported (prompt log-probabilities are not computed)", "logprobs",
+                   "unsupported_value")
     return ParsedRequest(prompt=prompt, messages=None,
                          max_tokens=DEFAULT_COMPLETION_MAX_TOKENS if max_tokens is None else max_tokens, echo=echo,
-                         **_common(body))
+                         logprobs=logprobs, **_common(body))
 
 
 def parse_chat(body) -> ParsedRequest:
@@ -216,7 +238,13 @@ def parse_chat(body) -> ParsedRequest:
             raise _bad(f"{where}.content must be a string or a list of text parts", where, "invalid_type")
         out.append({"role": m["role"], "content": content})
     max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"))
-    return ParsedRequest(prompt=None, messages=out, max_tokens=max_tokens, **_common(body))
+    want = _optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+    top = _optional(body, "top_logprobs", lambda v: _is_int(v) and 0 <= v <= MAX_LOGPROBS,
+                    f"an integer in [0, {MAX_LOGPROBS}]", 0)
+    if top and not want:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return ParsedRequest(prompt=None, messages=out, max_tokens=max_tokens, logprobs=top if want else None,
+                         **_common(body))
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -224,28 +252,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_body(rid: str, created: int, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
-    """`choices`: (text, finish_reason) per choice, in index order."""
+class LogprobEntry(NamedTuple):
+    """One generated token's log-probabilities: `offset` = characters of the choice's text before it."""
+
+    offset: int
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def completion_logprobs(entries: list[LogprobEntry], decode) -> dict:
+    """The legacy completions format; `decode(id)` is a token's text (alternatives with the same text share a key)."""
+    return {"tokens": [decode(e.token) for e in entries], "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{decode(t): v for t, v in e.top} for e in entries],
+            "text_offset": [e.offset for e in entries]}
+
+
+def chat_logprobs(entries: list[LogprobEntry], decode) -> dict:
+    """The chat format: {content: [{token, logprob, bytes, top_logprobs}], refusal: null} (bytes: UTF-8 of the
+    token's text)."""
+    def one(token: int, logprob: float) -> dict:
+        text = decode(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "replace"))}
+
+    return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]}
+                        for e in entries], "refusal": None}
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[tuple], use: dict) -> dict:
+    """`choices`: (text, finish_reason[, logprobs object or None]) per choice, in index order."""
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}
-                        for i, (text, finish) in enumerate(choices)], "usage": use}
+            "choices": [{"index": i, "text": c[0], "logprobs": c[2] if len(c) > 2 else None, "finish_reason": c[1]}
+                        for i, c in enumerate(choices)], "usage": use}
 
 
-def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None, index: int = 0) -> dict:
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None, index: int = 0,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_body(rid: str, created: int, model: str, choices: list[tuple[str, str]], use: dict) -> dict:
-    """`choices`: (text, finish_reason) per choice, in index order."""
+def chat_body(rid: str, created: int, model: str, choices: list[tuple], use: dict) -> dict:
+    """`choices`: (text, finish_reason[, logprobs object or None]) per choice, in index order."""
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                         "finish_reason": finish} for i, (text, finish) in enumerate(choices)], "usage": use}
+            "choices": [{"index": i, "message": {"role": "assistant", "content": c[0]},
+                         "logprobs": c[2] if len(c) > 2 else None, "finish_reason": c[1]}
+                        for i, c in enumerate(choices)], "usage": use}
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None, index: int = 0) -> dict:
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None, index: int = 0,
+               logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, use: dict) -> dict:
@@ -263,8 +321,11 @@ class TextAssembler:
         self.sent = 0  # characters of the text already returned
         self.stopped = False
         self.text = ""
+        self.full = ""  # the decoded text of every id so far (stop strings included)
+        self.offsets: list[int] = []  # per token: characters of the full text before it
 
     def add(self, token: int) -> str:
+        self.offsets.append(len(self.full))
         self.ids.append(int(token))
         return self._advance(final=False)
 
@@ -273,7 +334,7 @@ class TextAssembler:
         return "" if self.stopped else self._advance(final=True)
 
     def _advance(self, final: bool) -> str:
-        text = self.tokenizer.decode(self.ids)
+        text = self.full = self.tokenizer.decode(self.ids)
         longest = max((len(s) for s in self.stop), default=0)
         start = max(0, self.sent - longest + 1)
         hits = [p for p in (text.find(s, start) for s in self.stop) if p >= 0]

@@ -23,6 +23,11 @@ found from the cache's shapes, `k3jax.inference.cache.CacheLayout`; the jitted p
 `k3jax.inference.slot_steps`). Pages are not cleared between requests: rows past a sequence's length
 are masked (queries see positions <= their own) until overwritten.
 
+A request with `logprobs` set (k alternatives, 0..MAX_TOP_LOGPROBS) gets each token's log-probability and the top k
+(id, log-probability) pairs in its events: log-softmax of the raw logits, before temperature / top-k / top-p
+(`slot_steps.token_logprobs`); while such a request runs, decode uses the sampling program's logprobs variant
+(greedy rows still take the argmax), otherwise the programs are the ones without.
+
 Token i of a request is drawn with `fold_in(request.key, i)` exactly as `Engine.generate` does with one key per
 sequence, so a request's tokens do not depend on which slot or pages it gets, on its neighbours or arrival times.
 
@@ -57,6 +62,7 @@ from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
 from k3jax.inference.slot_steps import (
     MAX_EOS_IDS,
+    MAX_TOP_LOGPROBS,
     SlotState,
     admit_slots,
     copy_page,
@@ -78,7 +84,8 @@ FINISH_CANCELLED = "cancelled"  # `cancel` was called
 @dataclasses.dataclass
 class Request:
     """One generation request. `key` is required when sampling (temperature > 0); `eos_ids` None means the config's
-    eos_token_id; `max_tokens` counts generated tokens (an EOS ends the request early and is not emitted)."""
+    eos_token_id; `max_tokens` counts generated tokens (an EOS ends the request early and is not emitted);
+    `logprobs` None: no log-probabilities, k: each token's and its top k alternatives' (k <= MAX_TOP_LOGPROBS)."""
 
     request_id: Hashable
     prompt_ids: Sequence[int]
@@ -86,16 +93,20 @@ class Request:
     sampling: SamplingParams = SamplingParams()
     key: jax.Array | None = None
     eos_ids: Sequence[int] | None = None
+    logprobs: int | None = None
 
 
 class TokenEvent(NamedTuple):
     """One step of one request. `token` is None only on a final event that carries no token (EOS sampled, or
-    cancelled); `index` is the token's position in the completion; `finish_reason` is None while it runs."""
+    cancelled); `index` is the token's position in the completion; `finish_reason` is None while it runs.
+    For a request with `logprobs`: the token's `logprob` and `top_logprobs`, ((id, logprob), ...) descending."""
 
     request_id: Hashable
     token: int | None
     index: int
     finish_reason: str | None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] | None = None
 
 
 @dataclasses.dataclass
@@ -258,6 +269,9 @@ class Scheduler:
         request.sampling.validate()
         if request.sampling.temperature > 0 and request.key is None:
             raise ValueError("sampling with temperature > 0 needs an explicit PRNG key")
+        if request.logprobs is not None and not (
+                isinstance(request.logprobs, int) and 0 <= request.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {request.logprobs!r}")
         eos = self._eos(request)
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids per request, got {len(eos)}")
@@ -392,8 +406,9 @@ class Scheduler:
             self.state = self.state._replace(done_s=sharded.put_batch(done, self.mesh))
         return events
 
-    def _emit(self, slot: int, token: int, done: bool) -> TokenEvent:
-        """The event for `token` sampled by `slot` (its request still running before this token)."""
+    def _emit(self, slot: int, token: int, done: bool, lps=None) -> TokenEvent:
+        """The event for `token` sampled by `slot` (its request still running before this token); `lps`: this row
+        of `token_logprobs` (chosen, top ids, top logprobs) as host arrays, or None."""
         run = self._slots[slot]
         req = run.request
         index = run.num_emitted
@@ -402,7 +417,11 @@ class Scheduler:
         else:
             run.num_emitted += 1
             finished = run.num_emitted >= req.max_tokens
-            ev = TokenEvent(req.request_id, token, index, FINISH_LENGTH if finished else None)
+            lp = top = None
+            if req.logprobs is not None and lps is not None:
+                lp = float(lps[0])
+                top = tuple((int(i), float(v)) for i, v in zip(lps[1][:req.logprobs], lps[2][:req.logprobs]))
+            ev = TokenEvent(req.request_id, token, index, FINISH_LENGTH if finished else None, lp, top)
         if (ev.finish_reason is not None) != bool(done):
             raise AssertionError(f"slot {slot}: host and device disagree on whether request {req.request_id!r} "
                                  "finished")
@@ -430,14 +449,16 @@ class Scheduler:
                         keys_s=jnp.stack(keys), eos_se=jnp.asarray(eos))
         return new, slot_n
 
-    def _started(self, batch: list[Request], slots: list[int], pages: list[list[int]], tok_n, done_n
+    def _started(self, batch: list[Request], slots: list[int], pages: list[list[int]], tok_n, done_n, lps
                  ) -> list[TokenEvent]:
-        tok_n, done_n = jax.device_get((tok_n, done_n))
+        want = any(r.logprobs is not None for r in batch)
+        tok_n, done_n, lps = jax.device_get((tok_n, done_n, lps if want else None))
         events = []
         for i, (r, slot) in enumerate(zip(batch, slots)):
             self._slots[slot] = _Running(r)
             self._slot_pages[slot] = pages[i]
-            events.append(self._emit(slot, int(tok_n[i]), bool(done_n[i])))
+            row = None if lps is None else tuple(x[i] for x in lps)
+            events.append(self._emit(slot, int(tok_n[i]), bool(done_n[i]), row))
         return events
 
     def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
@@ -451,12 +472,12 @@ class Scheduler:
             lens[i] = len(r.prompt_ids)
         new, slot_n = self._new_fields(batch, slots, n)
         with sharded.context(self.mesh):
-            self.cache, self.state, tok_n, done_n = admit_slots(
+            self.cache, self.state, tok_n, done_n, lps = admit_slots(
                 self.params, self.cache, self.state, jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(slot_n),
                 jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)), new, spec=self.model_spec,
                 layout=self.layout, max_len=self.max_len, page_size=self.page_size, greedy_only=False,
                 mesh=self._mesh)
-        return self._started(batch, slots, pages, tok_n, done_n)
+        return self._started(batch, slots, pages, tok_n, done_n, lps)
 
     def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
         """Prefill through the prefix cache: resume from the longest cached boundary (KDA states restored, full
@@ -506,23 +527,26 @@ class Scheduler:
                                                       jnp.asarray(chunk), jnp.asarray([len(rest)], jnp.int32),
                                                       spec=self.model_spec, layout=self.layout, mesh=self._mesh)
             self._set_pools(pools)
-            self.cache, self.state, tok_n, done_n = install_slots(
+            self.cache, self.state, tok_n, done_n, lps = install_slots(
                 self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
                 greedy_only=False, mesh=self._mesh)
-        return self._started([r], [slot], [pages], tok_n, done_n)
+        return self._started([r], [slot], [pages], tok_n, done_n, lps)
 
     def _decode_running(self) -> list[TokenEvent]:
-        greedy_only = all(s.request.sampling.temperature == 0 for s in self._slots if s is not None)
+        running = [s.request for s in self._slots if s is not None]
+        logprobs = any(r.logprobs is not None for r in running)  # one program with logprobs, sampling or not
+        greedy_only = all(r.sampling.temperature == 0 for r in running) and not logprobs
         with sharded.context(self.mesh):
-            self.cache, self.state, tok_ks, ran_ks, done_ks = decode_slots(
+            self.cache, self.state, tok_ks, ran_ks, done_ks, *lps = decode_slots(
                 self.params, self.cache, self.state, spec=self.model_spec, greedy_only=greedy_only,
-                steps=self.decode_steps, mesh=self._mesh)
-        tok_ks, ran_ks, done_ks = jax.device_get((tok_ks, ran_ks, done_ks))
+                steps=self.decode_steps, mesh=self._mesh, logprobs=logprobs)
+        tok_ks, ran_ks, done_ks, lps = jax.device_get((tok_ks, ran_ks, done_ks, lps[0] if lps else None))
         events = []
         for k in range(self.decode_steps):
             for slot in np.flatnonzero(ran_ks[k]):
                 if self._slots[slot] is not None:
-                    events.append(self._emit(int(slot), int(tok_ks[k, slot]), bool(done_ks[k, slot])))
+                    row = None if lps is None else tuple(x[k, slot] for x in lps)
+                    events.append(self._emit(int(slot), int(tok_ks[k, slot]), bool(done_ks[k, slot]), row))
         return events
 
 def _typed_key(key) -> jax.Array:

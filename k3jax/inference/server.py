@@ -13,8 +13,15 @@ k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Typ
 `pages: {size, total, free}`, and the prefix cache when enabled).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
-Shutdown (SIGINT / SIGTERM under `run_server`, or `runner.cleanup()`): stop accepting, let in-flight requests
-finish for up to `shutdown_grace_s`, cancel the rest (streams end with finish_reason "cancelled"), stop the engine.
+Shutdown (SIGINT / SIGTERM under `run_server`, or `cleanup()` of a `K3Runner`): drain first, while every
+connection is still read: in-flight requests finish for up to `shutdown_grace_s`, and any request that arrives
+meanwhile (a new or a kept-alive connection) is answered 503 at once; every response from then on carries
+`Connection: close`. Then the rest are cancelled (streams end with finish_reason "cancelled") and the engine stops.
+(A plain `web.AppRunner` stops reading kept-alive connections before the app's shutdown hook runs: a request
+sent on one then would wait out the grace period and get no answer.)
+A body that is not valid JSON, nests too deeply, holds an integer of more digits than Python converts or a string
+with a lone surrogate (not UTF-8) gets 400 "invalid_json".
+Log-probabilities (`logprobs`, `top_logprobs`; see `openai_api`) come from the engine's events.
 One log line per request: peer, route, status, id, token counts, finish reason, time to first token, total time.
 """
 
@@ -24,6 +31,7 @@ import asyncio
 import dataclasses
 import json
 import secrets
+import signal
 import sys
 import time
 import traceback
@@ -80,6 +88,15 @@ class _Choice:
         self.text = api.TextAssembler(tokenizer, stop)
         self.finish: str | None = None
         self.engine_done = False  # the engine sent its final event (nothing left to cancel)
+        self.logprobs: list[api.LogprobEntry] = []  # tokens' log-probabilities not yet sent
+
+    def take_logprobs(self, final: bool) -> list[api.LogprobEntry]:
+        """The pending entries whose text has been sent (all of the text when `final`); a stop string's tokens are
+        dropped with their text."""
+        end = len(self.text.text) if self.text.stopped else self.text.sent if not final else None
+        out = [e for e in self.logprobs if end is None or e.offset < end]
+        self.logprobs = [] if final else self.logprobs[len(out):]
+        return out
 
 
 @dataclasses.dataclass
@@ -210,7 +227,8 @@ class K3Server:
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         track.rid = rid
         try:
-            req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, keys[0], eos))
+            req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, keys[0], eos,
+                                                  logprobs=parsed.logprobs))
         except ValueError as e:
             code = "context_length_exceeded" if "maximum length" in str(e) else "invalid_value"
             raise api.ApiError(400, str(e), "messages" if chat else "prompt", code) from None
@@ -268,6 +286,9 @@ class K3Server:
                     run.track.first_token_s = time.monotonic() - run.track.t0
                 run.track.completion_tokens += 1
                 delta = choice.text.add(ev.token)
+                if ev.logprob is not None:
+                    choice.logprobs.append(api.LogprobEntry(choice.text.offsets[-1], ev.token, ev.logprob,
+                                                            ev.top_logprobs or ()))
                 if choice.text.stopped:
                     choice.finish = "stop"
                     if not choice.engine_done:
@@ -297,7 +318,8 @@ class K3Server:
                                                        None, "cancelled", "server_error"))
         track.finish = run.finish_summary
         use = api.usage(track.prompt_tokens, track.completion_tokens)
-        texts = [(run.echo + c.text.text, c.finish) for c in run.ordered]
+        texts = [(run.echo + c.text.text, c.finish, self._logprobs(run, c.take_logprobs(final=True)))
+                 for c in run.ordered]
         body = (api.chat_body if run.chat else api.completion_body)(run.rid, run.created, self.options.model_name,
                                                                     texts, use)
         self._log(track, 200)
@@ -308,11 +330,12 @@ class K3Server:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(run.http)
 
-        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False) -> dict:
+        def chunk(index: int, text: str | None, finish: str | None = None, role: bool = False,
+                  logprobs: dict | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else ({} if text is None else {"content": text})
-                return api.chat_chunk(run.rid, run.created, model, delta, finish, index)
-            return api.completion_chunk(run.rid, run.created, model, text or "", finish, index)
+                return api.chat_chunk(run.rid, run.created, model, delta, finish, index, logprobs)
+            return api.completion_chunk(run.rid, run.created, model, text or "", finish, index, logprobs)
 
         async def send(obj) -> None:
             await resp.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")
@@ -333,8 +356,9 @@ class K3Server:
                     await send(api.ApiError(500, str(e), None, "engine_error", "server_error").body())
                     track.finish = "error"
                     break
-                if delta:
-                    await send(chunk(choice.index, delta))
+                entries = choice.take_logprobs(final=choice.finish is not None)
+                if delta or entries:
+                    await send(chunk(choice.index, delta, logprobs=self._logprobs(run, entries)))
                 if choice.finish is not None:
                     await send(chunk(choice.index, None if chat else "", choice.finish))
             if track.finish != "error":
@@ -352,11 +376,27 @@ class K3Server:
 
     # ------------------------------------------------------------------ helpers
 
+    def _logprobs(self, run: _Run, entries: list[api.LogprobEntry]) -> dict | None:
+        """The response's logprobs object for `entries` (None when the request did not ask for them)."""
+        if run.parsed.logprobs is None:
+            return None
+        def decode(token: int) -> str:
+            return self.tokenizer.decode([token])
+
+        return (api.chat_logprobs if run.chat else api.completion_logprobs)(entries, decode)
+
     async def _json(self, request: web.Request):
+        """The parsed body; 400 for anything json.loads or UTF-8 refuse: bad syntax or bytes, nesting past the
+        recursion limit, integers of more than sys.get_int_max_str_digits() digits, lone surrogates (\\ud800)."""
         raw = await request.read()
         try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            body = json.loads(raw)
+            json.dumps(body, ensure_ascii=False).encode("utf-8")  # a lone surrogate cannot be encoded
+            return body
+        except RecursionError:
+            raise api.ApiError(400, "the request body is not valid JSON (nested too deeply)", None,
+                               "invalid_json") from None
+        except (ValueError, UnicodeError) as e:  # JSONDecodeError, int digit limit, surrogates
             raise api.ApiError(400, f"the request body is not valid JSON ({e})", None, "invalid_json") from None
 
     def _check_model(self, model: str | None) -> None:
@@ -382,6 +422,9 @@ class K3Server:
 
     async def _add_cors(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers.update(cors_headers(self.options.access, request))
+        if self.draining:
+            response.force_close()  # the connection closes after this response (headers may be prepared already)
+            response.headers["Connection"] = "close"
 
     def _log(self, track: _Track, status: int, error: str | None = None) -> None:
         ttft = "-" if track.first_token_s is None else f"{track.first_token_s * 1e3:.0f}ms"
@@ -409,6 +452,11 @@ class K3Server:
     # ------------------------------------------------------------------ lifecycle
 
     async def _on_shutdown(self, app) -> None:
+        await self.drain()
+
+    async def drain(self) -> None:
+        """Stops taking requests (503), waits up to shutdown_grace_s for those in flight, cancels the rest.
+        Idempotent (a second call finds nothing in flight)."""
         self.draining = True
         deadline = time.monotonic() + self.options.shutdown_grace_s
         if self.in_flight:
@@ -434,6 +482,34 @@ def seed_key(seed: int) -> jax.Array:
     return jax.random.fold_in(jax.random.key(seed & 0xFFFFFFFF), seed >> 32)
 
 
+class K3Runner(web.AppRunner):
+    """An AppRunner whose `cleanup` drains the server (`K3Server.drain`) before aiohttp stops reading connections,
+    so that requests arriving during the grace period get their 503 at once."""
+
+    def __init__(self, server: K3Server, **kwargs):
+        super().__init__(server.app, **kwargs)
+        self.k3 = server
+
+    async def cleanup(self) -> None:
+        if self.server is not None:
+            await self.k3.drain()
+        await super().cleanup()
+
+
+async def _serve(server: K3Server, host: str, port: int) -> None:
+    runner = K3Runner(server, access_log=None, shutdown_timeout=server.options.shutdown_grace_s + 10)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
 def run_server(server: K3Server, host: str, port: int) -> None:
     """Serves until SIGINT / SIGTERM, then shuts down gracefully (see the module docstring)."""
     server.engine.start()
@@ -445,6 +521,5 @@ def run_server(server: K3Server, host: str, port: int) -> None:
                f"{sched.max_len} tokens, {sched.num_pages} latent pages of {sched.page_size} tokens, queue "
                f"{server.options.max_queue}, prefix cache {prefix}, chat template: "
                f"{server.chat.name}, {devices}{warming})")
-    web.run_app(server.app, host=host, port=port, access_log=None, print=None,
-                shutdown_timeout=server.options.shutdown_grace_s + 10, handle_signals=True)
+    asyncio.run(_serve(server, host, port))
     server.log("server stopped")

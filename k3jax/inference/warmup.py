@@ -2,10 +2,10 @@
 prompt length used to stall every stream for the length of a compile).
 
 `warm_up(scheduler, log)` runs the scheduler through: admission at every prefill batch bucket x prompt-length bucket
-(through the prefix cache's chunk programs when it is on, plus its partial-page copy), then the decode step greedy
-and sampling. One progress line per program. The server runs it on the engine thread before the first request;
-`/health` says "ok" only afterwards. Warm-up requests are ordinary ones (max_tokens 1 or 2), so the compilations
-are exactly the ones serving uses; the prefix cache is emptied afterwards.
+(through the prefix cache's chunk programs when it is on, plus its partial-page copy), then the decode step greedy,
+sampling, and with log-probabilities. One progress line per program. The server runs it on the engine thread
+before the first request; `/health` says "ok" only afterwards. Warm-up requests are ordinary ones (max_tokens 1
+or 2), so the compilations are exactly the ones serving uses; the prefix cache is emptied afterwards.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def batch_sizes(scheduler: Scheduler) -> list[int]:
 
 
 def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool = True) -> None:
-    """Compiles admission for every (batch, prompt length) bucket and the decode step, greedy and sampling.
+    """Compiles admission for every (batch, prompt length) bucket and the decode step: greedy, sampling, logprobs.
     `every_bucket` False: the shortest bucket only (a quick start; longer prompts compile when they first come)."""
     t0 = time.monotonic()
     plan = [(n, length) for n in batch_sizes(scheduler) for length in prompt_lengths(scheduler)]
@@ -46,7 +46,9 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
     copy = pc is not None and pc.block + 1 <= scheduler.max_len and pc.block % scheduler.page_size != 0
     if not every_bucket:
         plan, copy = plan[:1], False
-    total = len(plan) + 2 + copy
+    decodes = (("greedy", SamplingParams(), None), ("sampling", SamplingParams(temperature=1.0), None),
+               ("logprobs", SamplingParams(), 0))
+    total = len(plan) + len(decodes) + copy
     for i, (n, length) in enumerate(plan):
         t = time.monotonic()
         scheduler.generate([Request(f"warmup-{i}-{j}", [(i + j) % scheduler.cfg.vocab_size] * length, 1,
@@ -58,10 +60,11 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
         scheduler.generate([Request("warmup-prefix", prompt, 1, eos_ids=[])])
         scheduler.generate([Request("warmup-prefix-hit", prompt, 1, eos_ids=[])])
         log(f"warm-up {len(plan) + 1}/{total}: prefix-cache page copy compiled ({time.monotonic() - t:.1f}s)")
-    for k, sampling in enumerate((SamplingParams(), SamplingParams(temperature=1.0))):
+    for k, (what, sampling, logprobs) in enumerate(decodes):
         t = time.monotonic()
-        scheduler.generate([Request(f"warmup-decode-{k}", [0], 2, sampling, jax.random.key(0), eos_ids=[])])
-        log(f"warm-up {total - 1 + k}/{total}: {'sampling' if k else 'greedy'} decode step compiled "
+        scheduler.generate([Request(f"warmup-decode-{k}", [0], 2, sampling, jax.random.key(0), eos_ids=[],
+                                    logprobs=logprobs)])
+        log(f"warm-up {total - len(decodes) + 1 + k}/{total}: {what} decode step compiled "
             f"({time.monotonic() - t:.1f}s)")
     if pc is not None:
         pc.clear()
