@@ -110,6 +110,7 @@ def test_save_checkpoint_then_to_hf_then_load_hf(k3_hf, tmp_path):
         np.testing.assert_array_equal(np.asarray(va.get_value()), np.asarray(vb.get_value()), err_msg=str(ka))
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_with_a_layer_scan_loads_unrolled_with_the_same_logits(k3_hf, tmp_path):
     """serve.py loads unrolled (scan_layers=False) by default: a checkpoint written from a scanned model must load
     into the unrolled layout and compute the same function."""

@@ -53,7 +53,7 @@ class Jitted:
         return self.cached(self.state, ids, cache, jnp.asarray(valid, jnp.int32))
 
 
-@pytest.fixture(scope="module", params=["tiny", "tiny_kimi_linear"])
+@pytest.fixture(scope="module", params=[pytest.param("tiny", marks=pytest.mark.slow), "tiny_kimi_linear"])
 def jm(request):
     return Jitted(request.param)
 

@@ -134,6 +134,7 @@ def test_engine_generate_on_mesh_equals_one_device(engine_a, reference):
     assert any("expert" in axes for axes in used) and any("model" in axes for axes in used)
 
 
+@pytest.mark.slow
 def test_teacher_forced_logits_on_mesh_equal_one_device_and_cache_keeps_its_layout(engine_a, mesh_a):
     """Prefill a chunk of 8 then decode 8 tokens one at a time on the mesh: every logit equals the one-device full
     forward; the cache carries its layout before, during and after; the decode program exchanges tokens between
@@ -172,6 +173,7 @@ def _scheduler_matches_reference(mesh, reference, batch_axes, **kw):
     return sched
 
 
+@pytest.mark.slow
 def test_scheduler_on_expert_mesh_equals_one_device(reference):
     """Continuous batching on data=1 x expert=4 x model=2: staggered requests in 4 slots give the one-device greedy
     tokens; the slots' cache and fields keep their layouts (slots over 'expert', KDA heads over 'model')."""

@@ -365,7 +365,8 @@ def test_kda_impl_pallas_is_refused_for_an_unbounded_gate():
         configs.get_config("tiny_kimi_linear", ["kda_impl=pallas"])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dtype):
     """KernelConfig(intra="split") (cumulative gate in XLA, gram / solve / apply kernels) gives the single intra
     kernel's results: forward vs the token recurrence, and gradients (the backward recomputes through it), with
@@ -401,6 +402,7 @@ def test_split_intra_kernels_equal_the_single_kernel_and_the_token_recurrence(dt
         assert _rel_err(x.astype(jnp.float32), ref.astype(jnp.float32)) < grad_tol, name
 
 
+@pytest.mark.slow
 def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
     """Traced under a (data 2, expert 2, model 2) mesh, the KDA layer's kernel call runs inside shard_map (GSPMD
     cannot split a Pallas call), each device on its batch rows and heads, and gives the one-device chunked result
@@ -439,8 +441,12 @@ def test_kda_layer_kernel_under_a_mesh_runs_per_shard_and_equals_one_device():
     assert _rel_err(y_mesh, y_ref) < 2e-5 and _rel_err(dx_mesh, dx_ref) < 2e-5
 
 
-@pytest.mark.parametrize("t,intra,in_kernel", [(70, "split", False), (128, "fused2", True), (70, "fused2", False),
-                                                (128, "pairs", True)])
+_SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("t,intra,in_kernel", [pytest.param(70, "split", False, marks=_SLOW),
+                                                pytest.param(128, "fused2", True, marks=_SLOW), (70, "fused2", False),
+                                                pytest.param(128, "pairs", True, marks=_SLOW)])
 def test_gated_entry_point_applies_k3_gate_l2_norm_and_beta_sigmoid(t, intra, in_kernel, monkeypatch):
     """chunk_kda_gated (raw q/k, raw gate + A_log + dt_bias with the -5 lower bound, beta logits) equals the token
     recurrence on inputs preprocessed here in float64 NumPy; gradients reach A_log and dt_bias and equal the
@@ -537,7 +543,8 @@ def test_tiled_intra_backward_gradients_equal_token_recurrence_gradients_on_pack
 
 
 @pytest.mark.parametrize("config", [KernelConfig(block_k=16),  # split forward + tiled backward (defaults)
-                                    KernelConfig(block_k=16, intra="single", intra_bwd="auto")])
+                                    pytest.param(KernelConfig(block_k=16, intra="single", intra_bwd="auto"),
+                                                 marks=pytest.mark.slow)])
 def test_kept_intra_residuals_give_the_recomputed_gradients_without_recomputing(config):
     """residuals="intra" (default) hands the forward's intra-chunk results to the backward: same gradients as
     residuals="inputs" (which recomputes them), with the intra-chunk kernels traced once instead of twice."""

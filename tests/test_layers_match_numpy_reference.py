@@ -129,7 +129,7 @@ def test_router_bias_selects_but_does_not_weight():
     np.testing.assert_allclose(np.asarray(route(x, router, bias, scaled)[0].sum(1)), 2.446, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
+@pytest.mark.parametrize("name", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_kimi_linear"])
 def test_kda_layer_decode_step_by_step_equals_prefill(name):
     with jax.default_matmul_precision("float32"):  # full f32 matmuls on GPU too (TF32 would dominate the tolerance)
         _check_kda_decode_equals_prefill(name)

@@ -49,6 +49,7 @@ def test_whole_model_float32_matches_reference(name, rel_tol):
     np.testing.assert_allclose(ours, want, rtol=0, atol=rel_tol * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_unscanned_equals_scanned(x64):
     cfg = configs.get_config("tiny", ["param_dtype=float64", "dtype=float64"])
     scanned, weights = build_model(cfg)
@@ -81,6 +82,7 @@ def test_dense_and_dropless_moe_give_same_model(x64):
                                rtol=0, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_bf16_model_stays_close_to_float32():
     """bf16 storage/activations with f32 islands track the f32 model from the same (default) initialisation."""
     from flax import nnx

@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -79,17 +80,19 @@ def _train_in_process(data_dir, **kw) -> list[float]:
 
 
 def _train_in_processes(data_dir, tmp_path, name, **kw) -> tuple[list[list[float]], list[str]]:
-    """`mp.train_task` in 2 processes x 4 devices: (every process's losses, process 0's log)."""
-    args = ["--out", str(tmp_path / name), "--data_dir", data_dir]
+    """`mp.train_task` in 2 processes x 4 devices: (every process's losses, process 0's log). Runs of one test share
+    a compilation cache (the resume compiles nothing new)."""
+    args = ["--out", str(tmp_path / name), "--data_dir", data_dir, "--compile_cache", str(tmp_path / "xla_cache")]
     for key, value in kw.items():
         args += [f"--{key}", str(value)]
-    results = mp.launch("train", args, timeout=600)
+    results = mp.launch("train", args, timeout=1200)
     assert [r.error for r in results] == [None, None], mp.describe(results)
     out = [json.loads((tmp_path / name / f"process_{i}.json").read_text()) for i in range(2)]
     assert out[0]["log"] and not out[1]["log"]  # only process 0 logs
     return [o["losses"] for o in out], out[0]["log"]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_on_a_2_2_1_1_mesh(data_dir, tmp_path):
     """2 processes x 4 CPU devices (the mesh takes 2 devices of each: data = one per process) train the 5-layer
     `tiny` (Muon, MTP, Quantile Balancing) with the losses of one process holding the same mesh."""
@@ -118,6 +121,18 @@ def test_a_two_process_checkpoint_resumes_in_two_processes_and_in_one(data_dir, 
     sharding): both continue the losses of one straight 4-step run. A mesh with another data-parallel size is
     refused with a clear error before anything is built."""
     mesh = "2,2,1,1"
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    mp.use_compile_cache(str(tmp_path / "xla_cache_in_process"))  # the straight run and the 1-process resume
+    try:
+        _resume_in_two_and_one(data_dir, tmp_path, mesh)
+    finally:
+        for n, v in old.items():
+            jax.config.update(n, v)
+
+
+def _resume_in_two_and_one(data_dir, tmp_path, mesh):
     want = _train_in_process(data_dir, mesh=mesh, steps=4)
     work = tmp_path / "work"
     (first, _), _ = _train_in_processes(data_dir, tmp_path, "first", mesh=mesh, steps=4, halt_at_step=2,

@@ -30,7 +30,7 @@ from tests.helpers import make_sharded_loss_and_grad, next_token_loss_fn, shard_
 # Each mesh compiles the whole tiny model (~20 s on 2 CPU cores): two in the default suite, the rest marked slow.
 MESHES = [
     (2, 4, 1, 1),
-    (1, 2, 2, 2),
+    pytest.param((1, 2, 2, 2), marks=pytest.mark.slow),
     pytest.param((8, 1, 1, 1), marks=pytest.mark.slow),
     pytest.param((2, 1, 4, 1), marks=pytest.mark.slow),
     pytest.param((1, 1, 1, 8), marks=pytest.mark.slow),

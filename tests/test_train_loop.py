@@ -60,6 +60,7 @@ def _opts(workdir, **kw):
     return TrainOptions(**base)
 
 
+@pytest.mark.slow
 def test_resume_continues_bit_exactly(tmp_path, compile_cache, monkeypatch):
     """Muon + MTP + Quantile Balancing + packed data: 4 steps straight == 2 steps, stop, resume, 2 more steps."""
     cfg = _short_tiny()
@@ -94,6 +95,7 @@ def test_resume_continues_bit_exactly(tmp_path, compile_cache, monkeypatch):
     assert any("nothing to do" in line for line in logs)
 
 
+@pytest.mark.slow
 def test_non_finite_update_stops_before_saving(tmp_path):
     """An infinite learning rate makes step 1's update NaN (its loss is still finite): the run stops at step 1 with
     a clear error and no checkpoint holding the NaN parameters is written."""

@@ -8,6 +8,7 @@ from k3jax.data.text import ByteTokenizer, stdlib_corpus
 from k3jax.training.trainer import TrainOptions, train
 
 
+@pytest.mark.slow
 def test_tiny_training_loss_falls():
     # `tiny` cut to 5 layers (every layer kind: KDA, MLA, dense and MoE FFNs): the 13-layer step's compile dominated
     # this test (~130 s of the suite on 2 cores); the README's first command trains the full `tiny`
