@@ -158,6 +158,13 @@ def train_task(args) -> dict:
 TASKS = {"data": data_task, "train": train_task}
 
 
+def use_compile_cache(path: str) -> None:
+    """Every compiled program is stored in / read from `path`."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def _worker_main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("task", choices=sorted(TASKS))
@@ -171,8 +178,11 @@ def _worker_main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--halt_at_step", type=int)
     p.add_argument("--workdir")
+    p.add_argument("--compile_cache", help="persistent XLA compilation cache (runs of one test compile once)")
     args = p.parse_args(argv)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if args.compile_cache:
+        use_compile_cache(args.compile_cache)
     try:
         jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id,
                                    initialization_timeout=args.init_timeout, heartbeat_timeout_seconds=30)
