@@ -165,3 +165,30 @@ def moe_problem(n: int, seed: int):
     p.w2 = jnp.asarray(rng.standard_normal((e, m, lat)) / np.sqrt(m), jnp.float32)
     p.weights, p.experts, _ = moe.route(p.x, p.router, p.bias, cfg)
     return p
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The byte tokenizer of the server tests' model (`tests.test_server.NAME`)."""
+    from k3jax.data.text import ByteTokenizer
+    from tests.test_inference_cache import tiny_model
+    from tests.test_server import NAME
+
+    cfg = tiny_model(NAME).cfg
+    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
+
+
+@pytest.fixture
+def compile_cache(tmp_path_factory):
+    """A persistent XLA compilation cache for one test: its training runs compile the same step program once."""
+    import jax
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    old = {n: getattr(jax.config, n) for n in names}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    yield
+    for n, v in old.items():
+        jax.config.update(n, v)

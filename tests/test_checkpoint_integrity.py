@@ -9,7 +9,6 @@ import json
 import os
 
 import grain
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,20 +115,6 @@ def test_metrics_rows_past_the_resumed_step_are_dropped(tmp_path):
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [(r["step"], r["loss"]) for r in rows] == [(1, 1.0), (2, 2.0), (3, 30.0)]
     assert os.listdir(tmp_path) == ["metrics.jsonl"]  # no temporary file left
-
-
-@pytest.fixture
-def compile_cache(tmp_path_factory):
-    """A persistent XLA compilation cache: the two training runs of a test compile the step program once."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
 
 
 @pytest.mark.slow  # two short training runs: ~90 s on 2 CPU cores

@@ -23,6 +23,7 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 SCHED_NAME = "tiny_kimi_linear"  # greedy_alone's config
 
 
+@pytest.mark.slow
 def test_scrambled_page_table_equals_full_forward_and_contiguous_layout():
     """2 sequences of 16 positions in 4-token pages scattered over an 11-page pool whose every row starts as large
     garbage (stale rows of earlier requests). (`tiny`'s scanned group, pools stacked [repeats, pages, ...], runs

@@ -175,6 +175,7 @@ def test_layer_decode_with_the_fused_prologue_equals_the_recurrent_path(monkeypa
                                   np.asarray(state.state_bhkv)[1].view(np.uint32))
 
 
+@pytest.mark.slow
 def test_model_decode_with_the_fused_prologue_equals_the_step_kernel(monkeypatch):
     import configs
     import pallas_kernels.kda.decode_fused as fused_mod

@@ -84,7 +84,7 @@ def test_pairs_intra_stage_at_the_gate_bound_and_with_the_in_kernel_gate():
     _assert_stage_equal(got, want)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_chunk_kda_through_pairs_equals_token_recurrence_outputs_state_and_gradients(dtype):
     """The whole kernel path (forward with the pairs stage, tiled backward reading its solve terms) vs the token
     recurrence, on packed documents with an initial state."""

@@ -511,7 +511,7 @@ def test_auto_picks_the_kernel_on_accelerators_for_kernel_compatible_configs(mon
     assert resolve_impl(k3_like.replace(kda_impl="recurrent")) == "recurrent"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_tiled_intra_backward_gradients_equal_token_recurrence_gradients_on_packed_documents(dtype):
     """KernelConfig(intra_bwd="tiled") (split recompute, then the solve-gradient and per-key-block pair-gradient
     kernels) gives the token recurrence's gradients: packed documents (starts mid-chunk, on a chunk start, two in
@@ -571,7 +571,7 @@ def test_kept_intra_residuals_give_the_recomputed_gradients_without_recomputing(
         KernelConfig(residuals="states")
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
 def test_state_fused_backward_gradients_equal_token_recurrence_gradients_on_packed_documents(dtype):
     """KernelConfig(intra_bwd="state_fused") (state-product gradients computed inside the solve / pair kernels,
     intra_bwd_fused.py) gives the token recurrence's gradients on packed documents (starts mid-chunk, on a chunk
@@ -606,7 +606,8 @@ def test_state_fused_backward_gradients_equal_token_recurrence_gradients_on_pack
         assert _rel_err(x.astype(jnp.float32), alt.astype(jnp.float32)) < 1e-5, name
 
 
-@pytest.mark.parametrize("intra,dtype", [("fused2", jnp.float32), ("fused2", jnp.bfloat16)])
+@pytest.mark.parametrize("intra,dtype", [("fused2", jnp.float32),
+                                         pytest.param("fused2", jnp.bfloat16, marks=pytest.mark.slow)])
 def test_fused_intra_kernels_equal_the_split_stage_and_the_token_recurrence(intra, dtype):
     """KernelConfig(intra="fused2") (cumulative gate, gram and solve in one kernel, then the apply kernel): the
     split stage's results including the backward's solve terms

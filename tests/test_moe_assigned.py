@@ -163,6 +163,7 @@ def test_kernels_lower_for_cuda():
     assert count == 1 and names == ["k3_assigned_down"]
 
 
+@pytest.mark.slow
 def test_model_decode_with_assigned_experts_equals_the_planned_path(monkeypatch):
     import configs
     from k3jax.layers import moe

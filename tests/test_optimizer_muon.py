@@ -266,6 +266,7 @@ def _stack(row) -> int:
     return row.shape[0] if row.axes and row.axes[0] == "layers" else 1
 
 
+@pytest.mark.slow
 def test_tiny_model_training_steps_lower_the_loss():
     # `tiny` cut to one scanned (KDA, MLA) x 2 group — KDA, MLA, MoE and stacked parameters — on the recurrent KDA
     # path without remat, so building and compiling stay within the test budget on 2 CPU cores.

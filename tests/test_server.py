@@ -40,12 +40,6 @@ def scheduler():
     return Scheduler(tiny_model(NAME), num_slots=2, max_len=64)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = tiny_model(NAME).cfg
-    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
-
-
 @contextlib.asynccontextmanager
 async def serving(scheduler, tokenizer, **options):
     logs: list[str] = []

@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 
-from k3jax.data.text import ByteTokenizer
 from k3jax.inference.access import AccessPolicy, policy_from_flags
 from k3jax.inference.scheduler import Scheduler
 from tests.test_inference_cache import tiny_model
@@ -20,12 +19,6 @@ BAD_FIELD = b'{"prompt": "x", "n": 0}'  # passes access control, then fails vali
 @pytest.fixture(scope="module")
 def scheduler():
     return Scheduler(tiny_model(NAME), num_slots=1, max_len=32)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = tiny_model(NAME).cfg
-    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
 
 
 async def call(client, method, path, headers=None, data=None):

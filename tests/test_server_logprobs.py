@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.data.text import ByteTokenizer
 from k3jax.inference.engine import SamplingParams
 from k3jax.inference.scheduler import Request, Scheduler
 from k3jax.inference.slot_steps import MAX_TOP_LOGPROBS
@@ -25,12 +24,6 @@ TOL = 2e-3  # the cached decode path against the full forward, both f32
 @pytest.fixture(scope="module")
 def scheduler():
     return Scheduler(tiny_model(NAME), num_slots=2, max_len=64)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = tiny_model(NAME).cfg
-    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
 
 
 def reference_logprobs(ids: list[int], n_prompt: int) -> np.ndarray:

@@ -15,7 +15,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from k3jax.data.text import ByteTokenizer
 from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine_loop import EngineLoop
 from k3jax.inference.scheduler import Request, Scheduler
@@ -31,12 +30,6 @@ LONG = {"prompt": P2, "max_tokens": 38, "temperature": 0}  # 26 + 38 - 1 = 63 po
 @pytest.fixture(scope="module")
 def scheduler():
     return Scheduler(tiny_model(NAME), num_slots=2, max_len=64)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    cfg = tiny_model(NAME).cfg
-    return ByteTokenizer(cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id, cfg.vocab_size)
 
 
 @contextlib.contextmanager

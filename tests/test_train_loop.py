@@ -32,20 +32,6 @@ from k3jax.training.trainer import (
 from sharding.mesh import make_mesh
 
 
-@pytest.fixture
-def compile_cache(tmp_path_factory):
-    """A persistent XLA compilation cache: the runs of one test compile the same step program once."""
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    yield
-    for n, v in old.items():
-        jax.config.update(n, v)
-
-
 def _short_tiny():
     """`tiny` cut to 5 layers (KDA x3 + MLA, then a trailing MLA; the first layer's FFN dense, the others MoE):
     every layer kind and the whole training pipeline at ~2/5 of the 13-layer step's compile time (the resume test
