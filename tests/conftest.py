@@ -183,12 +183,12 @@ def compile_cache(tmp_path_factory):
     """A persistent XLA compilation cache for one test: its training runs compile the same step program once."""
     import jax
 
+    from tests.helpers import use_compile_cache
+
     names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
              "jax_persistent_cache_min_entry_size_bytes")
     old = {n: getattr(jax.config, n) for n in names}
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    use_compile_cache(str(tmp_path_factory.mktemp("xla_cache")))
     yield
     for n, v in old.items():
         jax.config.update(n, v)

@@ -101,3 +101,10 @@ def default_dataset(*, batch_size: int, seq_len: int, seed: int = 0, cache_root:
     """`make_dataset` over the embedded standard-library corpus (prepared on first use, see `default_data_dir`)."""
     data_dir = default_data_dir(cache_root, max_bytes=max_bytes, bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
     return make_dataset(data_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, **kwargs)
+
+
+def use_compile_cache(path: str) -> None:
+    """Every program compiled from now on is stored in / read from the persistent XLA cache at `path`."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -31,6 +31,7 @@ import configs
 from k3jax.data.global_batch import make_global_dataset
 from k3jax.training.trainer import TrainOptions, train
 from sharding.rules import MESH_AXES
+from tests.helpers import use_compile_cache
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INIT_FAILED = 3
@@ -156,13 +157,6 @@ def train_task(args) -> dict:
 
 
 TASKS = {"data": data_task, "train": train_task}
-
-
-def use_compile_cache(path: str) -> None:
-    """Every compiled program is stored in / read from `path`."""
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _worker_main(argv=None) -> int:
