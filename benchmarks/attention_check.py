@@ -1,7 +1,7 @@
 """MLA training attention: cuDNN flash attention (`mla_attention_impl=cudnn`, GPU) and the blockwise JAX core
 (`mla_attention_impl=flash`) against the XLA core, all through `k3jax.ops.attention.causal_attention`: forward and
-input gradients (bf16 operands, compared with a float32 XLA run; cuDNN on unpacked rows, flash on packed
-documents), then forward+backward time of each at long T beside this process's dense bf16 matmul throughput.
+input gradients (bf16 operands, compared with a float32 XLA run, packed documents and unpacked rows), then
+forward+backward time of each on packed rows at long T beside this process's dense bf16 matmul throughput.
 
     python -m benchmarks.attention_check [--heads 12] [--seq 4096 32768] [--batch 1] [--impls cudnn flash xla]
         [--block 512] [--check_seq 1024] [--matmul_n 8192]
@@ -48,8 +48,7 @@ def check(rng, impls, t, block) -> bool:
     w = jnp.asarray(rng.normal(size=(b, t, h, V)), jnp.float32)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ok = True
-    for impl in [i for i in impls if i != "xla"]:
-        seg = None if impl == "cudnn" else packed  # the cuDNN path takes unpacked rows only
+    for impl, seg in [(i, s) for i in impls if i != "xla" for s in (packed, None)]:
         _, want = _loss_and_grads("xla", *f32, seg, w, block)(*f32)
         out_ref = causal_attention(*f32, scale=QK ** -0.5, impl="xla", segment_ids_bt=seg)
         out = jax.jit(lambda q, k, v: causal_attention(q, k, v, scale=QK ** -0.5, impl=impl, segment_ids_bt=seg,
@@ -88,8 +87,7 @@ def main():
     ceiling = dense_matmul_tflops(args.matmul_n)
     print(f"dense bf16 matmul {args.matmul_n}^3: {ceiling:.1f} TFLOP/s", flush=True)
     for t in args.seq:
-        q, k, v, _ = _inputs(rng, args.batch, t, args.heads, 1, jnp.bfloat16)
-        seg = None
+        q, k, v, seg = _inputs(rng, args.batch, t, args.heads, 4, jnp.bfloat16)  # packed rows, as training
         w = jnp.ones((args.batch, t, args.heads, V), jnp.float32)
         # causal forward = half of 2·B·H·T²·(QK + V); backward 2.5x the forward (the usual flash convention)
         flops = 3.5 * args.batch * args.heads * t * t * (QK + V)

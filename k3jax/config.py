@@ -78,6 +78,14 @@ class RuntimeConfig:
     dtype: str = "bfloat16"  # activations and matmul operands
     scan_layers: bool = dataclasses.field(default=True, metadata=_STATE)  # repeated units as one scanned group
     remat: bool = True  # recompute each layer's activations in the backward pass
+    # What the backward recomputes when `remat` (docs/training.md#memory): "unit" (each scanned unit whole from its
+    # input carry; unscanned layers keep their activations), "layer" ("unit" plus a remat region per decoder layer
+    # inside it and around every unscanned layer: least memory, the forward runs three times), "dots" ("unit"
+    # keeping the matmul outputs: less recompute, more memory).
+    remat_policy: Literal["unit", "layer", "dots"] = "unit"
+    # LM-head cross-entropy (training): 0 = f32 [tokens, vocab] logits then softmax cross-entropy; N > 0 = the
+    # fused head + loss in N vocabulary slices (k3jax/ops/head_loss.py), never holding a [tokens, vocab] array.
+    loss_vocab_chunks: int = 0
     # --- KDA
     kda_chunk_size: int = 64  # chunk length of the chunkwise KDA form (XLA path and kernel)
     # "auto": the Pallas kernel on GPU/TPU when `kda_kernel_compatible` (K3's lower-bounded gate, power-of-two head
@@ -96,7 +104,7 @@ class RuntimeConfig:
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
     # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised),
-    # "cudnn" (GPU flash attention, bf16 operands, unpacked rows only: RESULTS.md 2026-12-03) or "flash"
+    # "cudnn" (GPU flash attention, bf16 operands, documents as a [B, 1, T, T] mask) or "flash"
     # (k3jax/ops/flash_attention.py: blockwise in plain JAX, segment ids, f32 statistics and output, no T x T array).
     mla_attention_impl: Literal["xla", "cudnn", "flash"] = "xla"
     mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
@@ -149,6 +157,8 @@ class RuntimeConfig:
         for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.loss_vocab_chunks < 0:
+            raise ConfigError(f"loss_vocab_chunks must be >= 0, got {self.loss_vocab_chunks}")
         if self.mla_decode_splits < 0:
             raise ConfigError(f"mla_decode_splits must be >= 0, got {self.mla_decode_splits}")
         if self.decode_loop_unroll < 1:
@@ -320,6 +330,8 @@ class ModelConfig:
         if self.latent_moe_use_norm and self.routed_expert_hidden_size is None:
             raise ConfigError("latent_moe_use_norm=True needs routed_expert_hidden_size (the latent width)")
         run = self.runtime
+        if run.loss_vocab_chunks and self.vocab_size % run.loss_vocab_chunks:
+            raise ConfigError(f"loss_vocab_chunks={run.loss_vocab_chunks} must divide vocab_size={self.vocab_size}")
         mx = [f"{k}={v!r}" for k, v in (("expert_weights", run.expert_weights), ("expert_qat", run.expert_qat),
                                          ("expert_act_qat", run.expert_act_qat)) if v not in ("bf16", "none")]
         if mx:

@@ -10,6 +10,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from k3jax.config import LayerGroup, ModelConfig
@@ -20,6 +21,7 @@ from k3jax.layers.mla import DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
+from k3jax.ops.head_loss import chunked_head_cross_entropy
 from k3jax.ops.linear import project_wide, unless_single_row
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
@@ -150,10 +152,14 @@ class DecoderUnit(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, pattern, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, attn, ffn, rngs=rngs) for attn, ffn in pattern])
+        self.remat_layers = cfg.runtime.remat and cfg.runtime.remat_policy == "layer"
 
     def __call__(self, carry: Carry, first_layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
         for j, layer in enumerate(self.layers):
-            carry = layer(carry, first_layer_index + j, segment_ids_bt)
+            def run(layer, carry, segment_ids_bt, index=first_layer_index + j):
+                return layer(carry, index, segment_ids_bt)
+
+            carry = (nnx.remat(run) if self.remat_layers else run)(layer, carry, segment_ids_bt)
         return carry
 
     def forward_cached(self, carry: Carry, first_layer_index, states, start_b, valid_b, page_table_bp):
@@ -171,6 +177,9 @@ class ScannedUnits(nnx.Module):
     def __init__(self, cfg: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs):
         self.group = group
         self.remat = cfg.runtime.remat
+        # "dots": the unit's backward reuses the forward's matmul outputs instead of recomputing them
+        self.remat_policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                             if cfg.runtime.remat_policy == "dots" else None)
 
         @nnx.split_rngs(splits=group.num_repeats)
         @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -188,7 +197,7 @@ class ScannedUnits(nnx.Module):
             return unit(carry, start, segment_ids_bt)
 
         if self.remat:
-            body = nnx.remat(body)
+            body = nnx.remat(body, policy=self.remat_policy)
 
         @nnx.scan(in_axes=(nnx.Carry, 0, 0, None), out_axes=nnx.Carry,
                   transform_metadata={nnx.PARTITION_NAME: "layers"})
@@ -305,12 +314,28 @@ class K3Model(nnx.Module):
         h, cache = self.hidden_states_cached(input_ids_bt, cache, valid_len_b)
         return self.logits(h), cache
 
-    def logits(self, h_btd: jax.Array) -> jax.Array:
-        dt = self.cfg.runtime.jnp_dtype
-        # f32 logits; the backward's matmuls in the compute dtype (`project_wide`)
+    def head_weight(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype (the embedding transposed when tied)."""
         w_dv = self.embed_tokens[...].T if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return constrain(unless_single_row(lambda h: project_wide(h, w_dv.astype(dt)), h_btd.astype(dt), 2),
-                         ACT_BTV)
+        return w_dv.astype(self.cfg.runtime.jnp_dtype)
+
+    def logits(self, h_btd: jax.Array) -> jax.Array:
+        # f32 logits; the backward's matmuls in the compute dtype (`project_wide`)
+        w_dv = self.head_weight()
+        return constrain(unless_single_row(lambda h: project_wide(h, w_dv), h_btd.astype(w_dv.dtype), 2), ACT_BTV)
+
+    def token_losses(self, h_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
+        """Next-token cross-entropy f32 [B, T] of the head on hidden states `h_btd` (training): through f32 logits,
+        or fused in `runtime.loss_vocab_chunks` vocabulary slices without a [B, T, V] array (ops/head_loss.py)."""
+        chunks = self.cfg.runtime.loss_vocab_chunks
+        if not chunks:
+            logits_btv = self.logits(h_btd)
+            return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+        w_dv = self.head_weight()
+        b, t, d = h_btd.shape
+        losses_n = chunked_head_cross_entropy(h_btd.astype(w_dv.dtype).reshape(b * t, d), w_dv,
+                                              targets_bt.reshape(b * t), chunks=chunks)
+        return losses_n.reshape(b, t)
 
     def __call__(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Logits f32 [B, T, V]; `segment_ids_bt`: packed documents (see `hidden_states`)."""

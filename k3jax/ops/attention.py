@@ -3,11 +3,12 @@
 
 The XLA core materialises f32 scores (T x T per head). `impl="cudnn"` runs cuDNN's flash attention on a GPU
 (`jax._src.cudnn.fused_attention_stablehlo`: private, because the public `jax.nn.dot_product_attention` takes no
-value head dim unlike the key's, MLA's 192 vs 128). Its packed-document layout (segment offsets) gave wrong outputs
-in `benchmarks/attention_check.py` (benchmarks/RESULTS.md, 2026-12-03; timed 0.71 ms against the XLA core's 4.11 ms
-forward+backward at T = 4096, 12 heads), so it takes unpacked rows only and training, which packs documents, stays
-on the XLA core. `impl="flash"` (`k3jax/ops/flash_attention.py`) is blockwise attention in plain JAX with segment
-ids, f32 statistics and output, and a recomputing backward: no T x T array, on any backend.
+value head dim unlike the key's, MLA's 192 vs 128). Packed documents reach it as a boolean [B, 1, T, T] same-document
+mask (cuDNN adds it as a bias beside its causal mask; bf16, 32 MB per 4K row, no per-head copy): cuDNN's own packed
+layout (segment offsets) gave wrong outputs in `benchmarks/attention_check.py` (benchmarks/RESULTS.md, 2026-12-03).
+`impl="flash"` (`k3jax/ops/flash_attention.py`) is blockwise attention in plain JAX with segment ids, f32
+statistics and output, and a recomputing backward: no T x T array, on any backend (slower than cuDNN on a GPU:
+RESULTS.md 2026-12-04).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
     impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU, flash attention (output rounded
-    to the operands' dtype, then widened), no `segment_ids_bt`. impl "flash": blockwise (`block_q` x `block_k`
-    tiles), f32 statistics and output, probabilities rounded to the operands' dtype before the value matmul.
+    to the operands' dtype, then widened), documents as a [B, 1, T, T] mask. impl "flash": blockwise
+    (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the operands' dtype before
+    the value matmul.
     """
     if impl == "cudnn":
         return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt)
@@ -55,12 +57,16 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
 
 
 def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt):
+    mask_b1ts = None
     if segment_ids_bt is not None:
-        raise ValueError("mla_attention_impl='cudnn' takes unpacked rows only (its packed layout failed the "
-                         "exactness check, benchmarks/attention_check.py); use mla_attention_impl='xla'")
+        b, t = q_bthk.shape[:2]
+        if segment_ids_bt.shape != (b, t):
+            raise ValueError(f"attention: segment_ids must have shape [B, T] = {(b, t)}, got {segment_ids_bt.shape}")
+        mask_b1ts = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
     dt = q_bthk.dtype
-    out = cudnn_attention.dot_product_attention(q_bthk, k_bthk.astype(dt), v_bthv.astype(dt), scale=scale,
-                                                qkv_layout="BTNH", mask_type=cudnn_attention.MaskType.CAUSAL)
+    out = cudnn_attention.dot_product_attention(q_bthk, k_bthk.astype(dt), v_bthv.astype(dt), mask=mask_b1ts,
+                                                scale=scale, qkv_layout="BTNH",
+                                                mask_type=cudnn_attention.MaskType.CAUSAL)
     return out.astype(wide(dt))
 
 

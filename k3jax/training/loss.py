@@ -14,6 +14,12 @@ def next_token_loss(logits_btv: jax.Array, targets_bt: jax.Array, mask_bt: jax.A
     """Mean cross-entropy over unmasked positions (logits upcast to f32). `denominator`: divide the masked sum by
     this token count instead of this batch's own (a micro-batch's share of a whole batch's mean)."""
     losses = optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
+    return masked_mean(losses, mask_bt, denominator=denominator)
+
+
+def masked_mean(losses: jax.Array, mask_bt: jax.Array | None = None, *,
+                denominator: jax.Array | None = None) -> jax.Array:
+    """Mean of per-token losses over unmasked positions, or their masked sum / `denominator`."""
     if mask_bt is None:
         return losses.mean() if denominator is None else losses.sum() / denominator
     mask = mask_bt.astype(jnp.float32)
@@ -43,4 +49,4 @@ def mtp_loss(model, mtp: MTPLayer, h_btd: jax.Array, targets_bt: jax.Array, loss
     """Cross-entropy of the MTP layer's t_{i+2} predictions (the embedding of t_{i+1} is `targets[i]`)."""
     h_mtp = mtp(h_btd, model.embed(targets_bt), segment_ids_bt)
     tgt, mask = mtp_targets(targets_bt, loss_mask_bt)
-    return next_token_loss(model.logits(h_mtp), tgt, mask, denominator=denominator)
+    return masked_mean(model.token_losses(h_mtp, tgt), mask, denominator=denominator)

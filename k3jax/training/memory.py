@@ -24,16 +24,19 @@ m = model size, X/m = ceil(X / m)):
                  KDA    6·(H/m)·K·a + 3·(H/m)·C·4 + (H/m)·K·K·4 / C (q, k, v, g, gates; chunk-local f32 [C, C]
                         blocks; one f32 state per chunk)
                  MLA    6·(H/m)·(dn + dr)·a + 2·(q_lora + kv_lora)·a + 3·(H/m)·T·4 (projections; the XLA attention's
-                        f32 logits, probabilities and their gradient over all T keys)
+                        f32 logits, probabilities and their gradient over all T keys; with mla_attention_impl flash or
+                        cudnn (H/m)·(dv + 1)·4 instead: the f32 output and logsumexp)
                  dense  3·(I/m)·a;  MoE: 2·E·4 (router) + 3·shared·(M/m)·a + k·L·a (sent rows) +
                         rows/n · (3·L + 3·(M/m))·a, rows = n·k on one expert rank; with expert parallelism R > 1
                         the dropless receive buffer's static worst case R·n·min(k, E/R)
                         (`sharding/expert_parallel.py`), 'capacity:F': R·min(ceil(F·n·k/R), n·min(k, E/R))
-    saved        scanned groups with remat: num_repeats × carry; without remat: every layer's layer(kind);
-                 unscanned layers (never rematerialised): layer(kind) each
-    recompute    the largest scanned unit's Σ layer(kind) (rebuilt during its backward)
-    head         n·(V/m)·4·3 (f32 logits, softmax, gradient) + n·D·4, once more for the MTP head, plus one MTP
-                 layer(kind)
+    saved        remat_policy "unit": scanned groups num_repeats × carry, unscanned layers layer(kind) each;
+                 "layer": one carry per scanned unit and per unscanned layer; no remat or "dots": every layer's
+                 layer(kind) (for "dots" an upper bound)
+    recompute    "unit": the largest scanned unit's Σ layer(kind) (rebuilt during its backward); "layer": a unit's
+                 layer carries + the largest layer(kind)
+    head         n·(V/(m·c))·4·3 (f32 logits, softmax, gradient of one of c = loss_vocab_chunks slices, c = 1 when
+                 0) + n·D·4, once more for the MTP head, plus one MTP layer(kind)
 
 `check_fit` compares the total with the device's memory less a headroom (default 10%, for XLA temporaries and
 fragmentation) and, when it does not fit, names the smallest TPU v5p slice that would (by the config's mesh plan).
@@ -137,7 +140,9 @@ def _layer_bytes(cfg: ModelConfig, attn: str, ffn: str, *, n: int, t_full: int, 
     else:
         h = _ceil_div(cfg.num_attention_heads, m)
         per_token += 6 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * a
-        per_token += 2 * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) * a + 3 * h * t_full * 4
+        per_token += 2 * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) * a
+        # the XLA core's f32 [T, T] logits, probabilities and gradient; flash/cuDNN: the f32 output and logsumexp
+        per_token += 3 * h * t_full * 4 if cfg.runtime.mla_attention_impl == "xla" else h * (cfg.v_head_dim + 1) * 4
     total = n * per_token
     if ffn == "dense":
         total += n * 3 * _ceil_div(cfg.intermediate_size, m) * a
@@ -176,15 +181,22 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     def layer(kind) -> int:
         return _layer_bytes(cfg, kind[0], kind[1], n=n, t_full=seq_len, sizes=sizes)
 
+    run = cfg.runtime
+    per_layer = run.remat and run.remat_policy == "layer"
     saved = recompute = 0
     for group in cfg.layer_groups():
         unit = sum(layer(kind) for kind in group.pattern)
-        if group.num_repeats > 1 and cfg.runtime.scan_layers and cfg.runtime.remat:
+        if per_layer:  # unit carries saved; its backward rebuilds layer carries, then one layer at a time
+            saved += group.num_repeats * carry if group.num_repeats > 1 else len(group.pattern) * carry
+            inner = len(group.pattern) * carry if group.num_repeats > 1 else 0
+            recompute = max(recompute, inner + max(layer(kind) for kind in group.pattern))
+        elif group.num_repeats > 1 and run.scan_layers and run.remat and run.remat_policy == "unit":
             saved += group.num_repeats * carry
             recompute = max(recompute, unit)
-        else:
+        else:  # no remat, unscanned layers, or "dots" (bounded above by keeping everything)
             saved += group.num_repeats * unit
-    head_one = n * _ceil_div(cfg.vocab_size, sizes["model"]) * 4 * 3 + n * d * 4
+    vocab_slice = _ceil_div(cfg.vocab_size, sizes["model"] * max(1, run.loss_vocab_chunks))
+    head_one = n * vocab_slice * 4 * 3 + n * d * 4
     head = head_one
     if mtp:
         ffn = "moe" if cfg.first_k_dense_replace < cfg.num_hidden_layers else "dense"

@@ -42,7 +42,7 @@ from k3jax.mtp import MTPLayer
 from k3jax.param_count import count_params
 from k3jax.training import checkpointing
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
-from k3jax.training.loss import mtp_loss, next_token_loss, token_counts
+from k3jax.training.loss import masked_mean, mtp_loss, token_counts
 from k3jax.training.memory import GIB, check_fit
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
@@ -139,7 +139,7 @@ def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
     model = trainable.model
     segment_ids = batch.get("segment_ids")
     h = model.hidden_states(batch["input_ids"], segment_ids)
-    lm = next_token_loss(model.logits(h), batch["targets"], batch["loss_mask"], denominator=batch.get("lm_tokens"))
+    lm = masked_mean(model.token_losses(h, batch["targets"]), batch["loss_mask"], denominator=batch.get("lm_tokens"))
     metrics = {"lm_loss": lm}
     loss = lm
     if trainable.mtp is not None:
