@@ -9,17 +9,18 @@ top (a module may import its own layer and the ones below; the first matching pr
   2  k3jax.ops                                             one dispatch point per op
   3  sharding                                              mesh, rules, shardings, shard_map forms of ops
   4  k3jax.layers                                          the model's layers
-  5  k3jax.model                                           K3Model and its decode cache
-  6  k3jax.mtp                                             the MTP layer (built from the model's decoder block)
-  7  k3jax.param_count                                     parameter counts from shapes
-  8  k3jax.data                                            tokenizers, data preparation, the Grain pipeline
-  9  k3jax.convert                                         HF <-> k3jax checkpoint conversion
-  10 k3jax.loading, k3jax (the package's lazy helpers)     loading models and tokenizers for training / serving
-  11 k3jax.inference                                       generation, scheduling, the server
-  12 k3jax.training                                        the trainer (may start from a converted checkpoint)
-  13 train, serve, benchmarks                              entry points
+  5  k3jax.vision                                          the vision tower, its packing and preprocessing
+  6  k3jax.model                                           K3Model and its decode cache
+  7  k3jax.mtp                                             the MTP layer (built from the model's decoder block)
+  8  k3jax.param_count                                     parameter counts from shapes
+  9  k3jax.data                                            tokenizers, data preparation, the Grain pipeline
+  10 k3jax.convert                                         HF <-> k3jax checkpoint conversion
+  11 k3jax.loading, k3jax (the package's lazy helpers)     loading models and tokenizers for training / serving
+  12 k3jax.inference                                       generation, scheduling, the server
+  13 k3jax.training                                        the trainer (may start from a converted checkpoint)
+  14 train, serve, benchmarks                              entry points
 
-The application layers 7-12 are ordered so that each imports only the ones before it: training reads data, loads
+The application layers 8-13 are ordered so that each imports only the ones before it: training reads data, loads
 checkpoints (loading, convert) and counts parameters; inference loads models (loading) and uses the byte tokenizer
 (data); loading reads converted checkpoints (convert) and tokenizers (data); data needs none of them.
 
@@ -45,6 +46,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("k3jax.ops",),
     ("sharding",),
     ("k3jax.layers",),
+    ("k3jax.vision",),
     ("k3jax.model",),
     ("k3jax.mtp",),
     ("k3jax.param_count",),

@@ -1,0 +1,8 @@
+"""The MoonViT vision tower and projector of multimodal K3 (docs/spec.md, "Vision tower"): config, NaViT packing,
+NNX modules and NumPy image preprocessing. Imports only configs, k3jax.config, k3jax.ops and k3jax.layers."""
+
+from k3jax.vision.config import VisionConfig
+from k3jax.vision.packing import PackedLayout, pack
+from k3jax.vision.tower import VisionModel, split_images
+
+__all__ = ["VisionConfig", "PackedLayout", "VisionModel", "pack", "split_images"]
