@@ -32,8 +32,8 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
 
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
-    impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU, flash attention (output rounded
-    to the operands' dtype, then widened), documents as a [B, 1, T, T] mask. impl "flash": blockwise
+    impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU (wider ones rounded to bf16),
+    flash attention (output rounded to the operands' dtype, then widened), documents as a [B, 1, T, T] mask. impl "flash": blockwise
     (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the operands' dtype before
     the value matmul.
     """
@@ -63,8 +63,10 @@ def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt):
         if segment_ids_bt.shape != (b, t):
             raise ValueError(f"attention: segment_ids must have shape [B, T] = {(b, t)}, got {segment_ids_bt.shape}")
         mask_b1ts = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
-    dt = q_bthk.dtype
-    out = cudnn_attention.dot_product_attention(q_bthk, k_bthk.astype(dt), v_bthv.astype(dt), mask=mask_b1ts,
+    # cuDNN runs 16-bit operands only: wider ones (e.g. MLA's f32 queries after the q LoRA norm) are rounded to bf16
+    dt = q_bthk.dtype if q_bthk.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v_bthv.astype(dt),
+                                                mask=mask_b1ts,
                                                 scale=scale, qkv_layout="BTNH",
                                                 mask_type=cudnn_attention.MaskType.CAUSAL)
     return out.astype(wide(dt))
