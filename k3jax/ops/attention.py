@@ -33,9 +33,9 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
     impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU (wider ones rounded to bf16),
-    flash attention (output rounded to the operands' dtype, then widened), documents as a [B, 1, T, T] mask. impl "flash": blockwise
-    (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the operands' dtype before
-    the value matmul.
+    flash attention (output rounded to the operands' dtype, then widened), documents as a [B, 1, T, T] mask.
+    impl "flash": blockwise (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the
+    operands' dtype before the value matmul.
     """
     if impl == "cudnn":
         return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt)
