@@ -4,7 +4,8 @@
 
 - K3 layout: `language_model.` prefix, bf16 tensors except the f32 ones of docs/spec.md#checkpoint, MXFP4 routed experts
   (`weight_packed` / `weight_scale`), `A_log` stored with a zero tail, nested config.json (`text_config`,
-  `linear_attn_config`, `quantization_config`), a vision tensor to be ignored.
+  `linear_attn_config`, `quantization_config`, `vision_config`); with `vision=True` also vision tensors (which a
+  conversion refuses without `text_only`).
 - Kimi-Linear layout: no prefix, flat config.json, f32 `experts.{e}.wN.weight`.
 Both are split into >= 2 shards with `model.safetensors.index.json`.
 
@@ -110,7 +111,8 @@ def kimi_linear_hf_config(cfg):
     }
 
 
-def write_hf_dir(path, cfg, *, k3: bool, seed: int = 0, a_log_len: int | None = None, n_shards: int = 2):
+def write_hf_dir(path, cfg, *, k3: bool, seed: int = 0, a_log_len: int | None = None, n_shards: int = 2,
+                 vision: bool = False):
     """Writes a random HF directory for `cfg`; returns (stored weights as f32, without prefix, experts decoded;
     the raw stored tensors keyed by their file names)."""
     from safetensors.numpy import save_file
@@ -131,8 +133,9 @@ def write_hf_dir(path, cfg, *, k3: bool, seed: int = 0, a_log_len: int | None = 
         else:
             stored[prefix + name] = w
             decoded[name] = w
-    if k3:
-        stored["vision_tower.patch_embed.weight"] = np.ones((4, 3), ml_dtypes.bfloat16)
+    if vision:
+        stored["vision_tower.patch_embed.proj.weight"] = np.ones((4, 3, 14, 14), ml_dtypes.bfloat16)
+        stored["mm_projector.proj.0.weight"] = np.ones((16, 16), ml_dtypes.bfloat16)
     names = list(stored)
     per = -(-len(names) // n_shards)
     weight_map = {}

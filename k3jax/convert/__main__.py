@@ -1,6 +1,7 @@
 """HF safetensors <-> k3jax Orbax checkpoints.
 
   python -m k3jax.convert --hf_dir DIR --out DIR [--config NAME] [--dtype bf16|f32] [--experts bf16|mxfp4]
+      [--text_only]
   python -m k3jax.convert --to_hf --checkpoint DIR --out DIR [--shard_size_gb 4] [--dtype bf16|f32]
       [--experts bf16|mxfp4]
 
@@ -8,7 +9,9 @@ Every input check (config.json, every safetensors header, tensor names/shapes/dt
 written; the output appears atomically (written as OUT.tmp-<pid>-<hex>, renamed when complete; a killed
 conversion's leftover is removed by the next one, with a message); an existing OUT is replaced only with
 --overwrite. A tensor holding NaN/Inf stops the conversion (naming it) unless --allow_nonfinite. Bad input or an
-unwritable output ends with one `error: ...` line and exit status 2.
+unwritable output ends with one `error: ...` line and exit status 2. The vision tower is not converted yet: an HF
+directory with `vision_tower.*` / `mm_projector.*` tensors needs --text_only, which drops them (saying so) and
+records a text-only config.json for --to_hf.
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ flags.DEFINE_string("checkpoint", None, "k3jax checkpoint directory (with --to_h
 flags.DEFINE_float("shard_size_gb", 4.0, "maximum safetensors shard size with --to_hf")
 flags.DEFINE_bool("overwrite", False, "replace an existing --out")
 flags.DEFINE_bool("allow_nonfinite", False, "convert tensors holding NaN/Inf (refused by default)")
+flags.DEFINE_bool("text_only", False, "drop the vision tower and projector tensors (vision_tower.*, mm_projector.*) "
+                  "and write a text-only config.json; required when the HF directory holds them")
 FLAGS = flags.FLAGS
 
 
@@ -59,7 +64,7 @@ def main(argv):
                 raise app.UsageError("--hf_dir is required (or --to_hf --checkpoint)")
             out = hf_to_orbax(FLAGS.hf_dir, FLAGS.out, config=FLAGS.config, dtype=FLAGS.dtype,
                               experts=FLAGS.experts or "bf16", overwrite=FLAGS.overwrite, log=log,
-                              allow_nonfinite=FLAGS.allow_nonfinite)
+                              allow_nonfinite=FLAGS.allow_nonfinite, text_only=FLAGS.text_only)
     except (CheckpointError, ConfigError, FileExistsError) as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)

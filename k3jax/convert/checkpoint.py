@@ -52,12 +52,13 @@ from k3jax.convert.safetensors_io import (
     read_tensor,
     write_shard,
 )
+from k3jax.convert.vision import VISION_PREFIXES, drop_report, text_only_hf_config, vision_tensors_to_drop
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
 
 FORMAT = "k3jax-orbax-v1"
 K3_PREFIX = "language_model."
-IGNORED_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+IGNORED_PREFIXES = VISION_PREFIXES  # the vision part: refused, or dropped with --text_only (convert/vision.py)
 _FLOATS = {"BF16", "F16", "F32"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _DTYPE_FLAGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
@@ -410,14 +411,19 @@ def restore_item(path: str, expected_hash: str | None = None) -> dict[str, np.nd
 
 def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = None, dtype: str | None = None,
                 experts: str = "bf16", overwrite: bool = False, log: Callable[[str], None] | None = None,
-                allow_nonfinite: bool = False) -> str:
+                allow_nonfinite: bool = False, text_only: bool = False) -> str:
     """Converts an HF directory to a k3jax Orbax checkpoint at `out` (streaming: one layer in memory). A tensor
-    holding NaN/Inf raises NonFiniteError naming it (nothing is left behind) unless `allow_nonfinite`."""
+    holding NaN/Inf raises NonFiniteError naming it (nothing is left behind) unless `allow_nonfinite`. Vision
+    tensors are refused unless `text_only`, which drops them (logged) and keeps a text-only hf_config.json."""
     if experts not in ("bf16", "mxfp4"):
         raise ConfigError(f"experts must be bf16 or mxfp4, got {experts!r}")
     atomic = AtomicDir(out, overwrite, log)
     atomic.check()
     src = open_hf(hf_dir, config=config, dtype=dtype)  # every check happens before anything is written
+    dropped = vision_tensors_to_drop(hf_dir, text_only)
+    if text_only and log:
+        log(drop_report(dropped))
+    hf_config = text_only_hf_config(src.hf_config) if text_only else src.hf_config
     src.check_finite = not allow_nonfinite
     kept = "mxfp4" if experts == "mxfp4" and src.experts == "mxfp4" else "dense"
     with atomic as tmp:
@@ -432,11 +438,11 @@ def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = Non
             if log:
                 log(f"[{i + 1}/{len(src.plan.items)}] {name}")
         with open(os.path.join(tmp, "hf_config.json"), "w") as f:
-            json.dump(src.hf_config, f, indent=1)
+            json.dump(hf_config, f, indent=1)
         _copy_tokenizer(hf_dir, os.path.join(tmp, "tokenizer"))
         _write_meta(tmp, src.plan.cfg, items, hashes, kept, {
             "prefix": src.prefix, "a_log_shape": list(src.a_log_shape) if src.a_log_shape else None,
-            "source_experts": src.experts})
+            "source_experts": src.experts, "dropped_vision_tensors": len(dropped)})
     return atomic.out
 
 
@@ -688,6 +694,10 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         if os.path.exists(os.path.join(ckpt, "hf_config.json")):
             with open(os.path.join(ckpt, "hf_config.json")) as f:
                 hf_config = json.load(f)
+            if "vision_config" in hf_config:  # the checkpoint holds no vision tensors: declare none
+                hf_config = text_only_hf_config(hf_config)
+                if log:
+                    log("config.json: text-only (vision_config dropped; the checkpoint holds the text model only)")
         packed_out = experts == "mxfp4" or (experts is None and manifest.get("experts") == "mxfp4")
         if hf_config is None:
             torch_dtype = "float32" if (out_dtype or cfg.runtime.param_dtype) == "float32" else "bfloat16"
