@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -246,3 +247,20 @@ def test_release_vision_config_reads_with_k3_defaults_and_the_text_width():
     assert vision_config_from_hf({"text_config": {}}) is None
     with pytest.raises(ValueError, match="vision_config.merge_type = 'avg' is not supported"):
         vision_config_from_hf({"vision_config": {"merge_type": "avg"}})
+
+
+def test_jitted_forward_with_a_static_layout_matches_eager_and_runs_in_bf16():
+    cfg = VisionConfig(**K3_TINY)
+    model = VisionModel(cfg, rngs=nnx.Rngs(4))
+    grids = [(1, 4, 6), (1, 2, 2)]
+    pixels = jnp.asarray(_inputs(grids, seed=8))
+    layout = pack(grids, cfg, pad_to=40)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda st, x, lay: nnx.merge(graphdef, st)(x, lay), static_argnums=2)
+    eager = np.asarray(model(pixels, layout))
+    np.testing.assert_allclose(np.asarray(forward(state, pixels, layout)), eager, rtol=1e-6, atol=1e-6)
+    bf16 = VisionModel(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    load_vision_weights(bf16, export_vision_weights(model))
+    got = np.asarray(bf16(pixels, layout)).astype(np.float32)
+    assert got.dtype == np.float32 and np.isfinite(got).all()
+    assert np.linalg.norm(got - eager) < 0.05 * np.linalg.norm(eager)
