@@ -7,8 +7,9 @@ main model's (shared) embedding and head:
     h'_i = Block(eh_proj · [RMSNorm(h_i); RMSNorm(Emb(t_{i+1}))]),   logits'_i = head(RMSNorm(h'_i))
 
 The release ships no MTP weights (`num_nextn_predict_layers = 0`); training turns one on (`train.py --mtp`). It is a
-separate module next to `K3Model`, so serving and conversion never see it; training checkpoints save it. Its loss
-is `k3jax.training.loss.mtp_loss`.
+separate module next to `K3Model`; training checkpoints save it and its loss is `k3jax.training.loss.mtp_loss`.
+`forward_cached` runs it incrementally over its own MLA latent pages: the speculative-decoding draft
+(`k3jax.inference.drafts.MTPDraft`).
 """
 
 from __future__ import annotations
@@ -35,12 +36,26 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(block_cfg, "mla", ffn, rngs=rngs)
         self.norm = RMSNorm(d, eps=cfg.rms_norm_eps, param_dtype=pd)
 
+    def _fuse(self, h_btd: jax.Array, next_embed_btd: jax.Array) -> jax.Array:
+        """eh_proj · [RMSNorm(h); RMSNorm(Emb(t_{i+1}))]: the block's input [B, T, D]."""
+        dt = self.cfg.runtime.jnp_dtype
+        x = jnp.concatenate([self.hidden_norm(h_btd).astype(dt), self.embed_norm(next_embed_btd).astype(dt)], -1)
+        return x @ self.eh_proj[...].astype(dt)
+
     def __call__(self, h_btd: jax.Array, next_embed_btd: jax.Array,
                  segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """The MTP hidden state (normed) for every position: [B, T, D]."""
-        dt = self.cfg.runtime.jnp_dtype
-        x = jnp.concatenate([self.hidden_norm(h_btd).astype(dt), self.embed_norm(next_embed_btd).astype(dt)], -1)
-        x = x @ self.eh_proj[...].astype(dt)
-        empty_bank = jnp.zeros((0,) + x.shape, x.dtype)
-        h, _ = self.block((x, empty_bank), 0, segment_ids_bt)
+        x = self._fuse(h_btd, next_embed_btd)
+        h, _ = self.block((x, jnp.zeros((0,) + x.shape, x.dtype)), 0, segment_ids_bt)
         return self.norm(h)
+
+    def forward_cached(self, h_btd: jax.Array, next_embed_btd: jax.Array, pages_npc: jax.Array,
+                       page_table_bp: jax.Array, start_b: jax.Array, valid_len_b: jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+        """`__call__` for T new positions per sequence continuing the block's latent pages (the MLA cache of
+        `MLA.forward_cached`: position start_b[b] + t, only the first valid_len_b[b] rows written).
+        Returns (hidden [B, T, D] normed, new pages)."""
+        x = self._fuse(h_btd, next_embed_btd)
+        (h, _), pages_npc = self.block.forward_cached((x, jnp.zeros((0,) + x.shape, x.dtype)), 0, pages_npc,
+                                                      start_b, valid_len_b, page_table_bp)
+        return self.norm(h), pages_npc

@@ -1,6 +1,6 @@
 """Inference: batched generation over KDA states and MLA latent caches (`engine`), continuous batching
-(`scheduler`, with an optional `prefix_cache`), sampling, batch-mode serving (`batch`) and the OpenAI-compatible
-HTTP server (`server`, driven by one `engine_loop` thread).
+(`scheduler`, with an optional `prefix_cache`), sampling, speculative decoding (`speculative`, drafts in `drafts`),
+batch-mode serving (`batch`) and the OpenAI-compatible HTTP server (`server`, driven by one `engine_loop` thread).
 
     from k3jax.inference import Engine, SamplingParams
     results = Engine(model).generate(prompts, max_new_tokens=64, sampling=SamplingParams(temperature=0.7), key=key)
@@ -13,5 +13,7 @@ HTTP server (`server`, driven by one `engine_loop` thread).
 
 from k3jax.inference.engine import Engine, GenerationResult, SamplingParams, generate
 from k3jax.inference.scheduler import Request, Scheduler, TokenEvent
+from k3jax.inference.speculative import SpeculativeEngine
 
-__all__ = ["Engine", "GenerationResult", "Request", "SamplingParams", "Scheduler", "TokenEvent", "generate"]
+__all__ = ["Engine", "GenerationResult", "Request", "SamplingParams", "Scheduler", "SpeculativeEngine", "TokenEvent",
+           "generate"]

@@ -183,11 +183,27 @@ class Engine:
         the config's eos_token_id). `key`: PRNG key (required unless every sequence is greedy); sequence i draws
         from fold_in(fold_in(key, i), token_index), so its samples do not depend on the rest of the batch.
         """
+        if not prompts:
+            return []
+        p = self._prepare(prompts, max_new_tokens, sampling, eos_id, key, pad_id)
+        cache = self.init_cache(p.batch_size, p.max_len)
+        with sharded.context(self.mesh):
+            state, cache, _ = self._prefill(self.params, p.ids_bt, p.lens_b, cache, p.keys_b, p.sp, p.max_new_b,
+                                            p.eos_e, greedy_only=p.greedy_only, out_len=p.out_len)
+            for i in range(max(p.max_new) - 1):
+                cache, state = self._decode(self.params, cache, state, p.keys_b, p.sp, p.max_new_b, p.eos_e,
+                                            greedy_only=p.greedy_only)
+                if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.done_b)):
+                    break
+        return p.results(state)
+
+    def _prepare(self, prompts, max_new_tokens, sampling, eos_id, key, pad_id, extra_positions: int = 0
+                 ) -> "PreparedBatch":
+        """Checks `generate`'s arguments and builds its device inputs. `extra_positions`: cache positions needed
+        past the last generated token (speculative verification writes that many drafted tokens beyond it)."""
         cfg = self.cfg
         prompts = [list(map(int, p)) for p in prompts]
         b = len(prompts)
-        if b == 0:
-            return []
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         for p in prompts:
@@ -218,10 +234,11 @@ class Engine:
             keys = keys[np.concatenate([np.arange(b), np.zeros(extra, np.int64)])]
             prompts, max_new, sps = prompts + [[pad]] * extra, max_new + [1] * extra, sps + [SamplingParams()] * extra
         lens = np.array([len(p) for p in prompts], np.int32)
-        need = int(max(lens + np.asarray(max_new)))  # last position written: prompt + generated - 1
+        need = int(max(lens + np.asarray(max_new))) + extra_positions  # last position written + 1
         max_len = self.max_len or bucket(need, MIN_CACHE_BUCKET)
         if need - 1 > max_len:
-            raise ValueError(f"prompt + max_new_tokens ({need}) exceeds the cache capacity max_len={max_len}")
+            what = "prompt + max_new_tokens" + (f" + {extra_positions} drafted" if extra_positions else "")
+            raise ValueError(f"{what} ({need}) exceeds the cache capacity max_len={max_len}")
         t = min(bucket(int(lens.max()), MIN_PROMPT_BUCKET), max(max_len, int(lens.max())))
         ids = np.full((len(prompts), t), pad, np.int32)
         for i, p in enumerate(prompts):
@@ -235,25 +252,39 @@ class Engine:
             (jnp.asarray(ids), jnp.asarray(lens), keys, sp, max_new_b), self.mesh)
         if self.mesh is not None:
             eos_e = jax.device_put(eos_e, sharded.replicated(self.mesh))
-        cache = self.init_cache(len(prompts), max_len)
-        with sharded.context(self.mesh):
-            state, cache, _ = self._prefill(self.params, ids_b, lens_b, cache, keys, sp, max_new_b, eos_e,
-                                            greedy_only=greedy_only, out_len=bucket(max(max_new), 16))
-            steps = max(max_new) - 1
-            for i in range(steps):
-                cache, state = self._decode(self.params, cache, state, keys, sp, max_new_b, eos_e,
-                                            greedy_only=greedy_only)
-                if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.done_b)):
-                    break
+        return PreparedBatch(b, len(prompts), lens, max_new, eos, max_len, greedy_only, bucket(max(max_new), 16),
+                             ids_b, lens_b, keys, sp, max_new_b, eos_e)
+
+
+class PreparedBatch(NamedTuple):
+    """`Engine.generate`'s checked inputs: host values, then the device arrays its jitted steps take."""
+
+    num_prompts: int  # the caller's prompts (the batch may carry mesh padding after them)
+    batch_size: int
+    lens: np.ndarray
+    max_new: list
+    eos: list
+    max_len: int
+    greedy_only: bool
+    out_len: int
+    ids_bt: jax.Array
+    lens_b: jax.Array
+    keys_b: jax.Array
+    sp: tuple
+    max_new_b: jax.Array
+    eos_e: jax.Array
+
+    def results(self, state: DecodeState) -> list[GenerationResult]:
+        """One `GenerationResult` per prompt from the final decode state (EOS stripped)."""
         out = np.asarray(state.out_bn)
         counts = np.asarray(state.num_generated_b)
         results = []
-        for i in range(b):
+        for i in range(self.num_prompts):
             toks = out[i, :counts[i]].tolist()
-            if toks and toks[-1] in eos:
-                results.append(GenerationResult(toks[:-1], "stop", int(lens[i])))
+            if toks and toks[-1] in self.eos:
+                results.append(GenerationResult(toks[:-1], "stop", int(self.lens[i])))
             else:
-                results.append(GenerationResult(toks, "length", int(lens[i])))
+                results.append(GenerationResult(toks, "length", int(self.lens[i])))
         return results
 
 
