@@ -4,8 +4,8 @@
 
 - K3 layout: `language_model.` prefix, bf16 tensors except the f32 ones of docs/spec.md#checkpoint, MXFP4 routed experts
   (`weight_packed` / `weight_scale`), `A_log` stored with a zero tail, nested config.json (`text_config`,
-  `linear_attn_config`, `quantization_config`, `vision_config`); with `vision=True` also vision tensors (which a
-  conversion refuses without `text_only`).
+  `linear_attn_config`, `quantization_config`, `vision_config`); with `vision=True` also two placeholder vision
+  tensors (which match no vision_config: a conversion refuses them unless `text_only`).
 - Kimi-Linear layout: no prefix, flat config.json, f32 `experts.{e}.wN.weight`.
 Both are split into >= 2 shards with `model.safetensors.index.json`.
 

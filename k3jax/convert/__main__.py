@@ -9,9 +9,9 @@ Every input check (config.json, every safetensors header, tensor names/shapes/dt
 written; the output appears atomically (written as OUT.tmp-<pid>-<hex>, renamed when complete; a killed
 conversion's leftover is removed by the next one, with a message); an existing OUT is replaced only with
 --overwrite. A tensor holding NaN/Inf stops the conversion (naming it) unless --allow_nonfinite. Bad input or an
-unwritable output ends with one `error: ...` line and exit status 2. The vision tower is not converted yet: an HF
-directory with `vision_tower.*` / `mm_projector.*` tensors needs --text_only, which drops them (saying so) and
-records a text-only config.json for --to_hf.
+unwritable output ends with one `error: ...` line and exit status 2. The vision tower and projector
+(`vision_tower.*` / `mm_projector.*`, checked against config.json's vision_config) are converted too, in their
+stored dtypes; --text_only drops them instead (saying so) and records a text-only config.json for --to_hf.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ flags.DEFINE_float("shard_size_gb", 4.0, "maximum safetensors shard size with --
 flags.DEFINE_bool("overwrite", False, "replace an existing --out")
 flags.DEFINE_bool("allow_nonfinite", False, "convert tensors holding NaN/Inf (refused by default)")
 flags.DEFINE_bool("text_only", False, "drop the vision tower and projector tensors (vision_tower.*, mm_projector.*) "
-                  "and write a text-only config.json; required when the HF directory holds them")
+                  "and write a text-only config.json (default: convert them)")
 FLAGS = flags.FLAGS
 
 

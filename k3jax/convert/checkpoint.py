@@ -52,13 +52,22 @@ from k3jax.convert.safetensors_io import (
     read_tensor,
     write_shard,
 )
-from k3jax.convert.vision import VISION_PREFIXES, drop_report, text_only_hf_config, vision_tensors_to_drop
+from k3jax.convert.vision import (
+    VISION_ITEM,
+    VISION_PREFIXES,
+    drop_report,
+    open_vision,
+    read_vision,
+    text_only_hf_config,
+    vision_item_to_release,
+)
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
+from k3jax.vision.config import VisionConfig
 
 FORMAT = "k3jax-orbax-v1"
 K3_PREFIX = "language_model."
-IGNORED_PREFIXES = VISION_PREFIXES  # the vision part: refused, or dropped with --text_only (convert/vision.py)
+IGNORED_PREFIXES = VISION_PREFIXES  # the vision part: its own item, or dropped with --text_only (convert/vision.py)
 _FLOATS = {"BF16", "F16", "F32"}
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _DTYPE_FLAGS = {"bf16": "bfloat16", "bfloat16": "bfloat16", "f32": "float32", "float32": "float32"}
@@ -414,13 +423,14 @@ def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = Non
                 allow_nonfinite: bool = False, text_only: bool = False) -> str:
     """Converts an HF directory to a k3jax Orbax checkpoint at `out` (streaming: one layer in memory). A tensor
     holding NaN/Inf raises NonFiniteError naming it (nothing is left behind) unless `allow_nonfinite`. Vision
-    tensors are refused unless `text_only`, which drops them (logged) and keeps a text-only hf_config.json."""
+    tensors go to the `vision` item in their stored dtypes (described by manifest["hf"]["vision"]), or with
+    `text_only` are dropped (logged) and a text-only hf_config.json is kept."""
     if experts not in ("bf16", "mxfp4"):
         raise ConfigError(f"experts must be bf16 or mxfp4, got {experts!r}")
     atomic = AtomicDir(out, overwrite, log)
     atomic.check()
     src = open_hf(hf_dir, config=config, dtype=dtype)  # every check happens before anything is written
-    dropped = vision_tensors_to_drop(hf_dir, text_only)
+    vision_src, dropped = open_vision(hf_dir, src.hf_config, text_only)
     if text_only and log:
         log(drop_report(dropped))
     hf_config = text_only_hf_config(src.hf_config) if text_only else src.hf_config
@@ -437,12 +447,24 @@ def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = Non
             del arrays
             if log:
                 log(f"[{i + 1}/{len(src.plan.items)}] {name}")
+        vision = None
+        if vision_src is not None:
+            arrays = read_vision(vision_src)
+            for key, arr in arrays.items():
+                problem = nonfinite_problem(arr) if src.check_finite else None
+                if problem:
+                    raise NonFiniteError(f"vision tensor {key!r} {problem}; refusing non-finite weights "
+                                         f"(--allow_nonfinite to convert them anyway)")
+            _save_item(os.path.join(tmp, "params", VISION_ITEM), arrays)
+            vision = {"config": vision_src.cfg.to_dict(), "arrays": _item_meta(arrays), "hash": item_hash(arrays)}
+            if log:
+                log(f"{VISION_ITEM}: {len(arrays)} tensors")
         with open(os.path.join(tmp, "hf_config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
         _copy_tokenizer(hf_dir, os.path.join(tmp, "tokenizer"))
         _write_meta(tmp, src.plan.cfg, items, hashes, kept, {
             "prefix": src.prefix, "a_log_shape": list(src.a_log_shape) if src.a_log_shape else None,
-            "source_experts": src.experts, "dropped_vision_tensors": len(dropped)})
+            "source_experts": src.experts, "dropped_vision_tensors": len(dropped), "vision": vision})
     return atomic.out
 
 
@@ -645,11 +667,18 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             else:
                 entries.append((slot.hf_name, dt, hf_shape(slot), name, (slot.local, None, slot.kind)))
 
-    shards = plan_shards([(prefix + e[0], e[1], e[2]) for e in entries], max_shard_bytes)
+    vision = hf.get("vision")
+    vision_arrays = {} if not vision else vision_item_to_release(
+        restore_item(os.path.join(ckpt, "params", VISION_ITEM), vision.get("hash")),
+        VisionConfig.from_dict(vision["config"]))  # written in the dtypes they were converted from
+    shards = plan_shards([(prefix + e[0], e[1], e[2]) for e in entries]
+                         + [(k, v.dtype, v.shape) for k, v in vision_arrays.items()], max_shard_bytes)
     by_name = {prefix + e[0]: e for e in entries}
     cache: dict[str, Any] = {"name": None, "item": None}
 
     def produce(full_name: str) -> np.ndarray:
+        if full_name in vision_arrays:
+            return vision_arrays[full_name]
         hf_name, dt, shape, item_name, (key, e, how) = by_name[full_name]
         if cache["name"] != item_name:
             cache["item"], cache["name"] = None, None
@@ -694,7 +723,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         if os.path.exists(os.path.join(ckpt, "hf_config.json")):
             with open(os.path.join(ckpt, "hf_config.json")) as f:
                 hf_config = json.load(f)
-            if "vision_config" in hf_config:  # the checkpoint holds no vision tensors: declare none
+            if "vision_config" in hf_config and not vision:  # the checkpoint holds no vision tower: declare none
                 hf_config = text_only_hf_config(hf_config)
                 if log:
                     log("config.json: text-only (vision_config dropped; the checkpoint holds the text model only)")

@@ -1,25 +1,28 @@
-"""Vision tensors (`vision_tower.*`, `mm_projector.*`) between a release checkpoint and `k3jax.vision.VisionModel`,
-and what a text-only conversion drops and rewrites.
+"""Vision tensors (`vision_tower.*`, `mm_projector.*`) between a release checkpoint, `k3jax.vision.VisionModel` and
+the `vision` item of a k3jax checkpoint, and what a text-only conversion drops and rewrites.
 
 Our parameter paths are the release names except the projector's `proj.0` / `proj.2` (`proj_0` / `proj_2`, NNX
 attribute names) and `encoder.` kept under `vision_tower.`. Layout changes: linear weights [out, in] <-> [in, out];
 the patch conv [D, 3, p, p] <-> [3*p*p, D] (flattened over channel, row, column). The position grid, norms and
 biases are copied. Every expected tensor must be present with its shape, and no unknown vision tensor is accepted.
+In a k3jax checkpoint the vision item holds our layout in the source's dtypes, so HF -> Orbax -> HF is bit-exact.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any, Callable, Mapping
 
 import numpy as np
 from flax import nnx
 
-from k3jax.convert.safetensors_io import CheckpointError, index_directory
+from k3jax.convert.safetensors_io import CheckpointError, TensorInfo, index_directory, read_tensor
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.tower import VisionModel
 
 VISION_PREFIXES = ("vision_tower.", "mm_projector.", "multi_modal_projector.")
+VISION_ITEM = "vision"  # OUT/params/vision; described by manifest["hf"]["vision"]
 # config.json keys that describe the multimodal wrapper; a text-only export drops them.
 MULTIMODAL_CONFIG_KEYS = ("vision_config", "media_placeholder_token_id", "image_token_id", "video_token_id",
                           "vision_start_token_id", "vision_end_token_id", "projection_hidden_size",
@@ -81,6 +84,14 @@ def _to_release(arr: np.ndarray, kind: str, patch_size: int) -> np.ndarray:
     return arr
 
 
+def _release_shape(shape: tuple[int, ...], kind: str, patch_size: int) -> tuple[int, ...]:
+    if kind == "linear":
+        return tuple(reversed(shape))
+    if kind == "patch":
+        return (shape[1], 3, patch_size, patch_size)
+    return tuple(shape)
+
+
 def load_vision_weights(model: VisionModel, weights: Mapping[str, np.ndarray] | Callable[[str], np.ndarray],
                         names: list[str] | None = None) -> None:
     """Copies release-named vision tensors into `model` in place (cast to each parameter's dtype).
@@ -105,7 +116,7 @@ def load_vision_weights(model: VisionModel, weights: Mapping[str, np.ndarray] | 
         arr = _to_ours(np.asarray(get(release)), kind)
         if arr.shape != shape:
             raise VisionTensorError(f"vision tensor {release!r} has shape {np.asarray(get(release)).shape}; "
-                                    f"expected {_to_release(np.zeros(shape), kind, model.cfg.patch_size).shape}")
+                                    f"expected {_release_shape(shape, kind, model.cfg.patch_size)}")
         var = flat[ours]
         var.set_value(arr.astype(var.get_value().dtype))
     nnx.update(model, state)
@@ -118,15 +129,68 @@ def export_vision_weights(model: VisionModel) -> dict[str, np.ndarray]:
             for ours, release, kind, _ in vision_entries(model)}
 
 
-def vision_tensors_to_drop(hf_dir: str, text_only: bool) -> list[str]:
-    """The vision tensors of an HF directory, which a conversion of the text model drops. Without `text_only`
-    their presence is an error: k3jax does not convert the vision tower yet, and dropping it silently would give a
-    checkpoint that looks multimodal and is not."""
-    names = sorted(n for n in index_directory(hf_dir) if is_vision_tensor(n))
-    if names and not text_only:
-        raise CheckpointError(f"{hf_dir}: holds {_counts(names)}; the converter writes the text model only: pass "
+@dataclasses.dataclass(frozen=True)
+class VisionSource:
+    """The validated vision tensors of an HF directory: (our path, release name, kind, TensorInfo) per parameter."""
+
+    cfg: VisionConfig
+    entries: tuple[tuple[str, str, str, TensorInfo], ...]
+
+
+def abstract_vision_model(cfg: VisionConfig) -> VisionModel:
+    """A VisionModel of shapes only (nothing allocated), for names and shapes."""
+    return nnx.eval_shape(lambda: VisionModel(cfg, rngs=nnx.Rngs(0)))
+
+
+def open_vision(hf_dir: str, hf_config: Mapping[str, Any], text_only: bool,
+                tensors: Mapping[str, TensorInfo] | None = None) -> tuple[VisionSource | None, list[str]]:
+    """(the vision tensors to convert, the vision tensor names dropped). `text_only` drops every vision tensor.
+    Otherwise they must be exactly the `vision_config`'s tower and projector, with the release shapes; any problem
+    raises CheckpointError naming the tensor, before anything is written."""
+    tensors = index_directory(hf_dir) if tensors is None else tensors
+    names = sorted(n for n in tensors if is_vision_tensor(n))
+    if not names:
+        return None, []
+    if text_only:
+        return None, names
+    try:
+        cfg = vision_config_from_hf(hf_config)
+    except ValueError as e:
+        raise CheckpointError(f"{hf_dir}: config.json: {e}") from None
+    if cfg is None:
+        raise CheckpointError(f"{hf_dir}: holds {_counts(names)} but config.json has no vision_config; pass "
                               "--text_only to drop them")
-    return names
+    entries, problems, expected = [], [], set()
+    for ours, release, kind, shape in vision_entries(abstract_vision_model(cfg)):
+        expected.add(release)
+        info = tensors.get(release)
+        want = _release_shape(shape, kind, cfg.patch_size)
+        if info is None:
+            problems.append(f"missing {release!r}")
+        elif tuple(info.shape) != want:
+            problems.append(f"{release!r} has shape {list(info.shape)}, expected {list(want)}")
+        else:
+            entries.append((ours, release, kind, info))
+    problems += [f"unexpected {n!r}" for n in names if n not in expected]
+    if problems:
+        raise CheckpointError(f"{hf_dir}: vision tensors disagree with vision_config ({len(problems)} problem(s)): "
+                              + "; ".join(problems[:6]) + (" ..." if len(problems) > 6 else ""))
+    return VisionSource(cfg, tuple(entries)), []
+
+
+def read_vision(src: VisionSource) -> dict[str, np.ndarray]:
+    """The vision item: our dotted path -> array in our layout, in the tensor's stored dtype."""
+    return {ours: _to_ours(read_tensor(info), kind) for ours, _, kind, info in src.entries}
+
+
+def vision_item_to_release(arrays: Mapping[str, np.ndarray], cfg: VisionConfig) -> dict[str, np.ndarray]:
+    """A vision item back to release names and layouts (dtypes kept): the inverse of `read_vision`."""
+    out = {}
+    for ours, release, kind, shape in vision_entries(abstract_vision_model(cfg)):
+        if ours not in arrays:
+            raise CheckpointError(f"vision item lacks {ours!r} (expected by its vision_config)")
+        out[release] = _to_release(np.asarray(arrays[ours]), kind, cfg.patch_size)
+    return out
 
 
 def _counts(names) -> str:
