@@ -20,6 +20,7 @@ from k3jax.convert.vision import (
     vision_config_from_hf,
 )
 from k3jax.vision import VisionConfig, VisionModel, pack, split_images
+from k3jax.vision.merge import merge_image_tokens
 from k3jax.vision.packing import interpolation_matrix
 
 torch = pytest.importorskip("torch")
@@ -264,3 +265,20 @@ def test_jitted_forward_with_a_static_layout_matches_eager_and_runs_in_bf16():
     got = np.asarray(bf16(pixels, layout)).astype(np.float32)
     assert got.dtype == np.float32 and np.isfinite(got).all()
     assert np.linalg.norm(got - eager) < 0.05 * np.linalg.norm(eager)
+
+
+def test_image_tokens_fill_the_placeholders_in_order_like_masked_scatter():
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, 50, (2, 7))
+    ids[0, [1, 2, 6]] = 163605
+    ids[1, [0, 4]] = 163605
+    embeds = rng.standard_normal((2, 7, 5)).astype(np.float32)
+    tokens = rng.standard_normal((5, 5)).astype(np.float32)
+    mask = torch.from_numpy(ids == 163605)[..., None].expand(2, 7, 5)
+    want = torch.from_numpy(embeds).masked_scatter(mask, torch.from_numpy(tokens)).numpy()
+    got = merge_image_tokens(jnp.asarray(embeds), jnp.asarray(ids), jnp.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(got), want)
+    jitted = jax.jit(merge_image_tokens)(jnp.asarray(embeds), jnp.asarray(ids), jnp.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(jitted), want)
+    with pytest.raises(ValueError, match=r"5 image placeholder token\(s\) \(id 163605\) in the ids but 4 image"):
+        merge_image_tokens(jnp.asarray(embeds), jnp.asarray(ids), jnp.asarray(tokens[:4]))

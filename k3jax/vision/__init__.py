@@ -2,7 +2,9 @@
 NNX modules and NumPy image preprocessing. Imports only configs, k3jax.config, k3jax.ops and k3jax.layers."""
 
 from k3jax.vision.config import VisionConfig
+from k3jax.vision.merge import MEDIA_PLACEHOLDER_ID, merge_image_tokens
 from k3jax.vision.packing import PackedLayout, pack
 from k3jax.vision.tower import VisionModel, split_images
 
-__all__ = ["VisionConfig", "PackedLayout", "VisionModel", "pack", "split_images"]
+__all__ = ["MEDIA_PLACEHOLDER_ID", "VisionConfig", "PackedLayout", "VisionModel", "merge_image_tokens", "pack",
+           "split_images"]
