@@ -14,7 +14,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.layers import params
-from k3jax.layers.norms import RMSNorm, rms_normalize
+from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import upcast
 
 
@@ -22,21 +22,34 @@ def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d:
     """Mixes sources [bank[:num_filled]..., live] with softmax(rmsnorm_nogain(V) · query); values stay raw.
 
     `query_d` is the effective pseudo-query (norm gain ⊙ proj weight). Computed in f32, cast back to live's dtype.
+    Each source's score is (V · query) · rsqrt(mean(V²) + eps) (the normalisation is a per-token scalar), and the
+    bank and the live partial sum are scored and mixed separately: no [N+1, B, T, D] f32 copy of the sources is
+    built (that concatenation cost ~0.5 s of a 8.8 s `k3_gpu` training step: benchmarks/RESULTS.md, 2026-12-04).
     """
     static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
     if static:
         bank_nbtd = bank_nbtd[:max(0, min(int(num_filled), bank_nbtd.shape[0]))]  # static: only the filled rows
         num_filled = bank_nbtd.shape[0]
-    num_rows = bank_nbtd.shape[0]
-    sources = jnp.concatenate([bank_nbtd, live_btd[None]], axis=0) if num_rows else live_btd[None]
-    sources = upcast(sources)  # [N+1, B, T, D]
-    scores = jnp.einsum("sbtd,d->sbt", rms_normalize(sources, eps), query_d.astype(sources.dtype))
+    live32 = upcast(live_btd)
+    query = query_d.astype(live32.dtype)
+    if bank_nbtd.shape[0] == 0:
+        return live32.astype(live_btd.dtype)  # one source: softmax weight 1
+
+    def scores(x32):
+        return jnp.sum(x32 * query, axis=-1) * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1) + eps)
+
+    bank32 = upcast(bank_nbtd)
+    bank_scores_nbt = scores(bank32)
+    live_score_bt = scores(live32)
     if not static:  # a static count sliced the filled rows above: no mask (its ops ran as kernels in every step)
-        valid = jnp.arange(num_rows + 1) < num_filled
-        valid = valid.at[num_rows].set(True)  # the live partial sum is always a source
-        scores = jnp.where(valid[:, None, None], scores, -jnp.inf)
-    probs = jax.nn.softmax(scores, axis=0)
-    return jnp.einsum("sbt,sbtd->btd", probs, sources).astype(live_btd.dtype)
+        valid_n = jnp.arange(bank_nbtd.shape[0]) < num_filled
+        bank_scores_nbt = jnp.where(valid_n[:, None, None], bank_scores_nbt, -jnp.inf)
+    top_bt = jnp.maximum(bank_scores_nbt.max(axis=0), live_score_bt)
+    bank_w_nbt = jnp.exp(bank_scores_nbt - top_bt)
+    live_w_bt = jnp.exp(live_score_bt - top_bt)
+    inv_bt = 1.0 / (bank_w_nbt.sum(axis=0) + live_w_bt)
+    mixed = jnp.sum((bank_w_nbt * inv_bt)[..., None] * bank32, axis=0) + (live_w_bt * inv_bt)[..., None] * live32
+    return mixed.astype(live_btd.dtype)
 
 
 class AttnResRead(nnx.Module):
