@@ -22,6 +22,7 @@ from k3jax.convert.vision import (
 from k3jax.vision import VisionConfig, VisionModel, pack, split_images
 from k3jax.vision.merge import merge_image_tokens
 from k3jax.vision.packing import interpolation_matrix
+from k3jax.vision.tower import packed_attention
 
 torch = pytest.importorskip("torch")
 hf_k25 = pytest.importorskip("transformers.models.kimi_k25.modeling_kimi_k25")
@@ -282,3 +283,25 @@ def test_image_tokens_fill_the_placeholders_in_order_like_masked_scatter():
     np.testing.assert_array_equal(np.asarray(jitted), want)
     with pytest.raises(ValueError, match=r"5 image placeholder token\(s\) \(id 163605\) in the ids but 4 image"):
         merge_image_tokens(jnp.asarray(embeds), jnp.asarray(ids), jnp.asarray(tokens[:4]))
+
+
+def test_blockwise_attention_matches_all_at_once_in_values_and_gradients():
+    rng = np.random.default_rng(10)
+    q, k, v = (jnp.asarray(rng.standard_normal((37, 2, 8)), jnp.float32) for _ in range(3))
+    seg = jnp.asarray([0] * 20 + [1] * 12 + [-1] * 5, jnp.int32)
+    whole = packed_attention(q, k, v, seg, scale=0.3, block_q=None)
+    np.testing.assert_allclose(np.asarray(packed_attention(q, k, v, seg, scale=0.3, block_q=8)), np.asarray(whole),
+                               rtol=1e-6, atol=1e-6)
+
+    def loss(q_, block):
+        return jnp.sum(jnp.square(packed_attention(q_, k, v, seg, scale=0.3, block_q=block)))
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(q, 8)), np.asarray(jax.grad(loss)(q, None)),
+                               rtol=1e-5, atol=1e-5)
+    cfg = VisionConfig(**K3_TINY)
+    grids = [(1, 4, 6), (1, 2, 2)]
+    pixels = _inputs(grids, seed=11)
+    blocked = VisionModel(cfg, rngs=nnx.Rngs(6), attn_block_q=8)
+    whole_model = VisionModel(cfg, rngs=nnx.Rngs(6), attn_block_q=None)
+    np.testing.assert_allclose(np.asarray(blocked.encode(pixels, grids, pad_to=30)),
+                               np.asarray(whole_model.encode(pixels, grids, pad_to=30)), rtol=1e-5, atol=1e-5)

@@ -79,14 +79,37 @@ def apply_rope_2d(x_nhk: jax.Array, cos_nr: jax.Array, sin_nr: jax.Array) -> jax
     return jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(n, h, k).astype(x_nhk.dtype)
 
 
-def packed_attention(q_nhk: jax.Array, k_nhk: jax.Array, v_nhk: jax.Array, segment_ids_n: jax.Array, *,
-                     scale: float) -> jax.Array:
-    """Bidirectional softmax attention within each segment (block-diagonal mask), f32 logits and softmax;
-    returns [N, H, K] in at least f32. A padding patch (one shared segment) sees only padding."""
+ATTN_BLOCK_Q = 4096  # queries per attention block: K3's 65536-patch image needs 12 x 4096 x 65536 f32 logits a block
+
+
+def _masked_softmax_attention(q_nhk, k_nhk, v_nhk, seg_q_n, seg_k_n, scale):
     logits = jnp.einsum("qhk,shk->hqs", q_nhk, k_nhk, preferred_element_type=wide(q_nhk.dtype)) * scale
-    mask = segment_ids_n[:, None] == segment_ids_n[None, :]
+    mask = seg_q_n[:, None] == seg_k_n[None, :]
     probs = jax.nn.softmax(jnp.where(mask[None], logits, -jnp.inf), axis=-1)
     return jnp.einsum("hqs,shk->qhk", probs, v_nhk.astype(probs.dtype))
+
+
+def packed_attention(q_nhk: jax.Array, k_nhk: jax.Array, v_nhk: jax.Array, segment_ids_n: jax.Array, *,
+                     scale: float, block_q: int | None = ATTN_BLOCK_Q) -> jax.Array:
+    """Bidirectional softmax attention within each segment (block-diagonal mask), f32 logits and softmax;
+    returns [N, H, K] in at least f32. A padding patch (one shared segment) sees only padding. Longer than
+    `block_q`, the queries go in blocks of `block_q` against all keys (memory H x block_q x N, each block
+    recomputed in the backward pass)."""
+    n = q_nhk.shape[0]
+    if block_q is None or n <= block_q:
+        return _masked_softmax_attention(q_nhk, k_nhk, v_nhk, segment_ids_n, segment_ids_n, scale)
+    blocks = -(-n // block_q)
+    pad = blocks * block_q - n
+    q_pad = jnp.pad(q_nhk, ((0, pad), (0, 0), (0, 0)))
+    seg_pad = jnp.pad(segment_ids_n, (0, pad), mode="edge")  # padded queries copy a real row's segment: no NaN
+
+    @jax.checkpoint
+    def one(args):
+        q_bhk, seg_b = args
+        return _masked_softmax_attention(q_bhk, k_nhk, v_nhk, seg_b, segment_ids_n, scale)
+
+    out = jax.lax.map(one, (q_pad.reshape(blocks, block_q, *q_nhk.shape[1:]), seg_pad.reshape(blocks, block_q)))
+    return out.reshape(blocks * block_q, *out.shape[2:])[:n]
 
 
 class MLP(nnx.Module):
@@ -107,9 +130,9 @@ class Block(nnx.Module):
     [D, 3 * qkv_hidden] -> heads of `head_dim` -> 2-D rotary on q, k -> packed attention -> `wo` [qkv_hidden, D]
     (the release keeps `wqkv` / `wo` directly under the block)."""
 
-    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, attn_block_q: int | None):
         d, q = cfg.vt_hidden_size, cfg.qkv_hidden_size
-        self.cfg, self.dtype = cfg, dtype
+        self.cfg, self.dtype, self.attn_block_q = cfg, dtype, attn_block_q
         self.norm0 = _norm(cfg, d, param_dtype)
         self.norm1 = _norm(cfg, d, param_dtype)
         self.wqkv = Dense(d, 3 * q, ("vision_embed", "vision_qkv"), bias=cfg.attn_bias, dtype=dtype,
@@ -124,7 +147,8 @@ class Block(nnx.Module):
         qkv = self.wqkv(x_nd).reshape(n, 3, h, k)
         q_nhk = apply_rope_2d(qkv[:, 0], cos_nr, sin_nr)
         k_nhk = apply_rope_2d(qkv[:, 1], cos_nr, sin_nr)
-        o_nhk = packed_attention(q_nhk, k_nhk, qkv[:, 2], segment_ids_n, scale=k ** -0.5)
+        o_nhk = packed_attention(q_nhk, k_nhk, qkv[:, 2], segment_ids_n, scale=k ** -0.5,
+                                 block_q=self.attn_block_q)
         return self.wo(o_nhk.astype(self.dtype).reshape(n, h * k))
 
     def __call__(self, x_nd, segment_ids_n, cos_nr, sin_nr):
@@ -177,8 +201,8 @@ class PatchEmbed(nnx.Module):
 
 
 class Encoder(nnx.Module):
-    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-        self.blocks = nnx.List([Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    def __init__(self, cfg: VisionConfig, *, dtype, param_dtype, rngs: nnx.Rngs, attn_block_q: int | None):
+        self.blocks = nnx.List([Block(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, attn_block_q=attn_block_q)
                                 for _ in range(cfg.vt_num_hidden_layers)])
         self.final_layernorm = _norm(cfg, cfg.vt_hidden_size, param_dtype)
 
@@ -201,12 +225,14 @@ def sd2_tpool(x_nd: jax.Array, layout: PackedLayout, kernel: tuple[int, int]) ->
 
 
 class VisionTower(nnx.Module):
-    """`vision_tower.*`: patches [N, 3, p, p] (or [N, 3*p*p]) of packed images -> merged [M, kh*kw, D]."""
+    """`vision_tower.*`: patches [N, 3, p, p] (or [N, 3*p*p]) of packed images -> merged [M, kh*kw, D].
+    `attn_block_q`: queries per attention block (None: all at once)."""
 
-    def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 attn_block_q: int | None = ATTN_BLOCK_Q):
         self.cfg, self.dtype = cfg, dtype
         self.patch_embed = PatchEmbed(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-        self.encoder = Encoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.encoder = Encoder(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs, attn_block_q=attn_block_q)
 
     def hidden_states(self, pixels: jax.Array, layout: PackedLayout) -> jax.Array:
         """[length, D] after the final norm (padding rows included)."""
@@ -254,9 +280,11 @@ class VisionModel(nnx.Module):
     """Tower + projector: `encode(pixels, grids)` -> image tokens [M, text_hidden] in the text stream's width,
     images in order (`layout.merged_counts` tokens each)."""
 
-    def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    def __init__(self, cfg: VisionConfig, *, dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+                 attn_block_q: int | None = ATTN_BLOCK_Q):
         self.cfg = cfg
-        self.vision_tower = VisionTower(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.vision_tower = VisionTower(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+                                        attn_block_q=attn_block_q)
         self.mm_projector = Projector(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
     def __call__(self, pixels: jax.Array, layout: PackedLayout) -> jax.Array:
