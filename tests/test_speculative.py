@@ -209,12 +209,13 @@ def test_rejection_sampling_matches_target_distribution(sp, monkeypatch):
 
 def test_sampled_speculative_generation_matches_target_distribution(model):
     """End to end on the tiny model: the first two sampled tokens' joint distribution (top-k 3: 9 cells) under
-    speculative decoding with a random draft (rejections everywhere) equals the target's."""
+    speculative decoding with a random draft (rejections everywhere) equals the target's; a greedy row in the same
+    batch gets the greedy tokens."""
     n, prompt = 600, [256, 7, 8, 9]
-    sp = SamplingParams(temperature=1.0, top_k=3)
+    sps = [SamplingParams(temperature=1.0, top_k=3)] * n + [SamplingParams()]
     engine = SpeculativeEngine(model, RandomDraft(2, model.cfg.vocab_size), max_len=MAX_LEN)
-    got = engine.generate([prompt] * n, 2, sp, eos_id=-1, key=jax.random.key(3))
-    pairs = np.asarray([r.tokens for r in got])
+    got = engine.generate([prompt] * (n + 1), 2, sps, eos_id=-1, key=jax.random.key(3))
+    pairs = np.asarray([r.tokens for r in got[:n]])
     # the target's probabilities: one full forward over prompt + [t] for every t (causal: position len(prompt) - 1
     # gives p(t1), the last position p(t2 | t1))
     v = model.cfg.vocab_size
@@ -224,14 +225,64 @@ def test_sampled_speculative_generation_matches_target_distribution(model):
     p2 = np.asarray(jax.nn.softmax(filter_logits(logits[:, -1], *top3), -1), np.float64)
     _, pval = _chi_square(pairs[:, 0] * v + pairs[:, 1], (p1[:, None] * p2).reshape(-1))
     assert pval > 1e-3
+    first = int(jnp.argmax(logits[0, -2]))
+    assert got[n].tokens == [first, int(jnp.argmax(logits[first, -1]))]
 
 
-def test_mtp_draft_greedy_equals_plain(model, plain):
+class RecordingMTPDraft(MTPDraft):
+    """MTPDraft that records (target length, first drafted token) per step on the host."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.records = []
+
+    def propose(self, params, state, ctx):
+        proposal, state = super().propose(params, state, ctx)
+        jax.debug.callback(lambda n, d: self.records.append((np.asarray(n), np.asarray(d))), ctx.lengths_b,
+                           proposal.tokens_bk[:, 0])
+        return proposal, state
+
+
+@pytest.fixture(scope="module")
+def mtp_engine(model):
+    return SpeculativeEngine(model, RecordingMTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), K), max_len=MAX_LEN)
+
+
+def test_mtp_draft_greedy_equals_plain_and_drafts_like_training(mtp_engine, model, plain):
     _, ref = plain
-    mtp = MTPLayer(model.cfg, rngs=nnx.Rngs(1))
-    engine = SpeculativeEngine(model, MTPDraft(mtp, K), max_len=MAX_LEN)
-    got = engine.generate(PROMPTS, [20, 9, 14], eos_id=-1)
+    mtp_engine.draft.records.clear()
+    got = mtp_engine.generate(PROMPTS, [20, 9, 14], eos_id=-1)
     assert [r.tokens for r in got] == [ref[0], ref[1][:9], ref[2][:14]]
+    # every step's first draft is the training-form MTP prediction for that position: MTP position n - 1 (the
+    # target's h there, Emb of the pending token at n) predicts the token at n + 1
+    full = [p + r.tokens for p, r in zip(PROMPTS, got)]
+    t = max(map(len, full))
+    ids = jnp.asarray([f + [0] * (t - len(f)) for f in full], jnp.int32)  # right padding: causal, unread
+
+    def training_form(m, mtp, ids):
+        return jnp.argmax(m.logits(mtp(m.hidden_states(ids[:, :-1]), m.embed(ids[:, 1:]))), -1)
+
+    mtp = nnx.merge(mtp_engine.draft.graphdef, mtp_engine.draft.params)
+    pred = np.asarray(nnx.jit(training_form)(model, mtp, ids))
+    checked = 0
+    for lengths, first in mtp_engine.draft.records:
+        for i, n in enumerate(lengths):
+            if n + 1 < len(full[i]):
+                assert first[i] == pred[i, n - 1], (i, n)
+                checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.slow
+def test_mtp_draft_sampled_rows_beside_a_greedy_row(mtp_engine, plain):
+    """Sampled rows: the MTP draws from its filtered distribution; the greedy row keeps the greedy tokens."""
+    _, ref = plain
+    engine = mtp_engine
+    mixed = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20), SamplingParams(temperature=0.7, top_p=0.9)]
+    keys = [jax.random.key(i) for i in range(3)]
+    got = engine.generate(PROMPTS, 12, mixed, eos_id=-1, key=keys)
+    assert got[0].tokens == ref[0][:12] and all(len(r.tokens) == 12 for r in got)
+    assert [r.tokens for r in engine.generate(PROMPTS, 12, mixed, eos_id=-1, key=keys)] == [r.tokens for r in got]
 
 
 def test_mtp_serving_forward_equals_training_forward(model):
