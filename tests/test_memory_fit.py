@@ -137,3 +137,19 @@ def test_k3_on_this_host_is_refused_with_needed_available_and_the_smallest_v5p_s
 def test_nothing_fits_says_so():
     with pytest.raises(DoesNotFitError, match="no TPU v5p slice up to 6144 chips fits"):
         check_fit(configs.get_config("k3"), (1, 1, 1, 1), batch_size=8, seq_len=1 << 20, device_bytes=GIB)
+
+
+def test_gathered_weights_are_one_layer_unsharded_over_fsdp_axes_only():
+    """`gathered`: the largest layer's weights with FSDP axes all-gathered (compute dtype) + their gradient; expert
+    and model ranks still split it, data ranks do not."""
+    cfg = configs.get_config("tiny")
+    a, p = 4, 4  # tiny: f32 compute and parameters
+    layer0 = [r for r in memory._variable_table(cfg, True) if "groups/0/layers/0/" in r[0] and r[4] != "other"]
+    dense_layer = sum(math.prod(shape) for _, shape, *_ in layer0) * (a + p)
+    one = memory.gathered_layer_bytes(cfg, (1, 1, 1, 1))
+    assert one >= dense_layer  # the largest layer is at least the first (dense) one
+    assert memory.gathered_layer_bytes(cfg, (8, 1, 1, 1)) == one  # data (FSDP) ranks do not split it
+    assert memory.gathered_layer_bytes(cfg, (1, 4, 1, 1)) < one  # expert ranks split the experts
+    assert memory.gathered_layer_bytes(cfg, (1, 1, 1, 2)) < one  # model ranks split heads / mlp
+    est = estimate_memory(cfg, (8, 1, 1, 1), batch_size=8, seq_len=32)
+    assert est["gathered"] == one and est["total"] == sum(est[c] for c in memory.COMPONENTS)

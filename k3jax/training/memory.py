@@ -11,6 +11,9 @@ asked about from a laptop): `k3` answers in about a second. All figures are byte
     optimizer    Muon parameters (`optimizer.label_table`): momentum, 1 × state bytes; AdamW parameters: mu + nu,
                  2 × state bytes (`state_dtype`, default f32); `optimizer='adamw'`: 2 × for every parameter
     other_state  non-Param variables (router biases, routing statistics) in their shardings
+    gathered     the largest decoder layer's weights with their FSDP axes (embed, expert_latent, mtp_concat)
+                 all-gathered, in the compute dtype, + their gradient (param dtype) before its reduce-scatter: with
+                 few expert or model ranks this is GBs (k3, expert=8: ~22 GB for one layer's 112 local experts)
     activations  the formula below
     batch        the step's input rows (5 int32/f32 [b, T] arrays)
 
@@ -47,6 +50,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -72,7 +76,10 @@ V5P_CHIP_BYTES = 95 * GIB
 # Checked in order (the "lite" kinds before the plain "v5").
 DEVICE_MEMORY_GIB = (("v5 lite", 16), ("v5e", 16), ("v6 lite", 32), ("v6e", 32), ("v5p", 95), ("v5", 95),
                      ("v4", 32), ("h200", 141), ("h100", 80))
-COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "activations", "batch")
+COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "gathered", "activations", "batch")
+# Logical axes that only shard storage (FSDP): a layer's weights are all-gathered over their mesh axes at use.
+FSDP_AXES = ("embed", "expert_latent", "mtp_concat")
+_LAYER_PATH = re.compile(r"groups/(\d+)/(?:units/)?layers/(\d+)/")
 
 
 class DoesNotFitError(MemoryError):
@@ -204,6 +211,28 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     return {"saved": saved, "recompute": recompute, "head": head, "rows_per_device": b, "tokens_per_device": n}
 
 
+def gathered_layer_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, mtp: bool = True) -> int:
+    """`gathered` of the module docstring: the largest decoder layer's weights as its matmuls use them (FSDP axes
+    all-gathered, tensor/expert-parallel axes still split) in the compute dtype, plus their gradient in the
+    parameter dtype before its reduce-scatter."""
+    sizes = _mesh_sizes(mesh_sizes)
+    abstract_mesh = AbstractMesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES)
+    a = _dtype_bytes(cfg.runtime.dtype)
+    per_layer: dict[tuple[str, str], int] = {}
+    for path, shape, axes, itemsize, kind in _variable_table(cfg, mtp):
+        found = _LAYER_PATH.search(path)
+        if kind == "other" or not found:
+            continue
+        spec, _ = resolve_spec(axes, shape, abstract_mesh, path=path, rules=LOGICAL_AXIS_RULES)
+        shards = math.prod(sizes[m] for name, entry in zip(axes, spec) if entry is not None and name not in FSDP_AXES
+                           for m in (entry if isinstance(entry, tuple) else (entry,)))
+        repeats = shape[axes.index("layers")] if "layers" in axes else 1
+        elements = math.prod(shape) // repeats // shards
+        key = found.groups()
+        per_layer[key] = per_layer.get(key, 0) + elements * (a + itemsize)
+    return max(per_layer.values(), default=0)
+
+
 def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, optimizer: str = "muon",
                     state_dtype: str = "float32", master_dtype: str | None = "auto", mtp: bool = True) -> dict:
     """Per-device bytes of one training step of `cfg` on `mesh` (a Mesh, AbstractMesh, {axis: size} or
@@ -237,6 +266,7 @@ def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, op
         out["master"] += elements * master_bytes if master_bytes > itemsize else 0
         slots = 1 if (optimizer == "muon" and kind == MUON) else 2
         out["optimizer"] += slots * elements * state_bytes
+    out["gathered"] = gathered_layer_bytes(cfg, sizes, mtp=mtp)
     act = activation_bytes(cfg, sizes, batch_size=batch_size, seq_len=seq_len, mtp=mtp)
     out["activations"] = act["saved"] + act["recompute"] + act["head"]
     out["batch"] = 5 * act["tokens_per_device"] * 4
