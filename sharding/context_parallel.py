@@ -20,13 +20,20 @@ Short conv: the W−1 pre-conv inputs (and their segment ids) before a shard com
 `ppermute` halo); shard 0 gets zeros, like the unsharded conv's empty history.
 
 MLA: the 576-wide latent rows `[kv_a_layernorm(latent) | k_r]` and the segment ids are all-gathered over 'context'
-(the expanded keys/values are H·(192+128) wide per token, the latent is small); each shard expands them and attends
-its own queries with a causal + same-document mask over global positions. (Causal work is unbalanced across shards:
-shard i sees (i+1)/n of the keys; no zig-zag layout yet.)
+(the expanded keys/values are H·(192+128) wide per token, the latent is small) and attended blockwise
+(`k3jax/ops/latent_flash_attention.py`): one key block of rows expanded with kv_b_proj at a time, an online softmax
+over global positions, a recomputing custom VJP; no T x T (nor T_local x T) array and no expanded keys for the
+whole sequence. Load balance (zig-zag): the sequence is cut into 2n chunks and rank r attends for chunks r and
+2n−1−r, so every rank's queries see the same number of causal keys. The layer's tokens stay contiguous (KDA's
+state passing and the conv halo need that): only the queries (and their segment ids) move, the shard's two halves
+to the ranks attending for them by two `ppermute`s, and the f32 outputs come back the same way. Per rank the
+largest arrays are the gathered rows [B, T, 576] (compute dtype), their f32 gradient, and query-sized ones
+([B, T/n, H, 192], [B, T/n, H, 128] f32); a tile is [B, H, block, block].
 
 Backward: plain autodiff through `shard_map` and the collectives (all_gather ↔ psum_scatter, ppermute ↔ reverse
-ppermute); no custom VJP. The layers (`k3jax/layers/kda.py`, `k3jax/layers/mla.py`) take these paths in their
-training `__call__` when traced under a mesh (`jax.set_mesh`) whose 'context' axis is > 1 (`context_mesh`).
+ppermute); the only custom VJP is the blockwise attention's. The layers (`k3jax/layers/kda.py`,
+`k3jax/layers/mla.py`) take these paths in their training `__call__` when traced under a mesh (`jax.set_mesh`) whose
+'context' axis is > 1 (`context_mesh`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ from jax.sharding import PartitionSpec as P
 from k3jax.numerics import wide
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.conv import causal_depthwise_conv
+from k3jax.ops.flash_attention import DEFAULT_BLOCK
+from k3jax.ops.latent_flash_attention import latent_flash_attention
 
 log = logging.getLogger(__name__)
 
@@ -249,40 +258,77 @@ def short_conv_context_parallel(x_btp, kernel_wp, segment_ids_bt=None, *, mesh=N
 
 
 # ---------------------------------------------------------------------------------------------------- MLA
-def mla_attention_shard(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt, *, nope, scale, axis_name=CONTEXT_AXIS):
+def zigzag_chunks(rank: int, n: int) -> tuple[int, int]:
+    """The two sequence chunks (of 2n equal ones) context rank `rank` attends for: `rank` and 2n-1-rank, so every
+    rank's queries see the same number of causal keys."""
+    return rank, 2 * n - 1 - rank
+
+
+def _zigzag_owner(chunk: int, n: int) -> int:
+    return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _zigzag_perms(n: int):
+    """Two permutations of the ranks: perm j sends rank s's held chunk 2s + j (its first / second half) to the rank
+    that attends for it. Each is a permutation (chunks of one parity go to distinct ranks), and rank r receives the
+    even one of its two chunks through perm 0 and the odd one through perm 1."""
+    return [[(src, _zigzag_owner(2 * src + j, n)) for src in range(n)] for j in (0, 1)]
+
+
+def _inverse(perm):
+    return [(dst, src) for src, dst in perm]
+
+
+def mla_attention_shard(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt, *, nope, scale, block=DEFAULT_BLOCK,
+                        zigzag=True, axis_name=CONTEXT_AXIS):
     """MLA attention for this shard's queries inside a `shard_map`: all-gathers the latent rows [lat | k_r] (and the
-    segment ids), expands them with kv_b_proj [r, H, nope + v], and masks causally (and by document) on global
-    positions. Returns f32 (wide) [B, T_local, H, V]."""
-    b, tl, h, _ = q_bthk.shape
-    r = kv_b_rhe.shape[0]
-    lat_bsc = jax.lax.all_gather(latent_btc, axis_name, axis=1, tiled=True)
-    s = lat_bsc.shape[1]
-    kv_bshe = jnp.einsum("bsr,rhe->bshe", lat_bsc[..., :r], kv_b_rhe)
-    k_r = lat_bsc[..., r:]
-    k_bshk = jnp.concatenate(
-        [kv_bshe[..., :nope], jnp.broadcast_to(k_r[:, :, None, :], (b, s, h, k_r.shape[-1]))], axis=-1)
-    v_bshv = kv_bshe[..., nope:]
-    q_pos = jax.lax.axis_index(axis_name) * tl + jnp.arange(tl)
-    mask = (jnp.arange(s)[None, :] <= q_pos[:, None])[None, None]  # [1, 1, Tl, S]
-    if segment_ids_bt is not None:
-        ids_bs = jax.lax.all_gather(segment_ids_bt, axis_name, axis=1, tiled=True)
-        mask = mask & (segment_ids_bt[:, None, :, None] == ids_bs[:, None, None, :])
-    logits = jnp.einsum("bqhk,bshk->bhqs", q_bthk, k_bshk, preferred_element_type=wide(q_bthk.dtype)) * scale
-    probs = jax.nn.softmax(jnp.where(mask, logits, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqs,bshv->bqhv", probs, v_bshv.astype(probs.dtype))
+    segment ids) and runs `latent_flash_attention` (keys expanded one block at a time, online softmax, no T x T
+    array) on global positions. With `zigzag` (and an even shard length) the queries move first: the shard's two
+    halves go to the ranks that attend for them (`zigzag_chunks`) by two `ppermute`s, and the outputs come back the
+    same way, so the causal work is even across ranks while the layer's tokens stay contiguous. Returns f32 (wide)
+    [B, T_local, H, V]."""
+    tl = q_bthk.shape[1]
+    rows_bsc = jax.lax.all_gather(latent_btc, axis_name, axis=1, tiled=True)
+    ids_bt = jnp.zeros(q_bthk.shape[:2], jnp.int32) if segment_ids_bt is None else segment_ids_bt.astype(jnp.int32)
+    ids_bs = jax.lax.all_gather(ids_bt, axis_name, axis=1, tiled=True)
+    rank = jax.lax.axis_index(axis_name)
+
+    def attend(q, pos, ids):
+        return latent_flash_attention(q, pos, rows_bsc, kv_b_rhe, nope=nope, scale=scale, seg_q_bt=ids,
+                                      seg_k_bs=ids_bs, block_q=block, block_k=block)
+
+    if not zigzag or tl % 2:
+        return attend(q_bthk, rank * tl + jnp.arange(tl), ids_bt)
+    n, half = jax.lax.axis_size(axis_name), tl // 2
+    perms = _zigzag_perms(n)
+    got = [jax.lax.ppermute((q_bthk[:, j * half:(j + 1) * half], ids_bt[:, j * half:(j + 1) * half]), axis_name,
+                            perms[j]) for j in (0, 1)]
+    # This rank attends for chunks `rank` (the earlier one) and 2n-1-rank; the even one arrived through perm 0.
+    even_first = rank % 2 == 0
+    (q_a, ids_a), (q_b, ids_b) = (jax.tree.map(lambda x, y: jnp.where(even_first, x, y), got[k], got[1 - k])
+                                  for k in (0, 1))
+    pos = jnp.concatenate([rank * half + jnp.arange(half), (2 * n - 1 - rank) * half + jnp.arange(half)])
+    o_bthv = attend(jnp.concatenate([q_a, q_b], axis=1), pos, jnp.concatenate([ids_a, ids_b], axis=1))
+    o_a, o_b = o_bthv[:, :half], o_bthv[:, half:]
+    o_even, o_odd = jnp.where(even_first, o_a, o_b), jnp.where(even_first, o_b, o_a)
+    back = [jax.lax.ppermute(o, axis_name, _inverse(perms[j])) for j, o in enumerate((o_even, o_odd))]
+    return jnp.concatenate(back, axis=1)
 
 
-def mla_attention_context_parallel(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt=None, *, nope, scale, mesh=None):
+def mla_attention_context_parallel(q_bthk, latent_btc, kv_b_rhe, segment_ids_bt=None, *, nope, scale, mesh=None,
+                                   block=DEFAULT_BLOCK, zigzag=True):
     """MLA's training attention with the sequence split over 'context' (global arrays; heads over 'model' where they
     divide): q [B, T, H, nope + rope], latent rows [B, T, r + rope], kv_b_proj [r, H, nope + v] in the compute
-    dtype. Returns f32 (wide) [B, T, H, V], equal to `causal_attention` on the expanded keys/values."""
+    dtype; `block` tokens per query / key block. Returns f32 (wide) [B, T, H, V], equal to `causal_attention` on
+    the expanded keys/values."""
     b, t, h, _ = q_bthk.shape
     mesh = _resolve_mesh(mesh, t)
     ba, ma = batch_axes(mesh, b), model_axis(mesh, h)
     has_ids = segment_ids_bt is not None
 
     def body(q, lat, kv_b, ids):
-        return mla_attention_shard(q, lat, kv_b, ids if has_ids else None, nope=nope, scale=scale)
+        return mla_attention_shard(q, lat, kv_b, ids if has_ids else None, nope=nope, scale=scale, block=block,
+                                   zigzag=zigzag)
 
     ids = segment_ids_bt if has_ids else jnp.zeros((b, t), jnp.int32)
     tok4 = P(ba, CONTEXT_AXIS, ma, None)

@@ -68,7 +68,8 @@ class MLA(nnx.Module):
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.
         Traced under a mesh whose 'context' axis is > 1, attention runs context-parallel
-        (`sharding.context_parallel`: the latent rows are all-gathered over 'context', masks use global positions)."""
+        (`sharding.context_parallel`: the latent rows are all-gathered over 'context' and attended blockwise in
+        `mla_flash_block` tiles, zig-zag balanced, whatever `mla_attention_impl` says)."""
         cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         h, nope = cfg.num_attention_heads, cfg.qk_nope_head_dim
         proj = self._project_inputs(x_btd)
@@ -78,7 +79,7 @@ class MLA(nnx.Module):
         if cp_mesh is not None:
             o_bthv = context_parallel.mla_attention_context_parallel(
                 q_bthk, cache_btc, self.kv_b_proj[...].astype(dt), segment_ids_bt, nope=nope,
-                scale=cfg.qk_head_dim ** -0.5, mesh=cp_mesh)  # f32
+                scale=cfg.qk_head_dim ** -0.5, mesh=cp_mesh, block=cfg.runtime.mla_flash_block)  # f32
             return self._output(proj, o_bthv)
         lat, k_r = cache_btc[..., :cfg.kv_lora_rank], cache_btc[..., cfg.kv_lora_rank:]
         kv_bthe = jnp.einsum("btr,rhe->bthe", lat, self.kv_b_proj[...].astype(dt))

@@ -6,7 +6,8 @@ above the diagonal is computed and no shape is dynamic). Running max, sum and th
 (`numerics.wide`); the output is f32 [B, T, H, V]. The backward (`jax.custom_vjp`) keeps only the inputs, the output
 and the per-row logsumexp and recomputes each block's probabilities: one pass over key blocks, each looping over the
 query blocks at or below the diagonal, carrying its dK, dV and adding into a dQ buffer. The largest intermediate is
-one [B, H, block_q, block_k] tile.
+one [B, H, block_q, block_k] tile. The per-tile steps (`tile_scores`, `online_softmax_step`, `finish_softmax`,
+`tile_gradients`) and block helpers are shared with `k3jax/ops/latent_flash_attention.py` (context-parallel MLA).
 
 Matmul operands are in the operands' dtype (probabilities and the output cotangent are rounded to it before their
 matmuls, as flash kernels do), accumulation in at least f32; with f32 operands everything is f32. T that is not a
@@ -64,38 +65,48 @@ def flash_causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Arr
 
 
 # ------------------------------------------------------------------------------------------- block layout helpers
-def _blocks(x_bt_, size):
+def split_blocks(x_bt_, size):
     """[B, T, H, D] -> [T/size, B, H, size, D] (blocks along the leading axis, indexed dynamically)."""
     b, t, h, d = x_bt_.shape
     return x_bt_.reshape(b, t // size, size, h, d).transpose(1, 0, 3, 2, 4)
 
 
-def _unblocks(x_nbhsd):
+def merge_blocks(x_nbhsd):
+    """[T/size, B, H, size, D] -> [B, T, H, D]: the inverse of `split_blocks`."""
     n, b, h, s, d = x_nbhsd.shape
     return x_nbhsd.transpose(1, 0, 3, 2, 4).reshape(b, n * s, h, d)
 
 
-def _row_blocks(x_bth, size):
+def split_row_blocks(x_bth, size):
     """[B, T, H] -> [T/size, B, H, size]."""
     b, t, h = x_bth.shape
     return x_bth.reshape(b, t // size, size, h).transpose(1, 0, 3, 2)
 
 
-def _seg_blocks(seg_bt, size):
+def split_seg_blocks(seg_bt, size):
+    """[B, T] -> [T/size, B, size]."""
     b, t = seg_bt.shape
     return seg_bt.reshape(b, t // size, size).transpose(1, 0, 2)
 
 
-def _at(x, i):
+def block_at(x, i):
+    """Block `i` (traced) of a blocked array."""
     return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
 
 
-def _mask(i, j, bq, bk, seg_q_bq, seg_k_bs):
+def add_block(x, y, i):
+    """`x` with `y` added into block `i` (traced)."""
+    return jax.lax.dynamic_update_index_in_dim(x, block_at(x, i) + y, i, axis=0)
+
+
+def position_mask(q_pos_q, k_pos_s, seg_q_bq, seg_k_bs):
     """[B, 1, bq, bk]: key position <= query position, same segment."""
-    q_pos = i * bq + jnp.arange(bq)
-    k_pos = j * bk + jnp.arange(bk)
-    causal = q_pos[:, None] >= k_pos[None, :]
+    causal = q_pos_q[:, None] >= k_pos_s[None, :]
     return (causal[None] & (seg_q_bq[:, :, None] == seg_k_bs[:, None, :]))[:, None]
+
+
+def _mask(i, j, bq, bk, seg_q_bq, seg_k_bs):
+    return position_mask(i * bq + jnp.arange(bq), j * bk + jnp.arange(bk), seg_q_bq, seg_k_bs)
 
 
 def _last_key_block(i, bq, bk):
@@ -108,34 +119,67 @@ def _first_query_block(j, bq, bk):
     return (j * bk) // bq
 
 
+# ------------------------------------------------------------------------------------------ one tile (shared)
+def tile_scores(q_bhqk, k_bhsk, scale, mask_b1qs):
+    """Masked logits [B, H, bq, bk] of one tile, accumulated in at least f32 (masked: -inf)."""
+    s = jnp.einsum("bhqk,bhsk->bhqs", q_bhqk, k_bhsk, preferred_element_type=wide(q_bhqk.dtype)) * scale
+    return jnp.where(mask_b1qs, s, -jnp.inf)
+
+
+def online_softmax_step(carry, s_bhqs, v_bhsv):
+    """One key tile into a query tile's running (max, sum, output): the output is rescaled by exp(old max − new
+    max) and gains p·v with p = exp(s − max) rounded to v's dtype for the matmul."""
+    m_i, l_i, o_i = carry
+    m_new = jnp.maximum(m_i, s_bhqs.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)  # a row with no key yet: exp(-inf) = 0 everywhere
+    p = jnp.exp(s_bhqs - m_safe[..., None])
+    alpha = jnp.exp(m_i - m_safe)
+    pv = jnp.einsum("bhqs,bhsv->bhqv", p.astype(v_bhsv.dtype), v_bhsv, preferred_element_type=o_i.dtype)
+    return m_new, alpha * l_i + p.sum(axis=-1), alpha[..., None] * o_i + pv
+
+
+def finish_softmax(m_i, l_i, o_i):
+    """(output, logsumexp) from the running statistics; a row that saw no key gets 0 and -inf."""
+    seen = l_i > 0
+    l_safe = jnp.where(seen, l_i, 1)
+    return o_i / l_safe[..., None], jnp.where(seen, m_i + jnp.log(l_safe), -jnp.inf)
+
+
+def tile_gradients(q_i, k_j, v_j, do_i, lse_i, delta_i, mask, scale):
+    """(dq_i, dk_j, dv_j) of one tile in at least f32, its probabilities recomputed from the rows' final
+    logsumexp `lse_i` and `delta_i` = rowsum(dO ∘ O); probabilities and dS are rounded to q's dtype before their
+    matmuls."""
+    acc, dt = wide(q_i.dtype), q_i.dtype
+    s = jnp.einsum("bhqk,bhsk->bhqs", q_i, k_j, preferred_element_type=acc) * scale
+    p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0)
+    dv = jnp.einsum("bhqs,bhqv->bhsv", p.astype(dt), do_i, preferred_element_type=acc)
+    dp = jnp.einsum("bhqv,bhsv->bhqs", do_i, v_j, preferred_element_type=acc)
+    ds = (p * (dp - delta_i[..., None]) * scale).astype(dt)
+    dk = jnp.einsum("bhqs,bhqk->bhsk", ds, q_i, preferred_element_type=acc)
+    dq = jnp.einsum("bhqs,bhsk->bhqk", ds, k_j, preferred_element_type=acc)
+    return dq, dk, dv
+
+
 # ------------------------------------------------------------------------------------------------------- forward
 def _forward(scale, bq, bk, q, k, v, seg):
     """Output [B, Tp, H, V] (wide) and logsumexp [B, Tp, H] (wide) of the padded problem."""
     acc = wide(q.dtype)
-    q_n, k_n, v_n = _blocks(q, bq), _blocks(k, bk), _blocks(v, bk)
-    seg_q, seg_k = _seg_blocks(seg, bq), _seg_blocks(seg, bk)
+    q_n, k_n, v_n = split_blocks(q, bq), split_blocks(k, bk), split_blocks(v, bk)
+    seg_q, seg_k = split_seg_blocks(seg, bq), split_seg_blocks(seg, bk)
     b, h, dv = q.shape[0], q.shape[2], v.shape[-1]
 
     def query_block(args):
         i, q_i, sq_i = args
 
         def key_block(j, carry):
-            m_i, l_i, o_i = carry
-            s = jnp.einsum("bhqk,bhsk->bhqs", q_i, _at(k_n, j), preferred_element_type=acc) * scale
-            s = jnp.where(_mask(i, j, bq, bk, sq_i, _at(seg_k, j)), s, -jnp.inf)
-            m_new = jnp.maximum(m_i, s.max(axis=-1))
-            m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0)  # a row with no key yet: exp(-inf) = 0 everywhere
-            p = jnp.exp(s - m_safe[..., None])
-            alpha = jnp.exp(m_i - m_safe)
-            pv = jnp.einsum("bhqs,bhsv->bhqv", p.astype(q.dtype), _at(v_n, j), preferred_element_type=acc)
-            return m_new, alpha * l_i + p.sum(axis=-1), alpha[..., None] * o_i + pv
+            s = tile_scores(q_i, block_at(k_n, j), scale, _mask(i, j, bq, bk, sq_i, block_at(seg_k, j)))
+            return online_softmax_step(carry, s, block_at(v_n, j))
 
         init = (jnp.full((b, h, bq), -jnp.inf, acc), jnp.zeros((b, h, bq), acc), jnp.zeros((b, h, bq, dv), acc))
-        m_i, l_i, o_i = jax.lax.fori_loop(0, _last_key_block(i, bq, bk), key_block, init)
-        return o_i / l_i[..., None], m_i + jnp.log(l_i)  # every query sees itself: l_i > 0
+        return finish_softmax(*jax.lax.fori_loop(0, _last_key_block(i, bq, bk), key_block, init))
 
     o_n, lse_n = jax.lax.map(query_block, (jnp.arange(q_n.shape[0]), q_n, seg_q))
-    return _unblocks(o_n), _unblocks(lse_n[..., None])[..., 0]
+    return merge_blocks(o_n), merge_blocks(lse_n[..., None])[..., 0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -153,9 +197,9 @@ def _flash_bwd(scale, bq, bk, res, do):
     q, k, v, seg, o, lse = res
     acc, dt = wide(q.dtype), q.dtype
     delta = jnp.sum(do * o, axis=-1)  # [B, Tp, H]: rowsum(dO ∘ O) = Σ_s P·dP
-    q_n, do_n = _blocks(q, bq), _blocks(do.astype(dt), bq)
-    lse_n, delta_n = _row_blocks(lse, bq), _row_blocks(delta, bq)
-    seg_q, seg_k = _seg_blocks(seg, bq), _seg_blocks(seg, bk)
+    q_n, do_n = split_blocks(q, bq), split_blocks(do.astype(dt), bq)
+    lse_n, delta_n = split_row_blocks(lse, bq), split_row_blocks(delta, bq)
+    seg_q, seg_k = split_seg_blocks(seg, bq), split_seg_blocks(seg, bk)
     nq = q_n.shape[0]
 
     def key_block(dq_n, args):
@@ -163,25 +207,20 @@ def _flash_bwd(scale, bq, bk, res, do):
 
         def query_block(i, carry):
             dk_j, dv_j, dq_n = carry
-            q_i, do_i = _at(q_n, i), _at(do_n, i)
-            s = jnp.einsum("bhqk,bhsk->bhqs", q_i, k_j, preferred_element_type=acc) * scale
-            p = jnp.where(_mask(i, j, bq, bk, _at(seg_q, i), sk_j), jnp.exp(s - _at(lse_n, i)[..., None]), 0)
-            dv_j = dv_j + jnp.einsum("bhqs,bhqv->bhsv", p.astype(dt), do_i, preferred_element_type=acc)
-            dp = jnp.einsum("bhqv,bhsv->bhqs", do_i, v_j, preferred_element_type=acc)
-            ds = (p * (dp - _at(delta_n, i)[..., None]) * scale).astype(dt)
-            dk_j = dk_j + jnp.einsum("bhqs,bhqk->bhsk", ds, q_i, preferred_element_type=acc)
-            dq_i = _at(dq_n, i) + jnp.einsum("bhqs,bhsk->bhqk", ds, k_j, preferred_element_type=acc)
-            return dk_j, dv_j, jax.lax.dynamic_update_index_in_dim(dq_n, dq_i, i, axis=0)
+            q_i, do_i, lse_i, delta_i = (block_at(x, i) for x in (q_n, do_n, lse_n, delta_n))
+            mask = _mask(i, j, bq, bk, block_at(seg_q, i), sk_j)
+            dq_i, dk, dv = tile_gradients(q_i, k_j, v_j, do_i, lse_i, delta_i, mask, scale)
+            return dk_j + dk, dv_j + dv, add_block(dq_n, dq_i, i)
 
         init = (jnp.zeros(k_j.shape, acc), jnp.zeros(v_j.shape, acc), dq_n)
         dk_j, dv_j, dq_n = jax.lax.fori_loop(_first_query_block(j, bq, bk), nq, query_block, init)
         return dq_n, (dk_j, dv_j)
 
-    k_n, v_n = _blocks(k, bk), _blocks(v, bk)
+    k_n, v_n = split_blocks(k, bk), split_blocks(v, bk)
     dq_n = jnp.zeros(q_n.shape, acc)
     dq_n, (dk_n, dv_n) = jax.lax.scan(key_block, dq_n, (jnp.arange(k_n.shape[0]), k_n, v_n, seg_k))
-    return (_unblocks(dq_n).astype(q.dtype), _unblocks(dk_n).astype(k.dtype), _unblocks(dv_n).astype(v.dtype),
-            None)
+    dq, dk, dv = (merge_blocks(x).astype(y.dtype) for x, y in ((dq_n, q), (dk_n, k), (dv_n, v)))
+    return dq, dk, dv, None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
