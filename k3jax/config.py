@@ -104,9 +104,10 @@ class RuntimeConfig:
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
     # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised),
-    # "cudnn" (GPU flash attention, bf16 operands, documents as a [B, 1, T, T] mask) or "flash"
-    # (k3jax/ops/flash_attention.py: blockwise in plain JAX, segment ids, f32 statistics and output, no T x T array).
-    mla_attention_impl: Literal["xla", "cudnn", "flash"] = "xla"
+    # "cudnn" (GPU flash attention, bf16 operands, documents as a [B, 1, T, T] mask), "flash"
+    # (k3jax/ops/flash_attention.py: blockwise in plain JAX, segment ids, f32 statistics and output, no T x T array)
+    # or "auto" (`training_attention_impl`: cudnn on a GPU with 16-bit compute, flash on a TPU, else xla).
+    mla_attention_impl: Literal["auto", "xla", "cudnn", "flash"] = "auto"
     mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import configs
-from k3jax.ops.attention import causal_attention
+from k3jax.ops.attention import causal_attention, training_attention_impl
 from k3jax.ops.linear import project_wide
 
 
@@ -53,5 +53,10 @@ def test_cudnn_attention_names_a_misshapen_document_mask():
         causal_attention(q, q, q, scale=0.25, impl="cudnn", segment_ids_bt=jnp.ones((1, 5), jnp.int32))
 
 
-def test_training_attention_defaults_to_the_xla_core():
-    assert configs.get_config("k3_gpu").runtime.mla_attention_impl == "xla"
+def test_training_attention_auto_is_the_exact_xla_core_on_cpu_and_explicit_choices_pass_through():
+    """"auto" (the default) picks cuDNN on a GPU with 16-bit compute and the blockwise core on a TPU; on a CPU the
+    f32 XLA core, so the CPU checks of the whole model stay exact."""
+    assert configs.get_config("k3_gpu").runtime.mla_attention_impl == "auto"
+    assert training_attention_impl("auto", jnp.bfloat16) == training_attention_impl("auto", jnp.float32) == "xla"
+    for impl in ("xla", "cudnn", "flash"):
+        assert training_attention_impl(impl, jnp.float32) == impl

@@ -14,7 +14,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import upcast, wide
-from k3jax.ops.attention import causal_attention, mla_decode_backend, paged_latent_decode
+from k3jax.ops.attention import causal_attention, mla_decode_backend, paged_latent_decode, training_attention_impl
 from k3jax.ops.linear import project as dense
 from k3jax.ops.linear import unless_single_row
 from sharding import context_parallel
@@ -87,7 +87,8 @@ class MLA(nnx.Module):
         k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
         k_bthk = jnp.concatenate([k_nope, k_rope], axis=-1)
         o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5,
-                                  impl=cfg.runtime.mla_attention_impl, segment_ids_bt=segment_ids_bt,
+                                  impl=training_attention_impl(cfg.runtime.mla_attention_impl, dt),
+                                  segment_ids_bt=segment_ids_bt,
                                   block_q=cfg.runtime.mla_flash_block, block_k=cfg.runtime.mla_flash_block)  # f32
         return self._output(proj, o_bthv)
 

@@ -22,7 +22,19 @@ from k3jax.ops import backend as backend_lib
 from k3jax.ops.flash_attention import DEFAULT_BLOCK, flash_causal_attention
 from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attention
 
-__all__ = ["causal_attention", "mla_decode_backend", "paged_latent_decode"]
+__all__ = ["causal_attention", "mla_decode_backend", "paged_latent_decode", "training_attention_impl"]
+
+
+def training_attention_impl(impl: str, compute_dtype) -> str:
+    """The core `mla_attention_impl` names for this trace. "auto": cuDNN on a GPU when the compute dtype is 16-bit
+    (2.5x the XLA core on packed 4K rows, RESULTS.md 2026-12-04; it rounds wider operands), the blockwise core on
+    a TPU (no T x T array), else the XLA core (CPU: exact f32)."""
+    if impl != "auto":
+        return impl
+    platform = backend_lib.traced_accelerator()
+    if platform == "gpu" and jnp.dtype(compute_dtype).itemsize == 2:
+        return "cudnn"
+    return "flash" if platform == "tpu" else "xla"
 
 
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,

@@ -27,8 +27,8 @@ m = model size, X/m = ceil(X / m)):
                  KDA    6·(H/m)·K·a + 3·(H/m)·C·4 + (H/m)·K·K·4 / C (q, k, v, g, gates; chunk-local f32 [C, C]
                         blocks; one f32 state per chunk)
                  MLA    6·(H/m)·(dn + dr)·a + 2·(q_lora + kv_lora)·a + 3·(H/m)·T·4 (projections; the XLA attention's
-                        f32 logits, probabilities and their gradient over all T keys; with mla_attention_impl flash or
-                        cudnn (H/m)·(dv + 1)·4 instead: the f32 output and logsumexp)
+                        f32 logits, probabilities and their gradient over all T keys; with mla_attention_impl flash,
+                        cudnn or auto, or context > 1 (H/m)·(dv + 1)·4 instead: the f32 output and logsumexp)
                  dense  3·(I/m)·a;  MoE: 2·E·4 (router) + 3·shared·(M/m)·a + k·L·a (sent rows) +
                         rows/n · (3·L + 3·(M/m))·a, rows = n·k on one expert rank; with expert parallelism R > 1
                         the dropless receive buffer's static worst case R·n·min(k, E/R)
@@ -149,7 +149,9 @@ def _layer_bytes(cfg: ModelConfig, attn: str, ffn: str, *, n: int, t_full: int, 
         per_token += 6 * h * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) * a
         per_token += 2 * ((cfg.q_lora_rank or 0) + cfg.kv_lora_rank) * a
         # the XLA core's f32 [T, T] logits, probabilities and gradient; flash/cuDNN: the f32 output and logsumexp
-        per_token += 3 * h * t_full * 4 if cfg.runtime.mla_attention_impl == "xla" else h * (cfg.v_head_dim + 1) * 4
+        # "auto" counts as flash/cuDNN (what it picks on accelerators; CPU runs are small)
+        t_by_t = cfg.runtime.mla_attention_impl == "xla" and sizes["context"] == 1  # context-parallel: blockwise
+        per_token += 3 * h * t_full * 4 if t_by_t else h * (cfg.v_head_dim + 1) * 4
     total = n * per_token
     if ffn == "dense":
         total += n * 3 * _ceil_div(cfg.intermediate_size, m) * a
