@@ -309,3 +309,12 @@ def test_greedy_speculative_equals_plain_on_k3_layout():
     want = [r.tokens for r in Engine(model, max_len=MAX_LEN).generate(PROMPTS, [12, 5, 9], eos_id=-1)]
     engine = SpeculativeEngine(model, MTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), K), max_len=MAX_LEN)
     assert [r.tokens for r in engine.generate(PROMPTS, [12, 5, 9], eos_id=-1)] == want
+
+
+def test_bad_arguments_are_one_line_errors(model):
+    with pytest.raises(ValueError, match="num_tokens"):
+        RandomDraft(0, model.cfg.vocab_size)
+    with pytest.raises(ValueError, match="mesh"):
+        SpeculativeEngine(model, RandomDraft(K, model.cfg.vocab_size), mesh=object())
+    with pytest.raises(ValueError, match=r"\+ 3 drafted .* exceeds the cache capacity"):
+        SpeculativeEngine(model, RandomDraft(K, model.cfg.vocab_size), max_len=16).generate([[1] * 6], 9)
