@@ -17,7 +17,8 @@ from safetensors import safe_open
 
 import configs
 import k3jax
-from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from k3jax.convert.checkpoint import hf_to_orbax
+from k3jax.convert.to_hf import orbax_to_hf
 from k3jax.convert.vision import text_only_hf_config
 from tests.conftest import jit_call
 from tests.test_convert_fixtures import write_hf_dir

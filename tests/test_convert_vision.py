@@ -16,9 +16,10 @@ from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import configs
-from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from k3jax.convert.checkpoint import hf_to_orbax
 from k3jax.convert.hf_config import config_from_hf
 from k3jax.convert.safetensors_io import CheckpointError
+from k3jax.convert.to_hf import orbax_to_hf
 from k3jax.convert.vision import export_vision_weights, load_vision_weights, text_only_hf_config
 from k3jax.convert.vision_load import load_vision_checkpoint
 from k3jax.vision import VisionConfig, VisionModel

@@ -29,7 +29,8 @@ from safetensors import safe_open
 import configs
 import k3jax
 from k3jax.config import ConfigError
-from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from k3jax.convert.checkpoint import hf_to_orbax
+from k3jax.convert.to_hf import orbax_to_hf
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
 

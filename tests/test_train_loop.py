@@ -15,7 +15,7 @@ from flax import nnx
 from safetensors import safe_open
 
 import configs
-from k3jax.convert.checkpoint import orbax_to_hf
+from k3jax.convert.to_hf import orbax_to_hf
 from k3jax.loading import save_checkpoint
 from k3jax.model import K3Model
 from k3jax.training import checkpointing

@@ -23,8 +23,9 @@ from absl import app, flags
 
 from k3jax.atomic import os_error
 from k3jax.config import ConfigError
-from k3jax.convert.checkpoint import hf_to_orbax, orbax_to_hf
+from k3jax.convert.checkpoint import hf_to_orbax
 from k3jax.convert.safetensors_io import CheckpointError
+from k3jax.convert.to_hf import orbax_to_hf
 
 flags.DEFINE_string("hf_dir", None, "HF directory: config.json + *.safetensors (+ model.safetensors.index.json)")
 flags.DEFINE_string("out", None, "output directory (must not exist unless --overwrite)")
