@@ -251,8 +251,13 @@ class K3Model(nnx.Module):
         then computed as if alone: KDA state and short conv restart and MLA attends within the document only
         (AttnRes and the FFNs are per token). None: one document per row, at no extra cost.
         """
+        return self.hidden_states_from_embeddings(self.embed(input_ids_bt), segment_ids_bt)
+
+    def hidden_states_from_embeddings(self, embeds_btd: jax.Array,
+                                      segment_ids_bt: jax.Array | None = None) -> jax.Array:
+        """`hidden_states` from input embeddings [B, T, D] instead of ids (multimodal: image tokens merged in)."""
         cfg = self.cfg
-        h = self.embed(input_ids_bt)
+        h = jnp.asarray(embeds_btd).astype(cfg.runtime.jnp_dtype)
         b, t, d = h.shape
         if segment_ids_bt is not None:
             segment_ids_bt = jnp.asarray(segment_ids_bt)
@@ -278,8 +283,13 @@ class K3Model(nnx.Module):
     def hidden_states_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
                              valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
         """`hidden_states` for T new tokens per sequence continuing `cache` (see `forward_cached`)."""
+        return self.hidden_states_cached_from_embeddings(self.embed(input_ids_bt), cache, valid_len_b)
+
+    def hidden_states_cached_from_embeddings(self, embeds_btd: jax.Array, cache: DecodeCache,
+                                             valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
+        """`hidden_states_cached` from input embeddings [B, T, D] instead of ids."""
         cfg = self.cfg
-        h = self.embed(input_ids_bt)
+        h = jnp.asarray(embeds_btd).astype(cfg.runtime.jnp_dtype)
         b, t, d = h.shape
         if valid_len_b is None:
             valid_len_b = jnp.full((b,), t, jnp.int32)

@@ -396,8 +396,9 @@ def _strip_language_model(w):
     return {k[len(pre):]: v for k, v in w.items() if k.startswith(pre)}
 
 
-def forward(w, cfg, ids_bt, return_hidden=False):
-    """§3.1 full text forward: ids [B, T] -> logits [B, T, V] float64.
+def forward(w, cfg, ids_bt, return_hidden=False, inputs_embeds=None):
+    """§3.1 full text forward: ids [B, T] -> logits [B, T, V] float64 (`inputs_embeds` [B, T, D]: these instead of
+    the ids' embedding rows, as a multimodal prompt with image tokens merged in).
     With attn_res_block_size set, the Block-AttnRes wiring of §3.1 exactly (bank snapshot pushed at l % block == 0,
     before that layer's attention, the live partial sum restarting from the attention output); otherwise plain
     pre-norm residuals h += attn(ln1(h)); h += ffn(ln2(h)). Final: logits = lm_head(norm(h)) (embed if tied).
@@ -432,7 +433,7 @@ def forward(w, cfg, ids_bt, return_hidden=False):
     logits = np.zeros((B, T, head.shape[0]))
     hidden = np.zeros((B, T, embed.shape[1]))
     for b in range(B):
-        h = embed[ids[b]]  # [T, D]
+        h = embed[ids[b]] if inputs_embeds is None else _f64(inputs_embeds[b])  # [T, D]
         if block is None:
             for l in range(cfg.num_hidden_layers):
                 h = h + attn(l, ln(l, "input_layernorm", h))
