@@ -26,6 +26,7 @@ from k3jax.config import ConfigError
 from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.training.aot import compile_train_step
 from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
+from k3jax.training.evaluate import EvalDataError
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown
 from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
@@ -61,7 +62,24 @@ _COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False,
                                      "Lower and compile one training step for --topology (a TPU pod slice, via libtpu "
                                      "on this machine) and print per-chip memory; nothing runs.")
 _TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology for --compile_only, e.g. v5p:8x8x8.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Held-out LM loss every N steps and after the last one (0: no "
+                                   "eval); with expert QAT, of the quantized and the unquantized model.")
+_EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 10, "Batches per eval (of batch_size / grad_accum rows each).")
+_EVAL_DATA = flags.DEFINE_string("eval_data", None, "Prepared eval data dir; default: the held-out split of the "
+                                 "training data (every 100th document, then left out of training).")
 _HALT = flags.DEFINE_integer("halt_at_step", None, "Stop (and save) after this step, as a preemption would.")
+
+
+def options_from_flags() -> TrainOptions:
+    """The TrainOptions the flags give (ValueError naming a bad one)."""
+    return TrainOptions(
+        workdir=_WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value, seq_len=_SEQ.value,
+        learning_rate=_LR.value, weight_decay=_WD.value, optimizer=_OPT.value, quantile_balancing=_QB.value,
+        mtp=_MTP.value, mtp_weight=_MTP_WEIGHT.value, data=_DATA.value, mesh=_MESH.value, resume=_RESUME.value,
+        seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
+        halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value,
+        grad_accum=_ACCUM.value, state_dtype=_STATE_DTYPE.value, eval_every=_EVAL_EVERY.value,
+        eval_batches=_EVAL_BATCHES.value, eval_data=_EVAL_DATA.value)
 
 
 def main(argv):
@@ -72,13 +90,11 @@ def main(argv):
     if not _COMPILE_ONLY.value and not join_distributed(_INIT_TIMEOUT.value):  # compile-only: one process
         return 3
     cfg = training_config(_CONFIG.value, _SET.value)  # f32 master parameters unless --set param_dtype=...
-    opts = TrainOptions(
-        workdir=_WORKDIR.value, steps=_STEPS.value, batch_size=_BATCH.value, seq_len=_SEQ.value,
-        learning_rate=_LR.value, weight_decay=_WD.value, optimizer=_OPT.value, quantile_balancing=_QB.value,
-        mtp=_MTP.value, mtp_weight=_MTP_WEIGHT.value, data=_DATA.value, mesh=_MESH.value, resume=_RESUME.value,
-        seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
-        halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value,
-        grad_accum=_ACCUM.value, state_dtype=_STATE_DTYPE.value)
+    try:
+        opts = options_from_flags()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
     if _COMPILE_ONLY.value:
         return compile_only(cfg, opts, _TOPOLOGY.value)
     if opts.workdir is None:
@@ -88,7 +104,7 @@ def main(argv):
     except DoesNotFitError as e:
         print(f"does not fit: {e}", file=sys.stderr, flush=True)
         return 2
-    except (CheckpointError, ConfigError, CheckpointMismatchError, CheckpointCorruptError) as e:
+    except (CheckpointError, ConfigError, CheckpointMismatchError, CheckpointCorruptError, EvalDataError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except OSError as e:  # an unwritable --workdir (read-only, full disk) or an unreadable input

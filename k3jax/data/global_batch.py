@@ -146,14 +146,15 @@ class GlobalBatchIterator(grain.DatasetIterator):
 
 def make_global_dataset(data_dir: str, mesh: Mesh, *, batch_size: int, seq_len: int, seed: int = 0,
                         shuffle: bool = True, num_epochs: int | None = None, worker_count: int = 0,
-                        vocab_size: int | None = None, process_index: int | None = None) -> GlobalBatchIterator:
+                        vocab_size: int | None = None, process_index: int | None = None,
+                        split: str = "all") -> GlobalBatchIterator:
     """Global packed batches (`pipeline`'s batch dict, as jax.Arrays of `batch_size` rows sharded over the batch
     axes of `mesh`) from a prepared `data_dir`; each process reads only its data-parallel shards. Arguments as
     `pipeline.make_dataset` (`worker_count` applies per local shard). Call `.close()` when done."""
     def make_shard(index: int, count: int, rows: int) -> grain.DatasetIterator:
         return pipeline.make_dataset(data_dir, batch_size=rows, seq_len=seq_len, seed=seed, shuffle=shuffle,
                                      num_epochs=num_epochs, worker_count=worker_count, shard_index=index,
-                                     shard_count=count, vocab_size=vocab_size)
+                                     shard_count=count, vocab_size=vocab_size, split=split)
 
     return GlobalBatchIterator(mesh, batch_size, make_shard, process_index=process_index)
 

@@ -43,6 +43,10 @@ from k3jax.data.text import stdlib_corpus
 log = logging.getLogger("k3jax.data.pipeline")
 
 BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask")
+# Document splits of a prepared directory: "heldout" is every HELD_OUT_EVERY-th document (prepare order, indices
+# E-1, 2E-1, ...: spread over the whole corpus, the same for every seed), "train" the others, "all" every document.
+SPLITS = ("all", "train", "heldout")
+HELD_OUT_EVERY = 100
 
 
 def _document_pairs(record: bytes) -> dict[str, np.ndarray]:
@@ -88,6 +92,34 @@ class _ShardInterleavedSource(grain.sources.RandomAccessDataSource):
 
     def __getitems__(self, indices) -> list[bytes]:
         return self._source.__getitems__([self._global_index(int(i)) for i in indices])
+
+
+class _SplitSource(grain.sources.RandomAccessDataSource):
+    """The documents of one split ("train" or "heldout", see SPLITS) of a source, in the source's order."""
+
+    def __init__(self, source: grain.sources.RandomAccessDataSource, split: str):
+        self._source, self._held_out = source, split == "heldout"
+        held = len(source) // HELD_OUT_EVERY
+        self._len = held if self._held_out else len(source) - held
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _index(self, i: int) -> int:
+        e = HELD_OUT_EVERY
+        return i * e + e - 1 if self._held_out else i + i // (e - 1)  # train: skip every e-th index
+
+    def __getitem__(self, i) -> bytes:
+        return self._source[self._index(int(i))]
+
+    def __getitems__(self, indices) -> list[bytes]:
+        return self._source.__getitems__([self._index(int(i)) for i in indices])
+
+
+def split_size(num_documents: int, split: str) -> int:
+    """How many of `num_documents` documents a split holds."""
+    held = num_documents // HELD_OUT_EVERY
+    return {"all": num_documents, "train": num_documents - held, "heldout": held}[split]
 
 
 class _JsonStateIterator(grain.DatasetIterator):
@@ -152,8 +184,10 @@ def _process_shard(shard_index: int | None, shard_count: int | None) -> tuple[in
 def build_dataset(data_dir: str, *, batch_size: int, seq_len: int, seed: int = 0, shuffle: bool = True,
                   num_epochs: int | None = None, worker_count: int = 0, shard_index: int | None = None,
                   shard_count: int | None = None, vocab_size: int | None = None,
-                  read_threads: int = 4) -> grain.IterDataset:
+                  read_threads: int = 4, split: str = "all") -> grain.IterDataset:
     """The Grain `IterDataset` behind `make_dataset` (same arguments)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if batch_size < 1 or seq_len < 1:
         raise ValueError(f"batch_size and seq_len must be >= 1, got batch_size={batch_size} seq_len={seq_len}")
     if num_epochs is not None and num_epochs < 1:
@@ -163,9 +197,13 @@ def build_dataset(data_dir: str, *, batch_size: int, seq_len: int, seed: int = 0
         raise ValueError(f"{data_dir} was tokenized with {meta['tokenizer']!r} (vocab_size={meta['vocab_size']}), "
                          f"larger than the model's vocab_size={vocab_size}")
     shard_index, shard_count = _process_shard(shard_index, shard_count)
-    ds = grain.MapDataset.source(_ShardInterleavedSource(data_dir, meta["shards"]))
+    source = _ShardInterleavedSource(data_dir, meta["shards"])
+    if split != "all":
+        source = _SplitSource(source, split)
+    ds = grain.MapDataset.source(source)
     if shard_count > len(ds):
-        raise ValueError(f"{data_dir} has {len(ds)} documents, fewer than shard_count={shard_count} processes")
+        what = "documents" if split == "all" else f"documents in its {split!r} split"
+        raise ValueError(f"{data_dir} has {len(ds)} {what}, fewer than shard_count={shard_count} shards")
     # contiguous, equal-size shares (drop_remainder) so every process sees the same number of documents per epoch
     per_shard = len(ds) // shard_count
     ds = ds[shard_index * per_shard:(shard_index + 1) * per_shard]
@@ -189,17 +227,19 @@ def build_dataset(data_dir: str, *, batch_size: int, seq_len: int, seed: int = 0
 
 def make_dataset(data_dir: str, *, batch_size: int, seq_len: int, seed: int = 0, shuffle: bool = True,
                  num_epochs: int | None = None, worker_count: int = 0, shard_index: int | None = None,
-                 shard_count: int | None = None, vocab_size: int | None = None) -> grain.DatasetIterator:
+                 shard_count: int | None = None, vocab_size: int | None = None,
+                 split: str = "all") -> grain.DatasetIterator:
     """A checkpointable iterator of packed batch dicts (see the module docstring) from a prepared `data_dir`.
 
     `num_epochs=None` repeats forever. `shard_index/shard_count` default to `jax.process_index()/process_count()`;
     each process reads a disjoint, equal-size share of the documents and yields its own `batch_size` rows.
     `vocab_size` (the model's), when given, is checked against the tokenizer's recorded in the metadata.
     `worker_count > 0` packs and batches in that many processes (deterministic for a fixed count; a different count
-    gives a different order, so restore with the count the state was saved with). Call `.close()` when done."""
+    gives a different order, so restore with the count the state was saved with). `split` reads one document split
+    (SPLITS: "train" leaves out the held-out documents that "heldout" reads). Call `.close()` when done."""
     return iter(build_dataset(data_dir, batch_size=batch_size, seq_len=seq_len, seed=seed, shuffle=shuffle,
                               num_epochs=num_epochs, worker_count=worker_count, shard_index=shard_index,
-                              shard_count=shard_count, vocab_size=vocab_size))
+                              shard_count=shard_count, vocab_size=vocab_size, split=split))
 
 
 def checkpoint_save_args(iterator: grain.DatasetIterator):

@@ -12,7 +12,8 @@ estimate (`memory.check_fit`: parameters, gradients, optimizer state, one micro-
 `cfg.runtime.param_dtype` (`train.py`: float32 masters, every matmul in `cfg.runtime.dtype`) and the optimizer
 state in `opts.state_dtype` (float32 by default). Input: `global_batch.make_global_dataset` (each process reads
 the rows of its data-parallel shards). Only process 0 logs and writes metrics; every process takes part in
-checkpoint saves (Orbax).
+checkpoint saves (Orbax). With `eval_every`, a held-out LM loss (`k3jax.training.evaluate`; with expert QAT also
+the quantized model's) every N steps, in the progress line and the metrics.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from k3jax.mtp import MTPLayer
 from k3jax.param_count import count_params
 from k3jax.training import checkpointing
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
+from k3jax.training.evaluate import Evaluator, format_eval
 from k3jax.training.loss import masked_mean, mtp_loss, token_counts
 from k3jax.training.memory import GIB, check_fit
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
@@ -83,6 +85,9 @@ class TrainOptions:
     grad_accum: int = 1  # micro-batches per optimizer step (batch_size rows split into grad_accum micro-batches)
     muon_ns_dtype: str = "float32"  # Newton–Schulz matmul operands: "float32" or "bfloat16" (f32 accumulation)
     state_dtype: str = "float32"  # optimizer state (momentum, AdamW moments): "float32" or "bfloat16"
+    eval_every: int = 0  # held-out LM loss every N steps and after the last one (k3jax/training/evaluate.py); 0: none
+    eval_batches: int = 10  # batches per evaluation (of batch_size / grad_accum rows)
+    eval_data: str | None = None  # prepared eval data dir; None: the held-out split of the training data
 
     def __post_init__(self):
         if self.optimizer not in ("muon", "adamw"):
@@ -99,6 +104,17 @@ class TrainOptions:
             raise ValueError(f"checkpoint_every must be >= 0, got {self.checkpoint_every}")
         if not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ValueError(f"eval_every must be >= 0 and eval_batches >= 1, got eval_every={self.eval_every} "
+                             f"eval_batches={self.eval_batches}")
+        if self.eval_data is not None and not self.eval_every:
+            raise ValueError("eval_data is read only with eval_every > 0 (evaluate every N steps)")
+
+    @property
+    def train_split(self) -> str:
+        """The document split training reads: "train" (without the held-out documents) when the eval reads the
+        held-out split of the training data, else "all"."""
+        return "train" if self.eval_every and self.eval_data is None else "all"
 
     def schedule(self) -> optax.Schedule:
         """The learning rate by step: 1% linear warmup, then cosine decay over `steps`."""
@@ -107,7 +123,7 @@ class TrainOptions:
     def resume_keys(self) -> dict[str, Any]:
         """Options a resumed run must share with the checkpoint (the rest may change, e.g. --steps)."""
         return {k: getattr(self, k) for k in ("batch_size", "seq_len", "optimizer", "quantile_balancing", "mtp",
-                                              "data", "seed", "context_stages")}
+                                              "data", "seed", "context_stages", "train_split")}
 
 
 STATE_DTYPES = ("float32", "bfloat16")
@@ -273,26 +289,43 @@ def check_memory(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[s
     return est
 
 
+def data_dir_for(cfg: ModelConfig, opts: TrainOptions) -> str:
+    """`opts.data`, or the embedded corpus prepared on the fly (byte tokens) when no data is given."""
+    if opts.data is not None:
+        return opts.data
+    if cfg.vocab_size < 259:
+        raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
+                         f"needs >= 259 (256 bytes + BOS/EOS/PAD); pass --data with a matching tokenizer")
+    return pipeline.default_data_dir(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id)
+
+
+def make_evaluator(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[str], None]) -> Evaluator | None:
+    """The run's eval pass (None without `eval_every`), its data checked: `--eval_data`, or the held-out split of
+    the training data."""
+    if not opts.eval_every:
+        return None
+    held_out = opts.eval_data is None
+    evaluator = Evaluator(cfg, mesh, data_dir_for(cfg, opts) if held_out else opts.eval_data,
+                          "heldout" if held_out else "all", opts.batch_size // opts.grad_accum, opts.eval_batches,
+                          opts.eval_every)
+    log_fn(evaluator.check())
+    return evaluator
+
+
 def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], mesh, *, seq_len: int,
               stage: int = 0):
     """Global batches on `mesh` (`global_batch.make_global_dataset`: each process reads its data-parallel shards)
-    from `opts.data` (prepared with `python -m k3jax.data.prepare`), or from the embedded corpus prepared on the fly
-    (byte tokens) when no data is given. Context stage s reads with seed + s."""
-    if opts.data is None:
-        if cfg.vocab_size < 259:
-            raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
-                             f"needs >= 259 (256 bytes + BOS/EOS/PAD); pass --data with a matching tokenizer")
-        data_dir = pipeline.default_data_dir(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id,
-                                             pad_id=cfg.pad_token_id)
-    else:
-        data_dir = opts.data
+    from `data_dir_for` (prepared with `python -m k3jax.data.prepare`), its `opts.train_split` documents. Context
+    stage s reads with seed + s."""
+    data_dir = data_dir_for(cfg, opts)
     meta = prepare.read_metadata(data_dir)
     if int(meta["vocab_size"]) > cfg.vocab_size:
         raise ValueError(f"data in {data_dir} was tokenized with vocab_size={meta['vocab_size']}, larger than "
                          f"config {cfg.name!r}'s vocab_size={cfg.vocab_size}")
     log_fn(f"data: {data_dir} ({meta.get('num_documents', '?')} documents, {meta.get('num_tokens', '?')} tokens), "
            f"seq_len {seq_len}")
-    return make_global_dataset(data_dir, mesh, batch_size=opts.batch_size, seq_len=seq_len, seed=opts.seed + stage)
+    return make_global_dataset(data_dir, mesh, batch_size=opts.batch_size, seq_len=seq_len, seed=opts.seed + stage,
+                               split=opts.train_split)
 
 
 def parse_context_stages(text: str | None) -> tuple[tuple[int, int], ...]:
@@ -329,6 +362,9 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     Raises `memory.DoesNotFitError` before anything is allocated when the step cannot fit the devices."""
     if data is not None and opts.context_stages:
         raise ValueError("context stages need the trainer to open each stage's data itself (pass data=None)")
+    if data is not None and opts.train_split != "all":
+        raise ValueError("an eval on the held-out split needs the trainer's own data, which leaves it out (pass "
+                         "data=None, or eval_data)")
     if jax.process_index() != 0:  # one log and one metrics file per run
         log_fn = _quiet
     mesh = make_mesh_from_option(opts.mesh, cfg)
@@ -340,6 +376,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
            + (f" ({opts.grad_accum} micro-batches of {opts.batch_size // opts.grad_accum} rows)"
               if opts.grad_accum > 1 else ""))
     check_memory(cfg, opts, mesh, log_fn)
+    evaluator = make_evaluator(cfg, opts, mesh, log_fn)
     # the checkpoint's setup is checked before the model is built: a mismatch or a finished run costs no init
     manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
     dp = data_parallel_size(mesh)
@@ -405,10 +442,13 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
             stage_ends = stage_at(opts, i + 1)[0] != stage
             save_now = manager is not None and (is_last or stop.raised
                                                 or (opts.checkpoint_every and i % opts.checkpoint_every == 0))
-            if i == start + 1 or i % opts.log_every == 0 or save_now or is_last or stage_ends:
+            evaluate = evaluator is not None and evaluator.due(i, final=i == opts.steps)
+            if i == start + 1 or i % opts.log_every == 0 or save_now or is_last or stage_ends or evaluate:
                 elapsed = time.perf_counter() - t_window
                 done = _drain(pending, losses)  # raises NonFiniteLossError before anything is saved
                 m = {k: float(v) for k, v in done[-1][2].items()}
+                if evaluate:  # after the window's timing: its time is not counted in tokens/s
+                    m.update(evaluator.run(trainable.model, seq_len))
                 tps = opts.batch_size * seq_len * steps_in_window / max(elapsed, 1e-9)
                 m.update(loss=losses[-1], learning_rate=float(schedule(i - 1)), tokens_per_s=tps, seq_len=seq_len)
                 if peak:
@@ -527,6 +567,8 @@ def _format(step: int, m: dict, *, first: bool, elapsed: float) -> str:
             parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if "expert_load_max_over_mean" in m:
         parts.append(f"load max/mean {m['expert_load_max_over_mean']:.2f}")
+    if "eval_loss" in m:
+        parts.append(format_eval(m))
     return "  ".join(parts)
 
 
