@@ -7,10 +7,12 @@
 - Their gradient is the identity (straight-through), and the knobs reach the routed experts only.
 - The QAT forward equals the MXFP4 serving forward of its export (`--to_hf --experts mxfp4`) bit for bit.
 - A short QAT run loses less to MXFP4 than post-training quantization of the same run without QAT.
+- Under expert-parallel meshes (8 emulated CPU devices) a QAT MoE layer's loss and gradients equal one device's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
@@ -33,6 +35,7 @@ from k3jax.convert.checkpoint import hf_to_orbax
 from k3jax.convert.to_hf import orbax_to_hf
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
+from sharding.shard import mesh_context
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -349,3 +352,57 @@ def test_qat_loses_less_to_mxfp4_than_post_training_quantization():
     ptq_gap = _loss(qat, bf16_run, data) - bf16_loss
     qat_gap = _loss(qat, qat_run, data) - bf16_loss
     assert ptq_gap > 0 and qat_gap < ptq_gap, (bf16_loss, ptq_gap, qat_gap)
+
+
+# ------------------------------------------------------------------------------------------ expert parallelism
+EP_B, EP_T = 8, 6
+
+
+def _moe_loss_and_grads(cfg, mesh, x_btd, cotangent_btd):
+    """<LatentMoE(x), cotangent> and its gradients w.r.t. every parameter and x, jitted (under `mesh` when given)
+    from the same seed-0 layer; also whether the EP path ran (an all-to-all in the program)."""
+    from k3jax.layers.moe import LatentMoE
+
+    layer = LatentMoE(cfg, rngs=nnx.Rngs(0))
+    graphdef, params, rest = nnx.split(layer, nnx.Param, ...)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params, rest)(x) * cotangent_btd)
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    with mesh_context(mesh) if mesh is not None else contextlib.nullcontext():
+        lowered = fn.lower(params, x_btd)
+        value, (grads, grad_x) = lowered.compile(FAST_COMPILE)(params, x_btd)
+    flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
+    return float(value), {**flat, "x": np.asarray(grad_x)}, "all_to_all" in lowered.as_text()
+
+
+# (data, expert, context, model) and EP mode; (1,4,1,2) also splits the expert width over 'model' (32 of 64 per
+# device: the GLU output's MXFP8 groups stay whole), capacity:8 drops nothing
+EP_CASES = [((2, 4, 1, 1), "dropless"), ((1, 8, 1, 1), "capacity:8"), ((1, 4, 1, 2), "dropless")]
+
+
+@pytest.mark.parametrize("shape,mode", EP_CASES, ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else v)
+def test_qat_under_expert_parallelism_matches_single_device_loss_and_gradients(shape, mode):
+    """A QAT LatentMoE layer (MXFP4 weights, MXFP8 activations) on 8 emulated devices with the expert-parallel path
+    gives the single-device QAT loss and gradients (straight-through, so the expert gradients include the
+    quantization); and QAT changes both, so the comparison sees it."""
+    from sharding.mesh import make_mesh
+
+    cfg = configs.get_config("tiny", WIDTHS + ["expert_qat=mxfp4", "expert_act_qat=mxfp8",
+                                               f"moe_expert_parallel={mode}"])
+    rng = np.random.RandomState(2)
+    x = jnp.asarray(rng.randn(EP_B, EP_T, cfg.hidden_size), jnp.float32)
+    cot = jnp.asarray(rng.randn(EP_B, EP_T, cfg.hidden_size), jnp.float32)
+    want_loss, want, ran_ep = _moe_loss_and_grads(cfg, None, x, cot)
+    assert not ran_ep
+    loss, got, ran_ep = _moe_loss_and_grads(cfg, make_mesh(*shape), x, cot)
+    assert ran_ep
+    assert abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+    assert got.keys() == want.keys() and {"w1", "w3", "w2"} <= {k.split(".")[-1] for k in got}
+    for key, g in got.items():
+        np.testing.assert_allclose(g, want[key], rtol=1e-4, atol=1e-5 * (float(np.abs(want[key]).max()) or 1.0),
+                                   err_msg=key)
+    plain_loss, plain, _ = _moe_loss_and_grads(cfg.replace(expert_qat="none", expert_act_qat="none"), None, x, cot)
+    assert abs(plain_loss - want_loss) > 1e-3 * abs(want_loss)
+    assert np.abs(plain["x"] - want["x"]).max() > 1e-3 * np.abs(want["x"]).max()
