@@ -7,7 +7,8 @@
 - Their gradient is the identity (straight-through), and the knobs reach the routed experts only.
 - The QAT forward equals the MXFP4 serving forward of its export (`--to_hf --experts mxfp4`) bit for bit.
 - A short QAT run loses less to MXFP4 than post-training quantization of the same run without QAT.
-- Under expert-parallel meshes (8 emulated CPU devices) a QAT MoE layer's loss and gradients equal one device's.
+- Under expert-parallel meshes (8 emulated CPU devices) a QAT MoE layer's (slow: a two-layer model's) loss and
+  gradients equal one device's.
 """
 
 from __future__ import annotations
@@ -447,3 +448,39 @@ def test_qat_loses_less_to_mxfp4_than_post_training_quantization_on_one_moe_laye
     ptq_gap = mse(qat, float_fit) - float_err
     qat_gap = mse(qat, qat_fit) - float_err
     assert ptq_gap > 0 and qat_gap < 0.7 * ptq_gap, (float_err, ptq_gap, qat_gap)
+
+
+@pytest.mark.slow
+def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_single_device():
+    """The whole model: a two-layer `tiny` (KDA + MoE, MLA) with MXFP4/MXFP8 QAT, next-token loss and every
+    parameter's gradient under mesh (2,4,1,1) with the EP path equal one device's (routing pinned by a
+    well-separated selection bias, as tests/test_expert_parallel.py does, so both meshes route alike)."""
+    from k3jax.layers.params import RouterBias
+    from sharding.mesh import make_mesh
+    from sharding.shard import shard_batch
+    from tests.helpers import make_sharded_loss_and_grad, shard_model
+
+    cfg = configs.get_config("tiny", WIDTHS + ["num_hidden_layers=2", "full_attn_layers=(2,)", "kda_impl=recurrent",
+                                               "expert_qat=mxfp4", "expert_act_qat=mxfp8"])
+    ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (8, 17)).astype(np.int32)
+
+    def run(mesh):
+        model = K3Model(cfg, rngs=nnx.Rngs(0))
+        biases = nnx.state(model, RouterBias)
+        nnx.update(model, jax.tree.map(lambda b: jnp.broadcast_to(jnp.arange(b.shape[-1]) * 10.0, b.shape), biases))
+        shard_model(model, mesh)
+        fn = make_sharded_loss_and_grad(model, mesh, compiler_options=FAST_COMPILE)
+        _, params, rest = nnx.split(model, nnx.Param, ...)
+        lowered = fn.jitted.lower(params, rest, shard_batch(ids, mesh))
+        loss, grads = lowered.compile()(params, rest, shard_batch(ids, mesh))
+        flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
+        return float(loss), flat, "all_to_all" in lowered.as_text()
+
+    want_loss, want, ran_ep = run(make_mesh(devices=jax.devices()[:1]))
+    assert not ran_ep
+    loss, got, ran_ep = run(make_mesh(2, 4, 1, 1))
+    assert ran_ep and abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
+    assert got.keys() == want.keys()
+    for key, g in got.items():
+        np.testing.assert_allclose(g, want[key], rtol=1e-3, atol=2e-4 * (float(np.abs(want[key]).max()) or 1.0),
+                                   err_msg=key)
