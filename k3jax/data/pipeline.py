@@ -16,6 +16,9 @@ between rows. Batch dict (numpy):
 Since no position pairs tokens of two documents, the mask is 0 only on padding, which appears only at the end of a
 finite stream (`num_epochs`): with `num_epochs=None` every batch is full.
 
+`split` reads one document split of the directory: "all", "train" (all but every 100th document) or "heldout"
+(every 100th: the held-out data of `train.py --eval_every`, k3jax/training/evaluate.py).
+
 The iterator is a `grain.DatasetIterator`: `get_state()` is a JSON-able dict and `set_state(state)` on a fresh
 iterator from the same arguments continues with exactly the same batches. With Orbax, save it alongside other items
 through `checkpoint_save_args` / `checkpoint_restore_args` (Grain's own Orbax handler).

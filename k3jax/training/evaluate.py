@@ -111,7 +111,7 @@ class Evaluator:
     rows: int  # per batch (the training micro-batch)
     batches: int
     every: int
-    _step: Callable | None = None
+    _step: Callable | None = dataclasses.field(default=None, init=False, repr=False)  # built at the first run
 
     def check(self) -> str:
         """Validates the eval data (format, vocabulary, enough documents for every data-parallel shard); returns a
