@@ -88,6 +88,7 @@ def test_chunked_head_gradient_never_builds_a_tokens_by_vocab_array():
     assert full_shapes(4) == []
 
 
+@pytest.mark.slow  # two whole-model gradient compiles (~2 min on 2 cores)
 def test_fused_head_loss_in_the_training_loss_equals_the_unfused_one():
     cfg = get_config("tiny")
     fused = cfg.replace(loss_vocab_chunks=4)
@@ -99,14 +100,14 @@ def test_fused_head_loss_in_the_training_loss_equals_the_unfused_one():
 
     def run(model_cfg):
         graph, state = nnx.split(Trainable(model_cfg, mtp=True, rngs=nnx.Rngs(0)))  # same seed: same parameters
-        return jax.value_and_grad(lambda s: loss_fn(nnx.merge(graph, s), batch, 0.3), has_aux=True)(state)
+        return jax.jit(jax.value_and_grad(lambda s: loss_fn(nnx.merge(graph, s), batch, 0.3), has_aux=True))(state)
 
     (loss0, m0), g0 = run(cfg)
     (loss1, m1), g1 = run(fused)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-5)
     np.testing.assert_allclose(m1["mtp_loss"], m0["mtp_loss"], rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
 
 
 def test_loss_vocab_chunks_must_divide_the_vocabulary():

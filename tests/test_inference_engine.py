@@ -59,6 +59,7 @@ def test_per_sequence_eos(greedy_engine):
     assert e.trace_counts == {"prefill": 1, "decode": 1}
 
 
+@pytest.mark.slow
 def test_batch_equals_alone_with_sampling(mixed_engine, greedy_engine):
     e = mixed_engine
     keys = [jax.random.key(i) for i in range(3)]

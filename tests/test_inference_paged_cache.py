@@ -156,7 +156,7 @@ def test_out_of_pages_requests_wait_instead_of_failing(pool_sched):
         small.add(Request("big", a, 10))
 
 
-@pytest.mark.parametrize("page_size, copies", [(12, 1), (8, 0)])
+@pytest.mark.parametrize("page_size, copies", [pytest.param(12, 1, marks=pytest.mark.slow), (8, 0)])
 def test_prefix_hit_shares_full_pages_by_reference(page_size, copies):
     """Prefix blocks of 16 tokens. Cold run of A: the entry at 16 keeps A's first pages. B (same 20-token prefix,
     other suffix) hits it: its page table starts with the entry's full pages (refcount 2 while B runs), the partial

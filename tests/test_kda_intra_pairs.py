@@ -64,6 +64,7 @@ def test_pairs_intra_stage_equals_the_split_stage_on_packed_documents(dtype):
     assert float(jnp.max(want[5])) > 1e-3  # some chunk decays matter
 
 
+@pytest.mark.slow
 def test_pairs_intra_stage_at_the_gate_bound_and_with_the_in_kernel_gate():
     """g = -5 (the K3 lower bound) on every token of a quarter of the key channels, and > -5 nats/token elsewhere:
     the pair factors' exponents reach their extremes (+-15 tokens of decay inside a sub-chunk, far pairs

@@ -31,7 +31,7 @@ def _x(cfg, t=29, seed=0):
     return np.random.RandomState(seed).randn(t, cfg.hidden_size)
 
 
-@pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
+@pytest.mark.parametrize("name", [pytest.param("tiny", marks=pytest.mark.slow), "tiny_kimi_linear"])
 def test_kda_layer(x64, name):
     cfg = configs.get_config(name, F64)
     model, w = build_model(cfg)

@@ -62,7 +62,7 @@ def _pixels(seed: int = 0) -> np.ndarray:
     return np.random.RandomState(seed + 1).uniform(-1, 1, (n, 3, 2, 2))
 
 
-@pytest.mark.parametrize("variant", ["k3", "k25"])
+@pytest.mark.parametrize("variant", ["k3", pytest.param("k25", marks=pytest.mark.slow)])
 def test_image_and_text_logits_float64_match_numpy_reference(x64, variant):
     cfg = configs.get_config("tiny", TEXT + ["param_dtype=float64", "dtype=float64"])
     placeholder = cfg.vocab_size - 1

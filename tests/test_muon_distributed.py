@@ -20,7 +20,8 @@ from sharding.mesh import make_mesh
 from sharding.rules import MESH_AXES
 from sharding.shard import plan_shardings, resolve_spec
 
-TINY_MESHES = [(2, 2, 1, 2), pytest.param((1, 4, 1, 2), marks=pytest.mark.slow), (8, 1, 1, 1)]
+TINY_MESHES = [pytest.param((2, 2, 1, 2), marks=pytest.mark.slow), pytest.param((1, 4, 1, 2), marks=pytest.mark.slow),
+               (8, 1, 1, 1)]
 
 
 def _tiny_pair(module_fn):

@@ -1,5 +1,6 @@
-"""Remat policies (`runtime.remat_policy`) change what the backward recomputes, never the values: loss and
-gradients of the training loss equal those of the default policy (f32, `tiny`: scanned units and unscanned layers)."""
+"""Remat policies (`runtime.remat_policy`) change what the backward recomputes, not the values: loss and gradients
+of the training loss equal those of the default policy (f32, `tiny`: scanned units and unscanned layers) to f32
+rounding (XLA fuses the recomputed graphs differently, so the last bits may differ)."""
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,10 @@ from k3jax.training.trainer import Trainable, loss_fn
 
 def _loss_and_grads(cfg, batch):
     graph, state = nnx.split(Trainable(cfg, mtp=False, rngs=nnx.Rngs(0)))  # same seed: same parameters
-    return jax.value_and_grad(lambda s: loss_fn(nnx.merge(graph, s), batch, 0.3)[0])(state)
+    return jax.jit(jax.value_and_grad(lambda s: loss_fn(nnx.merge(graph, s), batch, 0.3)[0]))(state)
 
 
+@pytest.mark.slow  # two whole-model gradient compiles (~2 min on 2 cores)
 @pytest.mark.parametrize("policy", ["layer", "dots"])
 def test_remat_policy_keeps_loss_and_gradients(policy):
     cfg = get_config("tiny")
@@ -27,4 +29,4 @@ def test_remat_policy_keeps_loss_and_gradients(policy):
     loss1, g1 = _loss_and_grads(cfg.replace(remat_policy=policy), batch)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)

@@ -205,6 +205,7 @@ def test_packed_row_logits_equal_each_document_alone(name):
     assert np.abs(joined[0, 13:] - want[0, 13:]).max() > 1e-2 * np.abs(want).max()
 
 
+@pytest.mark.slow
 def test_gradient_with_segment_ids_is_finite_and_blocked_across_documents():
     """float64 `tiny`: the gradient of a next-token loss on the packed batch is finite; and since the loss makes no
     prediction inside document A, the embedding rows of the tokens only A uses get exactly zero gradient, while the

@@ -39,6 +39,7 @@ def events_of(scheduler, request: Request):
     return [ev for ev in scheduler.events() if ev.token is not None]
 
 
+@pytest.mark.slow
 def test_scheduler_logprobs_equal_a_float64_log_softmax_of_the_teacher_forced_logits(scheduler):
     greedy = events_of(scheduler, Request("g", PROMPT, 6, eos_ids=[], logprobs=5))
     plain = events_of(scheduler, Request("p", PROMPT, 6, eos_ids=[]))

@@ -70,6 +70,7 @@ def test_greedy_random_draft_equals_plain(model, plain):
     assert engine.trace_counts["spec_step"] == 1
 
 
+@pytest.mark.slow
 def test_greedy_oracle_draft_accepts_everything(oracle_engine, plain):
     _, ref = plain
     engine = oracle_engine
@@ -207,6 +208,7 @@ def test_rejection_sampling_matches_target_distribution(sp, monkeypatch):
     assert p1_broken < 1e-6, s1_broken
 
 
+@pytest.mark.slow
 def test_sampled_speculative_generation_matches_target_distribution(model):
     """End to end on the tiny model: the first two sampled tokens' joint distribution (top-k 3: 9 cells) under
     speculative decoding with a random draft (rejections everywhere) equals the target's; a greedy row in the same
@@ -248,6 +250,7 @@ def mtp_engine(model):
     return SpeculativeEngine(model, RecordingMTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), K), max_len=MAX_LEN)
 
 
+@pytest.mark.slow
 def test_mtp_draft_greedy_equals_plain_and_drafts_like_training(mtp_engine, model, plain):
     _, ref = plain
     mtp_engine.draft.records.clear()

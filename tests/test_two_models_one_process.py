@@ -16,6 +16,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import configs
@@ -56,6 +57,7 @@ def _error(got, want):
     return float(np.abs(got - want).max() / want.std())
 
 
+@pytest.mark.slow
 def test_second_model_in_a_process_matches_a_fresh_process(tmp_path):
     write_hf_dir(tmp_path / "a", A_CFG, k3=True, seed=1, a_log_len=128)
     write_hf_dir(tmp_path / "b", B_CFG, k3=False, seed=2)
