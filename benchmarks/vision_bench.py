@@ -120,13 +120,7 @@ def bench_k25(pixels, grids, dtype, iters, warmup, hf_attn):
     cfg = VisionConfig.from_transformers_k25(K25, text_hidden_size=TEXT["hidden_size"])
     ours = VisionModel(cfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
     load_vision_weights(ours, weights)
-    layout = pack(grids, cfg)
-    fn = _jitted(ours)
-    x = jnp.asarray(pixels, jdt)
-    t0 = time.perf_counter()
-    got = jax.block_until_ready(fn(x, layout))
-    first_s = time.perf_counter() - t0
-    ours_ms = median_ms(lambda: fn(x, layout), iters)
+    got, first_s, ours_ms = _time_ours(ours, pixels, grids, cfg, jdt, iters)
     got32 = np.asarray(got.astype(jnp.float32))
     want32 = want.float().cpu().numpy()
     rel = float(np.linalg.norm(got32 - want32) / np.linalg.norm(want32))
@@ -135,18 +129,23 @@ def bench_k25(pixels, grids, dtype, iters, warmup, hf_attn):
             "speedup": round(hf_ms / ours_ms, 3), "ours_first_call_s": round(first_s, 1), "rel_l2_vs_hf": rel}
 
 
-def bench_k3(pixels, grids, dtype, iters):
-    jdt = {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
-    cfg = VisionConfig()
-    model = VisionModel(cfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
-    n_params = sum(int(np.prod(v.shape)) for v in export_vision_weights(model).values())
+def _time_ours(model, pixels, grids, cfg, jdt, iters):
+    """Our jitted tower on the packed images: (output, first call incl. compile in s, median ms of `iters`)."""
     layout = pack(grids, cfg)
     fn = _jitted(model)
     x = jnp.asarray(pixels, jdt)
     t0 = time.perf_counter()
     out = jax.block_until_ready(fn(x, layout))
     first_s = time.perf_counter() - t0
-    ms = median_ms(lambda: fn(x, layout), iters)
+    return out, first_s, median_ms(lambda: fn(x, layout), iters)
+
+
+def bench_k3(pixels, grids, dtype, iters):
+    jdt = {"bf16": jnp.bfloat16, "f32": jnp.float32}[dtype]
+    cfg = VisionConfig()
+    model = VisionModel(cfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
+    n_params = sum(int(np.prod(v.shape)) for v in export_vision_weights(model).values())
+    out, first_s, ms = _time_ours(model, pixels, grids, cfg, jdt, iters)
     return {"tower": "k3", "dtype": dtype, "params": n_params, "patches": int(pixels.shape[0]),
             "tokens": int(out.shape[0]), "ours_ms": round(ms, 3), "ours_first_call_s": round(first_s, 1),
             "finite": bool(np.isfinite(np.asarray(out.astype(jnp.float32))).all())}
