@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import gzip
 import json
 import math
 import os
@@ -85,7 +86,7 @@ def run(cfg, mesh_text: str, args) -> dict:
            "compile_s": compile_s, "mfu": (tps * fpt / (devices * peak)) if peak else None,
            "peak_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30}
     if args.profile:
-        out["profile"] = profile_steps(step, trainable, optimizer, batch, args.profile_steps)
+        out["profile"] = profile_steps(step, trainable, optimizer, batch, args.profile_steps, args.out_dir)
     del trainable, optimizer, step
     return out
 
@@ -110,8 +111,10 @@ def step_part(kernel: str, where: str) -> str:
     return next(name for name, test in _PARTS if test(kernel, where))
 
 
-def profile_steps(step, trainable, optimizer, batch, steps: int) -> dict:
-    """Kernel time per step by part, source line and kernel, from a `jax.profiler` trace of `steps` steps."""
+def profile_steps(step, trainable, optimizer, batch, steps: int, out_dir: str | None = None) -> dict:
+    """Kernel time per step by part, source line and kernel, from a `jax.profiler` trace of `steps` steps. With
+    `out_dir`, the optimised HLO (gzip) is written there and the result keeps the 300 costliest HLO instructions with
+    their op names, so fusions can be read back offline."""
 
     def one_step():
         loss, _ = step(trainable, optimizer, batch)
@@ -123,10 +126,14 @@ def profile_steps(step, trainable, optimizer, batch, steps: int) -> dict:
     try:  # kernel names -> HLO instructions -> source lines (a recompile; the persistent cache serves it)
         hlo = step.jitted.lower(nnx.state((trainable, optimizer)), batch).compile().as_text()
         sources = hlo_sources(hlo)
+        if out_dir:
+            os.makedirs(out_dir, exist_ok=True)
+            with gzip.open(os.path.join(out_dir, "train_step.hlo.txt.gz"), "wt") as f:
+                f.write(hlo)
     except Exception as e:  # noqa: BLE001 -- the profile stands without sources (kernel names only)
         print(f"(no HLO sources: {type(e).__name__}: {str(e)[:200]})", flush=True)
     group_of = kernel_group(sources)
-    parts, lines, kernels = {}, {}, {}
+    parts, lines, kernels, instrs = {}, {}, {}, {}
     span = [None, None]
     plane = next((p for p in trace.planes if p.name.startswith("/device:")), None)
     plane_lines = list(plane.lines) if plane is not None else []
@@ -150,6 +157,7 @@ def profile_steps(step, trainable, optimizer, batch, steps: int) -> dict:
             for agg, key in ((parts, step_part(e.name, src or "")), (lines, group_of(name)),
                              (kernels, re.sub(r"(_\d+)+$", "", e.name))):
                 agg[key] = agg.get(key, 0) + e.duration_ns
+            instrs[f"{name} | {src or ''}"] = instrs.get(f"{name} | {src or ''}", 0) + e.duration_ns
             span[0] = e.start_ns if span[0] is None else min(span[0], e.start_ns)
             span[1] = e.start_ns + e.duration_ns if span[1] is None else max(span[1], e.start_ns + e.duration_ns)
 
@@ -158,7 +166,9 @@ def profile_steps(step, trainable, optimizer, batch, steps: int) -> dict:
 
     return {"steps": steps, "kernel_ms_per_step": sum(parts.values()) / 1e6 / steps,
             "span_ms_per_step": ((span[1] - span[0]) / 1e6 / steps) if span[0] is not None else None,
-            "parts_ms": top(parts, 20), "top_sources_ms": top(lines, 30), "top_kernels_ms": top(kernels, 20)}
+            "parts_ms": top(parts, 20), "top_sources_ms": top(lines, 30), "top_kernels_ms": top(kernels, 20),
+            **({"instructions_ms": [(k[:400], v / 1e6 / steps) for k, v in
+                                    sorted(instrs.items(), key=lambda kv: -kv[1])[:300]]} if out_dir else {})}
 
 
 def print_profile(p: dict) -> None:
