@@ -8,13 +8,18 @@ KDA (KCP, affine state passing). Per head the KDA token step (`k3jax.ops.kda`) i
 
 and at a document start (packed segment ids) the state is zeroed first: A_t = (I − β_t k_t k_tᵀ) Diag(exp g_t) · 0.
 So the state after a shard is affine in the state before it: S_out = M_i S_in + S_i, M_i = A_T ··· A_1 (dk×dk per
-head, 0 once a document starts inside the shard), S_i the shard's state from zero. Both come from ONE local pass of
-the unchanged core with the value width extended by dk: values [v | 0] from the initial state [0 | I] give the final
-state [S_i | M_i], and the read-outs [o_loc | p] with p_t = M_{≤t}ᵀ (scale·q_t) (M_{≤t}: the product up to token t).
-Then exactly o_t = o_loc_t + S_inᵀ p_t, so the output is corrected without a second pass. The (M_i, S_i) pieces
-(fixed size: B·H·dk·(dk+dv) per shard, independent of T) are all-gathered over 'context' and prefix-composed
-(S_in(0) = initial state; S_in(i+1) = M_i S_in(i) + S_i) by every shard. A document that starts exactly at a shard
-edge (first id of shard i != last id of shard i−1) zeroes that shard's S_in.
+head, 0 once a document starts inside the shard), S_i the shard's state from zero. Three steps per shard:
+(1) a state-only pre-pass (`kda_shard_transition`, f32, rematerialised) computes (M_i, S_i) from the chunked core's
+WY factors: no outputs, no query reads, about T·dk·(dk+dv) per head beyond the factors; (2) the pieces (fixed size:
+B·H·dk·(dk+dv) per shard, independent of T) are all-gathered over 'context' and prefix-composed in f32
+(S_in(0) = initial state; S_in(i+1) = M_i S_in(i) + S_i) by every shard; a document that starts exactly at a
+shard edge (first id of shard i != last id of shard i−1) zeroes that shard's S_in; (3) the main pass runs the
+configured core (`impl="pallas"`: the Pallas chunk kernel) on the shard from S_in at the original value width,
+giving the outputs and the final state directly. Gradients: the kernel's custom VJP (its initial-state gradient
+goes back through the composition and the all-gather to the other shards' pre-passes), autodiff elsewhere.
+Compared with extending the values to [v | 0] from an initial state [0 | I] (one pass at value width dv+dk, whose
+outputs [B, T/n, H, dv+dk] and core residuals at that width stay live for the backward), nothing of width dv+dk
+is kept per token: the main pass is the kernel at width dv, and the pre-pass saves only its inputs.
 
 Short conv: the W−1 pre-conv inputs (and their segment ids) before a shard come from the left neighbour (a
 `ppermute` halo); shard 0 gets zeros, like the unsharded conv's empty history.
@@ -31,13 +36,15 @@ largest arrays are the gathered rows [B, T, 576] (compute dtype), their f32 grad
 ([B, T/n, H, 192], [B, T/n, H, 128] f32); a tile is [B, H, block, block].
 
 Backward: plain autodiff through `shard_map` and the collectives (all_gather ↔ psum_scatter, ppermute ↔ reverse
-ppermute); the only custom VJP is the blockwise attention's. The layers (`k3jax/layers/kda.py`,
+ppermute); the custom VJPs are the blockwise attention's and the KDA kernel's (its `shard_map` runs with
+`check_vma=False`: a Pallas call's outputs carry no varying-axes type). The layers (`k3jax/layers/kda.py`,
 `k3jax/layers/mla.py`) take these paths in their training `__call__` when traced under a mesh (`jax.set_mesh`) whose
 'context' axis is > 1 (`context_mesh`).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 
@@ -49,6 +56,7 @@ from k3jax.numerics import wide
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.conv import causal_depthwise_conv
 from k3jax.ops.flash_attention import DEFAULT_BLOCK
+from k3jax.ops.kda_xla import _chunk_intermediates, _document_masks, _sub_chunk_size, _to_chunks
 from k3jax.ops.latent_flash_attention import latent_flash_attention
 
 log = logging.getLogger(__name__)
@@ -130,24 +138,75 @@ def _vary_like(x, *refs):
 
 
 # ---------------------------------------------------------------------------------------------------- KDA (KCP)
-def kda_shard_pass(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, impl="chunked", chunk_size=64,
-                   segment_ids_bt=None):
-    """One shard's local pass from a zero state, with its affine transition (see the module docstring).
+def kda_shard_transition(k_bthk, v_bthv, g_bthk, beta_bth, *, impl="chunked", chunk_size=64, segment_ids_bt=None):
+    """This shard's affine transition, state only (no outputs): ``(m [B, H, K, K], s [B, H, K, V])`` in the
+    compute dtype (at least f32) with final state = m @ S_in + s for any incoming state S_in of the shard's first
+    document (m = 0 once a document starts inside the shard; s is the final state from zero).
 
-    Returns (o_loc [B,T,H,V], p [B,T,H,K], s_loc [B,H,K,V], m [B,H,K,K]) in the compute dtype: for any incoming state
-    S_in (of the shard's first document), the true outputs are o_loc + einsum('bthk,bhkv->bthv', p, S_in) and the
-    true final state is m @ S_in + s_loc. Works on any sequence (no collectives).
+    Chunked (for "chunked" and "pallas"): the chunked core's per-chunk WY factors (`k3jax.ops.kda_xla`: u = T v,
+    w = T (k e^G), keys decayed to the chunk end, the whole-chunk decay; document masks included) give each chunk's
+    transition ``diag(decay) − kdecᵀ w`` and offset ``kdecᵀ u``; one `lax.scan` over the chunks applies them to
+    (m, s) without forming per-chunk K×K matrices. No query, no C×C read-out: about T·K·(K+V) multiply-adds per
+    head beyond the factors. "recurrent": the token steps on (m, s). Rematerialised (`jax.checkpoint`): the
+    forward keeps none of its intermediates for the backward.
     """
-    b, _, h, kd = k_bthk.shape
-    vd = v_bthv.shape[-1]
-    cdt = wide(jnp.result_type(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth))
-    v_ext = jnp.concatenate([v_bthv.astype(cdt), jnp.zeros(v_bthv.shape[:3] + (kd,), cdt)], axis=-1)
-    eye = jnp.broadcast_to(jnp.eye(kd, dtype=cdt), (b, h, kd, kd))
-    init_ext = _vary_like(jnp.concatenate([jnp.zeros((b, h, kd, vd), cdt), eye], axis=-1),
-                          q_bthk, k_bthk, v_bthv, g_bthk, beta_bth)
-    o_ext, s_ext = kda_ops.kda(q_bthk, k_bthk, v_ext, g_bthk, beta_bth, scale=scale, initial_state=init_ext,
-                               impl=impl, chunk_size=chunk_size, segment_ids=segment_ids_bt)
-    return o_ext[..., :vd], o_ext[..., vd:], s_ext[..., :vd], s_ext[..., vd:]
+    if impl == "recurrent":
+        return _token_transition(k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt)
+    return _chunk_transition(k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt, chunk_size)
+
+
+@jax.checkpoint
+def _token_transition(k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt):
+    cdt = wide(jnp.result_type(k_bthk, v_bthv, g_bthk, beta_bth))
+    b, t, h, kd = k_bthk.shape
+    starts_bt = jnp.zeros((b, t), bool) if segment_ids_bt is None else jnp.concatenate(
+        [jnp.zeros((b, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+    xs = tuple(jnp.swapaxes(x, 0, 1) for x in (k_bthk.astype(cdt), v_bthv.astype(cdt), g_bthk.astype(cdt),
+                                                  beta_bth.astype(cdt), starts_bt))
+
+    def step(carry, x):  # [m | s] <- (I − β k kᵀ) diag(e^g) [m | s] + [0 | β k vᵀ], zeroed first at a start
+        k_bhk, v_bhv, g_bhk, beta_bh, start_b = x
+        keep = jnp.where(start_b[:, None, None, None], 0.0, jnp.exp(g_bhk)[..., None])
+        m_bhkk, s_bhkv = (keep * c for c in carry)
+        bk_bhk = beta_bh[..., None] * k_bhk
+        m_bhkk = m_bhkk - bk_bhk[..., None] * jnp.einsum("bhk,bhkj->bhj", k_bhk, m_bhkk, precision=_PREC)[..., None, :]
+        v_new = v_bhv - jnp.einsum("bhk,bhkv->bhv", k_bhk, s_bhkv, precision=_PREC)
+        return (m_bhkk, s_bhkv + bk_bhk[..., None] * v_new[..., None, :]), None
+
+    eye = _vary_like(jnp.broadcast_to(jnp.eye(kd, dtype=cdt), (b, h, kd, kd)), *xs)
+    zero = _vary_like(jnp.zeros((b, h, kd, v_bthv.shape[-1]), cdt), *xs)
+    return jax.lax.scan(step, (eye, zero), xs)[0]
+
+
+@functools.partial(jax.checkpoint, static_argnums=(5,))
+def _chunk_transition(k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt, chunk_size):
+    cdt = wide(jnp.result_type(k_bthk, v_bthv, g_bthk, beta_bth))
+    k_bhnck, v_bhncv, g_bhnck = (_to_chunks(x.astype(cdt), chunk_size) for x in (k_bthk, v_bthv, g_bthk))
+    beta_bhnc = _to_chunks(beta_bth.astype(cdt), chunk_size)
+    masks = None if segment_ids_bt is None else _document_masks(segment_ids_bt, chunk_size)
+    inter = _chunk_intermediates(k_bhnck, k_bhnck, v_bhncv, g_bhnck, beta_bhnc, scale=1.0,
+                                 sub_size=_sub_chunk_size(chunk_size), doc_masks=masks)
+    xs = {n: jnp.moveaxis(inter[n], 2, 0) for n in ("u_bhncv", "w_bhnck", "kdec_bhnck", "decay_bhnk")}
+
+    def chunk(x):  # the first chunk from zero: m = diag(decay) − kdecᵀ w, s = kdecᵀ u (no zero-state matmul)
+        m = jnp.vectorize(jnp.diag, signature="(k)->(k,k)")(x["decay_bhnk"])
+        m = m - jnp.einsum("bhck,bhcj->bhkj", x["kdec_bhnck"], x["w_bhnck"], precision=_PREC)
+        return m, jnp.einsum("bhck,bhcv->bhkv", x["kdec_bhnck"], x["u_bhncv"], precision=_PREC)
+
+    @jax.checkpoint
+    def step(carry, x):  # [m | s] <- diag(decay) [m | s] − kdecᵀ (w [m | s]) + [0 | kdecᵀ u]
+        m_bhkk, s_bhkv = carry
+        w_m = jnp.einsum("bhck,bhkj->bhcj", x["w_bhnck"], m_bhkk, precision=_PREC)
+        v_new = x["u_bhncv"] - jnp.einsum("bhck,bhkv->bhcv", x["w_bhnck"], s_bhkv, precision=_PREC)
+        decay = x["decay_bhnk"][..., None]
+        m_bhkk = decay * m_bhkk - jnp.einsum("bhck,bhcj->bhkj", x["kdec_bhnck"], w_m, precision=_PREC)
+        s_bhkv = decay * s_bhkv + jnp.einsum("bhck,bhcv->bhkv", x["kdec_bhnck"], v_new, precision=_PREC)
+        return (m_bhkk, s_bhkv), None
+
+    first = chunk({n: x[0] for n, x in xs.items()})
+    if xs["u_bhncv"].shape[0] == 1:
+        return first
+    return jax.lax.scan(step, first, {n: x[1:] for n, x in xs.items()})[0]
 
 
 def compose_incoming_states(m_nbhkk, s_nbhkv, continues_nb, initial_bhkv):
@@ -170,9 +229,12 @@ def kda_shard(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt, initial_
               impl="chunked", chunk_size=64, axis_name=CONTEXT_AXIS):
     """KCP body, called inside a `shard_map` over `axis_name` on this shard's tokens (in sequence order along the
     axis). `segment_ids_bt` may be None; `initial_state_bhkv` is the state before the whole sequence (same on every
-    shard). Returns (o [B, T_local, H, V], the state after this shard [B, H, K, V]), compute dtype."""
-    o_loc, p, s_loc, m = kda_shard_pass(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, scale=scale, impl=impl,
-                                        chunk_size=chunk_size, segment_ids_bt=segment_ids_bt)
+    shard). Pre-pass (`kda_shard_transition`), all-gather and f32 prefix composition of the (m, s) pieces, then one
+    `k3jax.ops.kda.kda` pass (`impl`: the Pallas chunk kernel with "pallas") from the incoming state. Returns
+    (o [B, T_local, H, V] (q's dtype for the kernel, else the compute dtype), the state after this shard
+    [B, H, K, V] (f32 or wider))."""
+    m, s_loc = kda_shard_transition(k_bthk, v_bthv, g_bthk, beta_bth, impl=impl, chunk_size=chunk_size,
+                                    segment_ids_bt=segment_ids_bt)
     b = q_bthk.shape[0]
     if segment_ids_bt is None:
         ends_b2 = jnp.zeros((b, 2), jnp.int32)
@@ -185,16 +247,16 @@ def kda_shard(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, segment_ids_bt, initial_
     initial = _vary_like(initial_state_bhkv.astype(s_loc.dtype), m_n, s_n, continues_n)
     s_in_n, _ = compose_incoming_states(m_n, s_n, continues_n, initial)
     s_in = jax.lax.dynamic_index_in_dim(s_in_n, jax.lax.axis_index(axis_name), keepdims=False)
-    o = o_loc + jnp.einsum("bthk,bhkv->bthv", p, s_in, precision=_PREC)
-    s_out = jnp.einsum("bhkj,bhjv->bhkv", m, s_in, precision=_PREC) + s_loc
-    return o, s_out
+    return kda_ops.kda(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, scale=scale, initial_state=s_in, impl=impl,
+                       chunk_size=chunk_size, segment_ids=segment_ids_bt)
 
 
 def kda_context_parallel(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, initial_state=None, impl="chunked",
                          chunk_size=64, segment_ids=None, mesh=None):
     """`k3jax.ops.kda.kda` (same arguments) with the sequence split over the 'context' axis of `mesh` (default: the
     context mesh) (KCP). Global arrays in and out; batch over ('data', 'expert') and heads over 'model' where they
-    divide. Returns (o [B, T, H, V], final state [B, H, K, V]) in the compute dtype (at least f32)."""
+    divide. Returns (o [B, T, H, V], final state [B, H, K, V]): o in q's dtype with the kernel ("pallas"), else
+    in the compute dtype; the state in the compute dtype (at least f32)."""
     segment_ids_bt, initial_state_bhkv = segment_ids, initial_state
     b, t, h, kd = k_bthk.shape
     vd = v_bthv.shape[-1]
@@ -209,12 +271,13 @@ def kda_context_parallel(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, *, scale, ini
     def body(q, k, v, g, beta, ids, s0):
         o, s_out = kda_shard(q, k, v, g, beta, ids if has_ids else None, s0, scale=scale, impl=impl,
                              chunk_size=chunk_size)
-        return o, s_out[None]
+        return o, s_out.astype(cdt)[None]
 
     ids = segment_ids_bt if has_ids else jnp.zeros((b, t), jnp.int32)
-    fn = _shard_map(body, mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, P(ba, CONTEXT_AXIS), state),
-                    out_specs=(tok4, P(CONTEXT_AXIS, ba, ma, None, None)))
-    o, s_per_shard = fn(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, ids, initial_state_bhkv)
+    # The kernel's outputs carry no varying-axes type, so its shard_map runs unchecked (as `sharding.kda_kernel`).
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok4, tok4, tok4, tok4, tok3, P(ba, CONTEXT_AXIS), state),
+                       out_specs=(tok4, P(CONTEXT_AXIS, ba, ma, None, None)), check_vma=impl != "pallas")
+    o, s_per_shard = fn(q_bthk, k_bthk, v_bthv, g_bthk, beta_bth, ids, initial_state_bhkv.astype(cdt))
     return o, s_per_shard[-1]
 
 

@@ -5,7 +5,7 @@ operands onto every device. KDA is independent per (sequence, head), so under a 
 `shard_map` with the batch split over ('data', 'expert') and the heads over 'model' wherever they divide (the same
 layout the rules give the activations around it), each device calling the kernel on its own rows and heads. The
 'context' axis is not used here: a context-split sequence takes the context-parallel path
-(`sharding.context_parallel`), which composes per-shard states.
+(`sharding.context_parallel`), which runs the same kernel per context shard from its composed incoming state.
 """
 
 from __future__ import annotations

@@ -5,6 +5,11 @@ the unsharded model computes, on 8 emulated CPU devices.
   final state and gradients, with documents crossing shard edges, one starting exactly at a shard edge, a 1-token
   document, an initial state, and shard lengths that are not a multiple of the chunk size; its collectives have the
   same sizes for every T; also at T = 4000 (4 × 1000 tokens, not a multiple of the 64-token chunk).
+- The state-only pre-pass (chunked and token forms) == the product of the token transitions (NumPy loop).
+- KCP with the Pallas chunk kernel (interpret mode) on every shard == the single-device token recurrence (f32):
+  outputs, final state and gradients (through the kernel's custom VJP, its initial-state gradient and the
+  state-only pre-pass), with the same packed documents; the KDA layer under a context mesh with `kda_impl=pallas`
+  traces the kernel and no value-width-(V+K) array.
 - Short-conv halo == an independent NumPy loop (taps reaching into the left neighbour and across documents).
 - KDA and MLA layers traced under a context mesh take the context-parallel path and equal the unsharded layer.
 - `tiny` (packed documents) under meshes (2,1,4,1) and (1,2,2,2): loss and gradients equal one device.
@@ -26,6 +31,8 @@ from k3jax.layers.mla import MLA
 from k3jax.ops.kda import kda_recurrent
 from sharding import context_parallel
 from sharding.mesh import make_mesh
+
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 def _set_mesh(mesh):
@@ -130,6 +137,31 @@ def test_kcp_core_long_sequence_uneven_chunks(x64):
         np.testing.assert_allclose(got, want, rtol=1e-8, atol=1e-10, err_msg=name)
 
 
+@pytest.mark.parametrize("impl", ["chunked", "recurrent"])
+def test_shard_transition_is_product_of_token_steps(impl, x64):
+    """The state-only pre-pass: m = A_T ··· A_1 with A_t = (I − β_t k_t k_tᵀ) diag(e^{g_t}) (zero from a document
+    start on), s = the state from zero; a NumPy token loop. Row 0 has no document start, row 1 one at token 25."""
+    b, t, h, kd, vd = 2, 40, 1, 4, 3  # 2.5 chunks of 16
+    x = _kda_inputs(t, seed=8)
+    k, v = x["k"][:, :, :h, :kd], x["v"][:, :, :h, :vd]
+    k = k / np.linalg.norm(k, axis=-1, keepdims=True)
+    g, beta = 0.1 * x["g"][:, :, :h, :kd], x["beta"][:, :, :h]  # mild decay: m stays clearly nonzero
+    ids = np.zeros((b, t), np.int32)
+    ids[1, 25:] = 1
+    m, s = jax.jit(lambda *a: context_parallel.kda_shard_transition(*a, impl=impl, chunk_size=CHUNK,
+                                                                    segment_ids_bt=ids))(k, v, g, beta)
+    for row in range(b):
+        m_ref, s_ref = np.eye(kd), np.zeros((kd, vd))
+        for i in range(t):
+            a = (np.eye(kd) - beta[row, i, 0] * np.outer(k[row, i, 0], k[row, i, 0])) * np.exp(g[row, i, 0])[None]
+            if i and ids[row, i] != ids[row, i - 1]:
+                a = np.zeros_like(a)
+            m_ref, s_ref = a @ m_ref, a @ s_ref + beta[row, i, 0] * np.outer(k[row, i, 0], v[row, i, 0])
+        np.testing.assert_allclose(m[row, 0], m_ref, rtol=1e-10, atol=1e-12)
+        np.testing.assert_allclose(s[row, 0], s_ref, rtol=1e-10, atol=1e-12)
+    assert np.abs(np.asarray(m[0])).max() > 1e-3 and not np.asarray(m[1]).any()
+
+
 def _collective_types(t):
     """Result types of every collective in the lowered forward + backward of the KCP core at length t."""
     x = _kda_inputs(t)
@@ -150,6 +182,86 @@ def test_kcp_communication_does_not_grow_with_sequence_length():
     short, long_ = _collective_types(SHARDS * 16), _collective_types(SHARDS * 64)
     assert {op for _, op in short} == {"all-gather", "reduce-scatter"}, short  # forward and backward
     assert short == long_
+
+
+def test_kcp_with_pallas_kernel_matches_single_device():
+    """Every shard runs the Pallas kernel (interpret mode on CPU) from its composed incoming state; 24-token shards
+    (the kernel pads each to one 64-token chunk, the pre-pass sees 1.5 chunks of 16)."""
+    t, kv = SHARDS * T_LOCAL, 16  # the kernel needs power-of-two head dims
+    rng = np.random.RandomState(7)
+    unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+    args = [unit(rng.randn(B, t, H, kv)), unit(rng.randn(B, t, H, kv)), rng.randn(B, t, H, kv),
+            -0.3 * np.abs(rng.randn(B, t, H, kv)), 1 / (1 + np.exp(-rng.randn(B, t, H))), rng.randn(B, H, kv, kv)]
+    args = [jnp.asarray(a, jnp.float32) for a in args]
+    ids = _segments(t)
+    w_o, w_s = (jnp.asarray(rng.randn(*shape), jnp.float32) for shape in ((B, t, H, kv), (B, H, kv, kv)))
+    mesh = make_mesh(data=2, context=SHARDS)
+
+    def run(core):
+        def f(*a):
+            o, s = core(*a)
+            return jnp.sum(o * w_o) + jnp.sum(s * w_s), (o, s)
+        fn = jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))
+        return fn.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+    (_, (o_ref, s_ref)), g_ref = run(lambda q, k, v, g, beta, s0: kda_recurrent(
+        q, k, v, g, beta, scale=kv ** -0.5, initial_state_bhkv=s0, segment_ids_bt=ids))
+    (_, (o, s)), g = run(lambda q, k, v, g, beta, s0: context_parallel.kda_context_parallel(
+        q, k, v, g, beta, scale=kv ** -0.5, initial_state=s0, impl="pallas", chunk_size=CHUNK, segment_ids=ids,
+        mesh=mesh))
+    assert o.shape == o_ref.shape and s.dtype == jnp.float32
+
+    def close(got, want, name):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(jnp.abs(want).max()), err_msg=name)
+
+    close(o, o_ref, "o")
+    close(s, s_ref, "final state")
+    for name, got, want in zip(("q", "k", "v", "g", "beta", "initial_state"), g, g_ref):
+        close(got, want, name)
+
+
+def _avals(jaxpr):
+    """Every variable's abstract value in `jaxpr` and the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield from (v.aval for v in (*eqn.invars, *eqn.outvars) if hasattr(v, "aval"))
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _avals(sub)
+
+
+def _primitives(jaxpr):
+    for eqn in jaxpr.eqns:
+        yield eqn.primitive.name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (tuple, list)) else (param,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    yield from _primitives(sub)
+
+
+def test_kda_layer_context_parallel_runs_kernel_at_value_width():
+    """`kda_impl=pallas` under a context mesh: the layer's forward and backward trace the Pallas kernel (no fallback to
+    the XLA core) and never widen the values: no [.., V+K] token or state array (the old [v | 0] trick)."""
+    cfg = configs.get_config("tiny", ["kda_impl=pallas"])
+    layer = KDA(cfg, rngs=nnx.Rngs(0))
+    b, t, h, kd = 2, 32, cfg.kda_num_heads, cfg.kda_head_dim
+    x = jnp.asarray(np.random.RandomState(4).randn(b, t, cfg.hidden_size), jnp.float32)
+    ids = np.zeros((b, t), np.int32)
+    ids[0, 5:], ids[0, 8:] = 1, 2
+
+    graphdef, params = nnx.split(layer)
+
+    def loss(params, x):
+        return jnp.sum(nnx.merge(graphdef, params)(x, ids))
+
+    with _set_mesh(make_mesh(data=2, context=4)):
+        jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, x).jaxpr
+    assert "pallas_call" in set(_primitives(jaxpr)), "the context-parallel KDA did not call the Pallas kernel"
+    widened = {(b // 2, t // 4, h, 2 * kd), (b, t, h, 2 * kd), (b // 2, h, kd, 2 * kd), (b, h, kd, 2 * kd)}
+    shapes = {tuple(a.shape) for a in _avals(jaxpr) if hasattr(a, "shape")}
+    assert not shapes & widened, f"value-width V+K arrays: {shapes & widened}"
 
 
 # ------------------------------------------------------------------------------------------------------ short conv
@@ -227,7 +339,6 @@ def test_no_context_parallel_without_context_axis():
 
 
 # ------------------------------------------------------------------------------------------------------ model
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MODEL_BATCH, MODEL_SEQ = 8, 32
 
 

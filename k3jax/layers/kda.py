@@ -188,8 +188,7 @@ class KDA(nnx.Module):
                 impl = "recurrent"
         core = kda_ops.kda
         if cp_mesh is not None:
-            core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)
-            impl = "chunked" if impl == "pallas" else impl  # the context-parallel pass runs the XLA cores
+            core = functools.partial(context_parallel.kda_context_parallel, mesh=cp_mesh)  # "pallas": the kernel
         elif impl == "pallas" and (mesh := kernel_mesh()) is not None:
             core = functools.partial(kda_kernel.kda_kernel_on_mesh, mesh=mesh)  # GSPMD cannot split a Pallas call
         o_bthv, new_s = core(
