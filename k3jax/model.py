@@ -95,6 +95,26 @@ def init_cache(cfg: ModelConfig, batch_size: int, max_len: int, *, page_size: in
     return DecodeCache(tuple(layers), table, jnp.zeros((batch_size,), jnp.int32))
 
 
+class AttnResBlocks(NamedTuple):
+    """The AttnRes block outputs of a forward: block n (1-based) is the sum of the outputs of its layers
+    ((n-1)*block .. n*block - 1). Blocks 1 .. N-1 are bank rows 1 .. N-1 (row 0 holds the embedding), the last
+    block N = `num_attn_res_snapshots` is the live partial sum after the last layer (before the output read)."""
+
+    bank_nbtd: jax.Array
+    last_btd: jax.Array
+
+    @property
+    def num_blocks(self) -> int:
+        return self.bank_nbtd.shape[0]
+
+    def block(self, n: int) -> jax.Array:
+        """Block n's output [B, T, D] (1 <= n <= num_blocks; -1: the last)."""
+        n = self.num_blocks if n == -1 else n
+        if not 1 <= n <= self.num_blocks:
+            raise ValueError(f"AttnRes block {n} does not exist: blocks are 1..{self.num_blocks} (-1: the last)")
+        return self.last_btd if n == self.num_blocks else self.bank_nbtd[n]
+
+
 class DecoderLayer(nnx.Module):
     """One layer: attention (KDA or MLA) and FFN (dense or MoE), with AttnRes reads or plain residuals."""
 
@@ -256,6 +276,10 @@ class K3Model(nnx.Module):
     def hidden_states_from_embeddings(self, embeds_btd: jax.Array,
                                       segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """`hidden_states` from input embeddings [B, T, D] instead of ids (multimodal: image tokens merged in)."""
+        return self._final(*self._stack(embeds_btd, segment_ids_bt))
+
+    def _stack(self, embeds_btd: jax.Array, segment_ids_bt: jax.Array | None) -> Carry:
+        """The decoder stack over input embeddings: the final carry (h_btd, bank_nbtd)."""
         cfg = self.cfg
         h = jnp.asarray(embeds_btd).astype(cfg.runtime.jnp_dtype)
         b, t, d = h.shape
@@ -272,10 +296,21 @@ class K3Model(nnx.Module):
                 carry = group(carry, segment_ids_bt)
             else:
                 carry = group(carry, start, segment_ids_bt)
-        h, bank = carry
+        return carry
+
+    def _final(self, h_btd: jax.Array, bank_nbtd: jax.Array) -> jax.Array:
+        """The final AttnRes read (K3) and norm of the stack's output carry."""
+        cfg = self.cfg
         if cfg.uses_attn_res:
-            return read_normed(self.output_attn_res, h, bank, cfg.num_attn_res_snapshots, self.norm, cfg)
-        return self.norm(h)
+            return read_normed(self.output_attn_res, h_btd, bank_nbtd, cfg.num_attn_res_snapshots, self.norm, cfg)
+        return self.norm(h_btd)
+
+    def hidden_states_and_blocks(self, input_ids_bt: jax.Array, segment_ids_bt: jax.Array | None = None
+                                 ) -> tuple[jax.Array, AttnResBlocks]:
+        """`hidden_states` and the AttnRes block outputs it computed on the way (the EAGLE-3 draft's features);
+        the same arrays, nothing recomputed."""
+        h, bank = self._stack(self.embed(input_ids_bt), segment_ids_bt)
+        return self._final(h, bank), AttnResBlocks(bank, h)
 
     def init_cache(self, batch_size: int, max_len: int, **paging) -> DecodeCache:
         return init_cache(self.cfg, batch_size, max_len, **paging)
@@ -288,6 +323,19 @@ class K3Model(nnx.Module):
     def hidden_states_cached_from_embeddings(self, embeds_btd: jax.Array, cache: DecodeCache,
                                              valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:
         """`hidden_states_cached` from input embeddings [B, T, D] instead of ids."""
+        (h, bank), cache = self._stack_cached(embeds_btd, cache, valid_len_b)
+        return self._final(h, bank), cache
+
+    def hidden_states_cached_and_blocks(self, input_ids_bt: jax.Array, cache: DecodeCache,
+                                        valid_len_b: jax.Array | None = None
+                                        ) -> tuple[jax.Array, DecodeCache, AttnResBlocks]:
+        """`hidden_states_cached` and the AttnRes block outputs of the new tokens (see `hidden_states_and_blocks`)."""
+        (h, bank), cache = self._stack_cached(self.embed(input_ids_bt), cache, valid_len_b)
+        return self._final(h, bank), cache, AttnResBlocks(bank, h)
+
+    def _stack_cached(self, embeds_btd: jax.Array, cache: DecodeCache,
+                      valid_len_b: jax.Array | None) -> tuple[Carry, DecodeCache]:
+        """The decoder stack over new tokens continuing `cache`: (final carry, new cache)."""
         cfg = self.cfg
         h = jnp.asarray(embeds_btd).astype(cfg.runtime.jnp_dtype)
         b, t, d = h.shape
@@ -304,11 +352,7 @@ class K3Model(nnx.Module):
             else:
                 carry, states = group.forward_cached(carry, start, states, start_b, valid_len_b, cache.page_table)
             new_layers.append(states)
-        h, bank = carry
-        cache = DecodeCache(tuple(new_layers), cache.page_table, start_b + valid_len_b)
-        if cfg.uses_attn_res:
-            return read_normed(self.output_attn_res, h, bank, cfg.num_attn_res_snapshots, self.norm, cfg), cache
-        return self.norm(h), cache
+        return carry, DecodeCache(tuple(new_layers), cache.page_table, start_b + valid_len_b)
 
     def forward_cached(self, input_ids_bt: jax.Array, cache: DecodeCache,
                        valid_len_b: jax.Array | None = None) -> tuple[jax.Array, DecodeCache]:

@@ -10,6 +10,10 @@ deterministically, i.e. one-hot). Its methods run inside the engine's jitted ste
         next_ids_bt[b, t] is the token that followed position start_b + t (after prefill and after every verify)
     propose(params, state, ctx: DraftContext)         -> (Proposal, state)
 
+A draft with `uses_blocks = True` (`k3jax.inference.eagle3_draft.Eagle3Draft`) reads the target's AttnRes block
+outputs: the engine runs the target through `hidden_states_cached_and_blocks` and passes
+`target_features(h_btd, blocks)` to `observe` as its h_btd (the final hidden states for every other draft).
+
 `RandomDraft` (uniform tokens) and `CallbackDraft` (any host callable, through `jax.pure_callback`) are for tests and
 experiments; `MTPDraft` is the model's own MTP layer (`k3jax.mtp.MTPLayer`) served incrementally.
 """
@@ -25,7 +29,7 @@ from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
 from k3jax.layers.mla import init_latent_pages
-from k3jax.model import DecodeCache, K3Model
+from k3jax.model import AttnResBlocks, DecodeCache, K3Model
 from k3jax.mtp import MTPLayer
 
 
@@ -53,12 +57,17 @@ class Draft:
 
     num_tokens: int = 1
     params: Any = ()
+    uses_blocks: bool = False  # static: `observe` wants the target's AttnRes block outputs (`target_features`)
 
     def init_state(self, cache: DecodeCache) -> Any:
         return ()
 
     def observe(self, params, state, target: K3Model, h_btd, next_ids_bt, start_b, valid_b, page_table_bp):
         return state
+
+    def target_features(self, h_btd: jax.Array, blocks: AttnResBlocks | None) -> jax.Array:
+        """What `observe` receives of the target's forward: its final hidden states unless `uses_blocks`."""
+        return h_btd
 
     def propose(self, params, state, ctx: DraftContext) -> tuple[Proposal, Any]:
         raise NotImplementedError

@@ -23,11 +23,11 @@ min(1, p_i(d_i) / q_i(d_i)) (p: the target's filtered distribution, the same tem
 `sampling.sample`; q: the draft's), on the first rejection draw from norm(max(0, p_i − q_i)), after k acceptances
 draw the bonus from p_k: every emitted token is distributed exactly as the target's.
 
-    engine = SpeculativeEngine(model, RandomDraft(3, cfg.vocab_size))      # or MTPDraft(mtp_layer, 3)
+    engine = SpeculativeEngine(model, RandomDraft(3, cfg.vocab_size))  # or MTPDraft(mtp, 3), Eagle3Draft(layer, 3)
     results = engine.generate(prompts, 32, eos_id=257)
     engine.last_stats    # {"steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", ...}
 
-Not yet: the continuous-batching `Scheduler` / serve.py, a device mesh, the prefix cache, EAGLE-3 drafts.
+Not yet: the continuous-batching `Scheduler` / serve.py, a device mesh, the prefix cache.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from k3jax.inference import sampling as sampling_lib
 from k3jax.inference.drafts import Draft, DraftContext, Proposal
 from k3jax.inference.engine import DecodeState, Engine, GenerationResult, SamplingParams
 from k3jax.layers.kda import KDAState
-from k3jax.model import DecodeCache, K3Model
+from k3jax.model import AttnResBlocks, DecodeCache, K3Model
 
 
 class Verified(NamedTuple):
@@ -56,6 +56,7 @@ class Verified(NamedTuple):
     cache: DecodeCache
     hidden_btd: jax.Array  # the target's final hidden states at the k+1 verified positions
     start_b: jax.Array  # int32 [B]: the position of the first verified token (the pre-verify cache length)
+    blocks: AttnResBlocks | None = None  # the target's AttnRes block outputs there (`verify(with_blocks=True)`)
 
 
 def residual_probs(p_bv: jax.Array, q_bv: jax.Array) -> jax.Array:
@@ -122,17 +123,22 @@ def commit(target: K3Model, pre_cache: DecodeCache, verified_cache: DecodeCache,
 
 
 def verify(target: K3Model, cache: DecodeCache, last_b: jax.Array, proposal: Proposal, active_b: jax.Array,
-           keys_b: jax.Array, sp: tuple, *, greedy_only: bool) -> Verified:
+           keys_b: jax.Array, sp: tuple, *, greedy_only: bool, with_blocks: bool = False) -> Verified:
     """Scores [last, d1..dk] in one cached forward, accepts (`accept`) and rolls back (`commit`). Inactive rows
-    consume nothing (valid length 0: their caches stay as they are)."""
+    consume nothing (valid length 0: their caches stay as they are). `with_blocks` (static): also return the
+    target's AttnRes block outputs at the verified positions (an EAGLE-3 draft's features)."""
     ids_bj = jnp.concatenate([last_b[:, None], proposal.tokens_bk], axis=1).astype(jnp.int32)
     j1 = ids_bj.shape[1]
     valid_b = jnp.where(active_b, j1, 0).astype(jnp.int32)
-    h_btd, verified_cache = target.hidden_states_cached(ids_bj, cache, valid_b)
+    blocks = None
+    if with_blocks:
+        h_btd, verified_cache, blocks = target.hidden_states_cached_and_blocks(ids_bj, cache, valid_b)
+    else:
+        h_btd, verified_cache = target.hidden_states_cached(ids_bj, cache, valid_b)
     tokens_bj, n_b = accept(target.logits(h_btd), proposal, keys_b, sp, greedy_only=greedy_only)
     commit_b = jnp.where(active_b, n_b + 1, 0).astype(jnp.int32)
     new_cache = commit(target, cache, verified_cache, ids_bj, commit_b, valid_b)
-    return Verified(tokens_bj, n_b, commit_b, new_cache, h_btd, cache.lengths)
+    return Verified(tokens_bj, n_b, commit_b, new_cache, h_btd, cache.lengths, blocks)
 
 
 class SpecState(NamedTuple):
@@ -162,7 +168,11 @@ class SpeculativeEngine(Engine):
                            greedy_only, out_len):
         self.trace_counts["spec_prefill"] += 1
         model = self._model(params)
-        h_btd, cache = model.hidden_states_cached(ids_bt, cache, lengths_b)
+        blocks = None
+        if self.draft.uses_blocks:
+            h_btd, cache, blocks = model.hidden_states_cached_and_blocks(ids_bt, cache, lengths_b)
+        else:
+            h_btd, cache = model.hidden_states_cached(ids_bt, cache, lengths_b)
         last_b1d = jnp.take_along_axis(h_btd, jnp.maximum(lengths_b - 1, 0)[:, None, None], axis=1)
         b = ids_bt.shape[0]
         tok = self._sample(model.logits(last_b1d)[:, 0], keys_b, jnp.zeros((b,), jnp.int32), sp, greedy_only)
@@ -172,8 +182,8 @@ class SpeculativeEngine(Engine):
         next_bt = jnp.concatenate([ids_bt[:, 1:], ids_bt[:, :1]], axis=1)
         next_bt = next_bt.at[jnp.arange(b), jnp.maximum(lengths_b - 1, 0)].set(tok)
         dstate = self.draft.init_state(cache)
-        dstate = self.draft.observe(draft_params, dstate, model, h_btd, next_bt, jnp.zeros((b,), jnp.int32),
-                                    lengths_b, cache.page_table)
+        dstate = self.draft.observe(draft_params, dstate, model, self.draft.target_features(h_btd, blocks), next_bt,
+                                    jnp.zeros((b,), jnp.int32), lengths_b, cache.page_table)
         zeros = jnp.zeros((b,), jnp.int32)
         return SpecState(DecodeState(tok, done, jnp.ones((b,), jnp.int32), out), dstate, zeros, zeros), cache
 
@@ -188,9 +198,10 @@ class SpeculativeEngine(Engine):
         ctx = DraftContext(model, dec.last_b, cache.lengths, cache.page_table, dec.num_generated_b, dec.out_bn,
                            key_d, sp, greedy_only)
         proposal, dstate = self.draft.propose(draft_params, state.draft, ctx)
-        v = verify(model, cache, dec.last_b, proposal, active, key_v, sp, greedy_only=greedy_only)
-        dstate = self.draft.observe(draft_params, dstate, model, v.hidden_btd, v.tokens_bj, v.start_b, v.commit_b,
-                                    cache.page_table)
+        v = verify(model, cache, dec.last_b, proposal, active, key_v, sp, greedy_only=greedy_only,
+                   with_blocks=self.draft.uses_blocks)
+        dstate = self.draft.observe(draft_params, dstate, model, self.draft.target_features(v.hidden_btd, v.blocks),
+                                    v.tokens_bj, v.start_b, v.commit_b, cache.page_table)
         # emit tokens_bj[:a+1], cut after an EOS and at max_new
         b, j1 = v.tokens_bj.shape
         pos_j = jnp.arange(j1)[None, :]

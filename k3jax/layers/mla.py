@@ -100,6 +100,27 @@ class MLA(nnx.Module):
             o_bthv = o_bthv * jax.nn.sigmoid(upcast(proj["g_proj"]))
         return dense(o_bthv.astype(dt), self.o_proj[...].astype(dt), cfg, contract=2)
 
+    def attention_parts(self, x_btd: jax.Array) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+        """(input projections, queries [B,T,H,qk_head_dim], latent cache rows [B,T,C]) of the layer input: what
+        an attention pattern built outside this layer needs (the EAGLE-3 draft's unrolled training,
+        `k3jax.eagle3`); `expand_rows` gives keys and values, `gated_output` finishes."""
+        proj = self._project_inputs(x_btd)
+        return proj, self._queries(proj), self._latent_rows(proj["kv_a_proj_with_mqa"])
+
+    def expand_rows(self, rows_bsc: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Per-head keys [B,S,H,qk_head_dim] and values [B,S,H,v_head_dim] of latent rows (kv_b_proj; the rope
+        part k_r shared by every head, never rotated)."""
+        cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
+        h, nope, r = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank
+        lat, k_r = rows_bsc[..., :r].astype(dt), rows_bsc[..., r:].astype(dt)
+        kv_bshe = jnp.einsum("bsr,rhe->bshe", lat, self.kv_b_proj[...].astype(dt))
+        k_rope = jnp.broadcast_to(k_r[:, :, None, :], k_r.shape[:2] + (h, cfg.qk_rope_head_dim))
+        return jnp.concatenate([kv_bshe[..., :nope], k_rope], axis=-1), kv_bshe[..., nope:]
+
+    def gated_output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:
+        """The output gate and o_proj on an attention output [B,T,H,v_head_dim] (see `attention_parts`)."""
+        return self._output(proj, o_bthv)
+
     # ---------------------------------------------------------------------------------------------
     # Incremental decoding over a paged latent cache
     # ---------------------------------------------------------------------------------------------

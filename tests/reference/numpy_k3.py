@@ -396,13 +396,15 @@ def _strip_language_model(w):
     return {k[len(pre):]: v for k, v in w.items() if k.startswith(pre)}
 
 
-def forward(w, cfg, ids_bt, return_hidden=False, inputs_embeds=None):
+def forward(w, cfg, ids_bt, return_hidden=False, inputs_embeds=None, return_blocks=False):
     """§3.1 full text forward: ids [B, T] -> logits [B, T, V] float64 (`inputs_embeds` [B, T, D]: these instead of
     the ids' embedding rows, as a multimodal prompt with image tokens merged in).
     With attn_res_block_size set, the Block-AttnRes wiring of §3.1 exactly (bank snapshot pushed at l % block == 0,
     before that layer's attention, the live partial sum restarting from the attention output); otherwise plain
     pre-norm residuals h += attn(ln1(h)); h += ffn(ln2(h)). Final: logits = lm_head(norm(h)) (embed if tied).
-    With return_hidden=True also returns the final pre-norm hidden states [B, T, D]."""
+    With return_hidden=True also returns the final pre-norm hidden states [B, T, D]; with return_blocks=True (Block
+    AttnRes) also the block outputs [B, N, T, D]: block n (1-based) is the sum of its layers' outputs, i.e. bank
+    entry n for n < N and the live partial sum after the last layer for the last block N."""
     w = _strip_language_model(w)
     ids = np.asarray(ids_bt)
     if ids.ndim == 1:
@@ -432,6 +434,7 @@ def forward(w, cfg, ids_bt, return_hidden=False, inputs_embeds=None):
 
     logits = np.zeros((B, T, head.shape[0]))
     hidden = np.zeros((B, T, embed.shape[1]))
+    blocks = []
     for b in range(B):
         h = embed[ids[b]] if inputs_embeds is None else _f64(inputs_embeds[b])  # [T, D]
         if block is None:
@@ -451,10 +454,12 @@ def forward(w, cfg, ids_bt, return_hidden=False, inputs_embeds=None):
                 x = res(l, "mlp_res", prefix, bank)
                 prefix = prefix + ffn(l, ln(l, "post_attention_layernorm", x))
                 h = prefix
+            blocks.append(np.stack(bank[1:] + [h]))
             h = res(None, "output_attn_res", h, bank)
         hidden[b] = h
         logits[b] = rms_norm(h, _w(w, "", "model.norm.weight"), eps) @ head.T
-    return (logits, hidden) if return_hidden else logits
+    out = (logits,) + ((hidden,) if return_hidden else ()) + ((np.stack(blocks),) if return_blocks else ())
+    return out if len(out) > 1 else logits
 
 
 # --------------------------------------------------------------------------------------------------------------
