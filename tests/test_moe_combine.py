@@ -41,6 +41,27 @@ def test_dropless_combine_gathers_instead_of_scatter_adding():
     assert len(_float_scatter_adds(old.jaxpr)) == 1
 
 
+def test_dropless_gradients_equal_every_expert_and_gather_instead_of_scatter_adding():
+    """The backward of the two row permutations is a gather too (a scatter-add adds with atomics on GPU), and the
+    gradients w.r.t. the inputs, routing weights and expert weights equal every-expert-on-every-token's."""
+    cfg, z, weights, experts, w1, w3, w2 = _inputs()
+
+    def loss(fn):
+        return lambda z, wts, w1, w3, w2: jnp.sum(jnp.sin(fn(z, wts, experts, w1, w3, w2, cfg)))
+
+    args = (z, weights, w1, w3, w2)
+    got = jax.grad(loss(moe.experts_dropless), argnums=range(5))(*args)
+    want = jax.grad(loss(moe.experts_dense), argnums=range(5))(*args)
+    for name, g, w in zip(("z", "weights", "w1", "w3", "w2"), got, want):
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=2e-5 * scale, err_msg=name)
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss(moe.experts_dropless), argnums=range(5)))(*args)
+    assert not _float_scatter_adds(grad_jaxpr.jaxpr)
+    # the test can fail: autodiff of the plain row gather transposes it into a float scatter-add
+    plain = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(x[jnp.arange(14) // 2])))(jnp.ones((7, 32)))
+    assert _float_scatter_adds(plain.jaxpr)
+
+
 def test_tall_decode_tiles_with_xla_routing_equal_the_default_tiles_and_every_expert(monkeypatch):
     """32-row decode tiles (`moe_decode_row_tile=32`) on the XLA routing: the GPU kernels (the interpreter here) give
     the default tiles' result and every-expert-on-every-token's."""

@@ -56,14 +56,16 @@ class MLA(nnx.Module):
     def _latent_rows(self, c_btc: jax.Array) -> jax.Array:
         """[kv_a_layernorm(latent) | k_r] from the latent projection's output."""
         lat, k_r = c_btc[..., :self.cfg.kv_lora_rank], c_btc[..., self.cfg.kv_lora_rank:]
-        return jnp.concatenate([self.kv_a_layernorm(lat), k_r], axis=-1)
+        # rows in the projection's dtype: an f32 master gain would promote them (f32 kv_b_proj matmuls in training)
+        return jnp.concatenate([self.kv_a_layernorm(lat).astype(c_btc.dtype), k_r], axis=-1)
 
     def _queries(self, proj: dict[str, jax.Array]) -> jax.Array:
         """Per-head queries [B,T,H,qk_head_dim] from the input projections (through the q LoRA when K3's)."""
         cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
         if cfg.q_lora_rank is None:
             return proj["q_proj"]
-        return dense(self.q_a_layernorm(proj["q_a_proj"]), self.q_b_proj[...].astype(dt), cfg)
+        # the norm's output in the compute dtype (an f32 master gain would promote it: an f32 (TF32) q_b matmul)
+        return dense(self.q_a_layernorm(proj["q_a_proj"]).astype(dt), self.q_b_proj[...].astype(dt), cfg)
 
     def __call__(self, x_btd: jax.Array, segment_ids_bt: jax.Array | None = None) -> jax.Array:
         """Training forward. `segment_ids_bt` int [B, T] (optional, packed documents): causal AND same-id mask.

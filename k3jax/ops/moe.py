@@ -31,6 +31,7 @@ class RoutePlan(NamedTuple):
     rows_nk: jax.Array  # int32 [N, k]: row of each assignment in the expert-sorted layout
     group_sizes_e: jax.Array  # int32 [E]: assignments per expert
     token_of_row_a: jax.Array  # int32 [N * k]: the token at each expert-sorted row (rows_nk's inverse)
+    assignment_of_row_a: jax.Array  # int32 [N * k]: the assignment n * k + j at each row (token_of_row_a * k + j)
 
 
 # the plan-free expert kernels have no VJP
@@ -133,8 +134,49 @@ def plan_from_experts(experts_nk: jax.Array, num_experts: int) -> RoutePlan:
     order = jnp.argsort(flat_expert, stable=True)
     rows_nk = jnp.zeros((n * k,), jnp.int32).at[order].set(
         jnp.arange(n * k, dtype=jnp.int32), unique_indices=True).reshape(n, k)
+    order = order.astype(jnp.int32)
     return RoutePlan(experts_nk, rows_nk, jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32),
-                     (order // k).astype(jnp.int32))
+                     order // k, order)
+
+
+# The two row permutations of the planned experts, with gathers for their backward too. Autodiff would transpose
+# the gathers into scatter-adds: on GPU those add with atomics (and in the activations' dtype for the token rows),
+# and they cost ~0.3 s of a 7.9 s `k3_gpu` training step (benchmarks/RESULTS.md, 2026-12-04). The plan is a
+# permutation of the N * k assignments, so each transpose is a gather (and a sum over a token's k rows, in f32).
+@jax.custom_vjp
+def rows_of_tokens(z_nl: jax.Array, plan: RoutePlan) -> jax.Array:
+    """[N * k, L]: row r holds token plan.token_of_row_a[r]'s input."""
+    return z_nl[plan.token_of_row_a]
+
+
+def _rows_of_tokens_fwd(z_nl, plan):
+    return rows_of_tokens(z_nl, plan), plan
+
+
+def _rows_of_tokens_bwd(plan, d_al):
+    d_nl = upcast(d_al)[plan.rows_nk].sum(axis=1).astype(d_al.dtype)  # each token's k rows, summed in f32
+    return d_nl, jax.tree.map(lambda _: None, plan)
+
+
+rows_of_tokens.defvjp(_rows_of_tokens_fwd, _rows_of_tokens_bwd)
+
+
+@jax.custom_vjp
+def tokens_of_rows(out_al: jax.Array, plan: RoutePlan) -> jax.Array:
+    """[N, k, L]: assignment (n, j)'s output row, out_al[plan.rows_nk[n, j]]."""
+    return out_al[plan.rows_nk]
+
+
+def _tokens_of_rows_fwd(out_al, plan):
+    return tokens_of_rows(out_al, plan), plan
+
+
+def _tokens_of_rows_bwd(plan, d_nkl):
+    n, k, width = d_nkl.shape
+    return d_nkl.reshape(n * k, width)[plan.assignment_of_row_a], jax.tree.map(lambda _: None, plan)
+
+
+tokens_of_rows.defvjp(_tokens_of_rows_fwd, _tokens_of_rows_bwd)
 
 
 def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
@@ -158,9 +200,9 @@ def experts_planned(z_nl, weights_nk, plan: RoutePlan, w1_elm, w3_elm, w2_eml, c
     decode_sized = n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts
     tiling = decode_tiling if decode_sized else None
     sizes = plan.group_sizes_e
-    hidden = grouped_glu(z_nl[plan.token_of_row_a], w1_elm, w3_elm, sizes, cfg, tiling=tiling)
+    hidden = grouped_glu(rows_of_tokens(z_nl, plan), w1_elm, w3_elm, sizes, cfg, tiling=tiling)
     out_rows = gmm(hidden, w2_eml, sizes, preferred_element_type=wide(hidden.dtype), tiling=tiling)
-    return (out_rows[plan.rows_nk] * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+    return (tokens_of_rows(out_rows, plan) * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str, *,
