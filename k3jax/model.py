@@ -10,7 +10,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from k3jax.config import LayerGroup, ModelConfig
@@ -21,7 +20,7 @@ from k3jax.layers.mla import DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init
 from k3jax.layers.mlp import GatedMLP
 from k3jax.layers.moe import LatentMoE
 from k3jax.layers.norms import RMSNorm
-from k3jax.ops.head_loss import chunked_head_cross_entropy
+from k3jax.ops.head_loss import chunked_head_cross_entropy, head_cross_entropy
 from k3jax.ops.linear import project_wide, unless_single_row
 from sharding.constraints import ACT_BTD, ACT_BTV, ACT_NBTD, constrain
 
@@ -379,13 +378,14 @@ class K3Model(nnx.Module):
         return constrain(unless_single_row(lambda h: project_wide(h, w_dv), h_btd.astype(w_dv.dtype), 2), ACT_BTV)
 
     def token_losses(self, h_btd: jax.Array, targets_bt: jax.Array) -> jax.Array:
-        """Next-token cross-entropy f32 [B, T] of the head on hidden states `h_btd` (training): through f32 logits,
-        or fused in `runtime.loss_vocab_chunks` vocabulary slices without a [B, T, V] array (ops/head_loss.py)."""
+        """Next-token cross-entropy f32 [B, T] of the head on hidden states `h_btd` (training): the head and the
+        loss fused over f32 logits kept for the backward, or in `runtime.loss_vocab_chunks` vocabulary slices without
+        a [B, T, V] array (ops/head_loss.py)."""
         chunks = self.cfg.runtime.loss_vocab_chunks
-        if not chunks:
-            logits_btv = self.logits(h_btd)
-            return optax.softmax_cross_entropy_with_integer_labels(logits_btv.astype(jnp.float32), targets_bt)
         w_dv = self.head_weight()
+        if not chunks:
+            return head_cross_entropy(h_btd.astype(w_dv.dtype), w_dv, targets_bt,
+                                      constrain=lambda x: constrain(x, ACT_BTV))
         b, t, d = h_btd.shape
         losses_n = chunked_head_cross_entropy(h_btd.astype(w_dv.dtype).reshape(b * t, d), w_dv,
                                               targets_bt.reshape(b * t), chunks=chunks)

@@ -1,5 +1,6 @@
-"""The fused, vocabulary-chunked LM head + cross-entropy (k3jax/ops/head_loss.py) against a float64 NumPy
-reference and against the unfused head (f32 logits + softmax cross-entropy), alone and inside the training loss."""
+"""The fused LM head + cross-entropy (k3jax/ops/head_loss.py: the saved-logits form, the training default, and the
+vocabulary-chunked one) against a float64 NumPy reference and against the unfused head (f32 logits + softmax
+cross-entropy), alone and inside the training loss."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,7 @@ from flax import nnx
 
 from configs import get_config
 from k3jax.config import ConfigError
-from k3jax.ops.head_loss import chunked_head_cross_entropy
+from k3jax.ops.head_loss import chunked_head_cross_entropy, head_cross_entropy
 from k3jax.ops.linear import project_wide
 from k3jax.training.trainer import Trainable, loss_fn
 
@@ -46,6 +47,34 @@ def test_chunked_head_loss_and_gradients_equal_a_float64_reference(chunks):
     np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dh, ref_dh, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_saved_logits_head_loss_and_gradients_equal_a_float64_reference():
+    h, w, targets, g = _inputs()
+    ref_loss, ref_dh, ref_dw = _reference(h, w, np.asarray(targets), g)
+    for lead in ((24,), (4, 6)):  # [N] and [B, T] leading axes
+        hx, tx, gx = h.reshape(lead + (16,)), targets.reshape(lead), g.reshape(lead)
+        loss, vjp = jax.vjp(lambda h, w: head_cross_entropy(h, w, tx), hx, w)
+        dh, dw = vjp(gx)
+        np.testing.assert_allclose(np.ravel(loss), ref_loss, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.reshape(dh, (24, 16)), ref_dh, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(dw, ref_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_saved_logits_head_matches_the_unfused_head_with_its_rounding_points():
+    """bf16 operands: same loss and gradients as f32 logits + softmax cross-entropy through `project_wide` (which
+    rounds the logits' f32 cotangent to bf16 before its matmuls)."""
+    h, w, targets, g = _inputs(n=64, d=32, v=96, dtype=jnp.bfloat16)
+
+    def unfused(h, w):
+        return optax.softmax_cross_entropy_with_integer_labels(project_wide(h, w).astype(jnp.float32), targets)
+
+    loss, vjp = jax.vjp(lambda h, w: head_cross_entropy(h, w, targets), h, w)
+    ref_loss, ref_vjp = jax.vjp(unfused, h, w)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, atol=1e-5)
+    for got, want in zip(vjp(g), ref_vjp(g)):
+        assert got.dtype == want.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_bf16_chunked_head_matches_the_unfused_head_with_its_rounding_points():

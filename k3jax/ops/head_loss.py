@@ -23,7 +23,59 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["chunked_head_cross_entropy"]
+__all__ = ["chunked_head_cross_entropy", "head_cross_entropy"]
+
+
+def head_cross_entropy(h_xd: jax.Array, w_dv: jax.Array, targets_x: jax.Array, *, constrain=None) -> jax.Array:
+    """Per-token cross-entropy f32 [...] of logits `h_xd @ w_dv` (compute-dtype operands, f32 accumulation) against
+    `targets_x` (any leading axes ..., e.g. [B, T]), keeping the f32 logits for the backward (no recompute, unlike
+    the chunked form): the backward forms (softmax − onehot) · g from them and rounds it to the compute dtype in ONE
+    pass before its two matmuls. Autodiff of `model.logits` + softmax cross-entropy wrote the f32 logit gradient and
+    rounded it in a second pass (~0.3 s of a 7.9 s `k3_gpu` step: benchmarks/RESULTS.md, 2026-12-04). Same
+    numerics as that path (to f32 rounding of the softmax). `constrain`: an optional sharding constraint applied to
+    the [..., V] logits and their gradient."""
+    d = h_xd.shape[-1]
+    if w_dv.ndim != 2 or w_dv.shape[0] != d or targets_x.shape != h_xd.shape[:-1]:
+        raise ValueError(f"head loss: h {h_xd.shape}, w {w_dv.shape}, targets {targets_x.shape} disagree")
+    return _head_ce_saved(h_xd, w_dv.astype(h_xd.dtype), targets_x.astype(jnp.int32), constrain or _identity)
+
+
+def _identity(x):
+    return x
+
+
+def _saved_forward(h_xd, w_dv, targets_x, constrain):
+    l_xv = constrain(jax.lax.dot_general(h_xd, w_dv, (((h_xd.ndim - 1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32))
+    m_x = jax.lax.stop_gradient(l_xv.max(axis=-1))
+    lse_x = m_x + jnp.log(jnp.exp(l_xv - m_x[..., None]).sum(axis=-1))
+    picked_x = jnp.take_along_axis(l_xv, targets_x[..., None], axis=-1)[..., 0]
+    return lse_x - picked_x, (l_xv, lse_x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _head_ce_saved(h_xd, w_dv, targets_x, constrain):
+    return _saved_forward(h_xd, w_dv, targets_x, constrain)[0]
+
+
+def _head_ce_saved_fwd(h_xd, w_dv, targets_x, constrain):
+    loss_x, (l_xv, lse_x) = _saved_forward(h_xd, w_dv, targets_x, constrain)
+    return loss_x, (h_xd, w_dv, targets_x, l_xv, lse_x)
+
+
+def _head_ce_saved_bwd(constrain, res, g_x):
+    h_xd, w_dv, targets_x, l_xv, lse_x = res
+    onehot = jax.lax.broadcasted_iota(jnp.int32, l_xv.shape, l_xv.ndim - 1) == targets_x[..., None]
+    dl_xv = constrain(((jnp.exp(l_xv - lse_x[..., None]) - onehot) * g_x.astype(jnp.float32)[..., None])
+                      .astype(h_xd.dtype))
+    lead = tuple(range(h_xd.ndim - 1))
+    dh_xd = jax.lax.dot_general(dl_xv, w_dv, (((dl_xv.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+    dw_dv = jax.lax.dot_general(h_xd, dl_xv, ((lead, lead), ((), ())), preferred_element_type=jnp.float32)
+    return dh_xd.astype(h_xd.dtype), dw_dv.astype(w_dv.dtype), None
+
+
+_head_ce_saved.defvjp(_head_ce_saved_fwd, _head_ce_saved_bwd)
 
 
 def chunked_head_cross_entropy(h_nd: jax.Array, w_dv: jax.Array, targets_n: jax.Array, *, chunks: int) -> jax.Array:
