@@ -140,14 +140,15 @@ def test_kcp_core_long_sequence_uneven_chunks(x64):
 @pytest.mark.parametrize("impl", ["chunked", "recurrent"])
 def test_shard_transition_is_product_of_token_steps(impl, x64):
     """The state-only pre-pass: m = A_T ··· A_1 with A_t = (I − β_t k_t k_tᵀ) diag(e^{g_t}) (zero from a document
-    start on), s = the state from zero; a NumPy token loop. Row 0 has no document start, row 1 one at token 25."""
-    b, t, h, kd, vd = 2, 40, 1, 4, 3  # 2.5 chunks of 16
-    x = _kda_inputs(t, seed=8)
+    start on), s = the state from zero; a NumPy token loop. Row 0 has no document start, row 1 one at token 25 (inside
+    a chunk), row 2 one at token 32 (a chunk edge)."""
+    b, t, h, kd, vd = 3, 40, 1, 4, 3  # 2.5 chunks of 16
+    x = {n: np.concatenate([a, a[:1]]) for n, a in _kda_inputs(t, seed=8).items()}  # rows 0 and 2 share inputs
     k, v = x["k"][:, :, :h, :kd], x["v"][:, :, :h, :vd]
     k = k / np.linalg.norm(k, axis=-1, keepdims=True)
     g, beta = 0.1 * x["g"][:, :, :h, :kd], x["beta"][:, :, :h]  # mild decay: m stays clearly nonzero
     ids = np.zeros((b, t), np.int32)
-    ids[1, 25:] = 1
+    ids[1, 25:], ids[2, 32:] = 1, 1
     m, s = jax.jit(lambda *a: context_parallel.kda_shard_transition(*a, impl=impl, chunk_size=CHUNK,
                                                                     segment_ids_bt=ids))(k, v, g, beta)
     for row in range(b):
@@ -159,7 +160,7 @@ def test_shard_transition_is_product_of_token_steps(impl, x64):
             m_ref, s_ref = a @ m_ref, a @ s_ref + beta[row, i, 0] * np.outer(k[row, i, 0], v[row, i, 0])
         np.testing.assert_allclose(m[row, 0], m_ref, rtol=1e-10, atol=1e-12)
         np.testing.assert_allclose(s[row, 0], s_ref, rtol=1e-10, atol=1e-12)
-    assert np.abs(np.asarray(m[0])).max() > 1e-3 and not np.asarray(m[1]).any()
+    assert np.abs(np.asarray(m[0])).max() > 1e-3 and not np.asarray(m[1:]).any()
 
 
 def _collective_types(t):
