@@ -34,6 +34,7 @@ import k3jax
 from k3jax.config import ConfigError
 from k3jax.convert.checkpoint import hf_to_orbax
 from k3jax.convert.to_hf import orbax_to_hf
+from k3jax.layers.moe import LatentMoE
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
 from sharding.shard import mesh_context
@@ -172,6 +173,70 @@ def test_quantizers_are_idempotent_and_need_whole_groups():
         np.testing.assert_array_equal(np.asarray(fake_quant(q, -2)), np.asarray(q))
     with pytest.raises(ValueError, match="divisible by 32, got 40"):
         mx_quant.fake_quant_mxfp4(w, -1)
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a)
+    return a.view(np.uint32)
+
+
+@pytest.mark.parametrize("in_dtype,out_dtype", [(jnp.float32, jnp.bfloat16), (jnp.float32, jnp.float32),
+                                                (jnp.bfloat16, jnp.bfloat16)])
+def test_weight_qat_kernel_writes_the_xla_quantizers_copy_bit_for_bit(in_dtype, out_dtype):
+    """The one-pass weight QAT kernel (`pallas_kernels.gmm.qat`, interpreted) writes exactly
+    `fake_quant_mxfp4(w, -2).astype(dtype)`: every E2M1 code and tie, scale edges, saturation, clamped tiny groups,
+    zero groups and NaN / Inf groups, each group of 32 along the reduction axis of an [E, k, n] stack."""
+    rng = np.random.default_rng(6)
+    x = edge_groups(E2M1, 2, rng)
+    x = np.concatenate([x, rng.standard_normal((64 - len(x) % 64, 32)).astype(np.float32)])
+    x[3, 9], x[5, 0], x[6, 31] = np.nan, np.inf, -np.inf
+    w = jnp.asarray(x.reshape(2, -1, 16, 32).transpose(0, 1, 3, 2).reshape(2, -1, 16), in_dtype)  # [2, k, 16]
+    want = mx_quant.fake_quant_mxfp4_cast(w, out_dtype, impl="xla")
+    got = mx_quant.fake_quant_mxfp4_cast(w, out_dtype, impl="kernel")
+    assert got.dtype == want.dtype == out_dtype and np.isnan(np.asarray(want, np.float32)).any()
+    np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+def test_weight_qat_kernel_has_the_xla_paths_straight_through_gradient_and_refuses_misfits():
+    w = jnp.asarray(np.random.default_rng(7).standard_normal((2, 64, 48)), jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(8).standard_normal((2, 64, 48)), jnp.bfloat16)
+    grads = {}
+    for impl in ("xla", "kernel"):
+        out, vjp = jax.vjp(lambda v, impl=impl: mx_quant.fake_quant_mxfp4_cast(v, jnp.bfloat16, impl=impl), w)
+        grads[impl] = vjp(cot)[0]
+        assert grads[impl].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(grads["kernel"]), np.asarray(grads["xla"]))
+    np.testing.assert_array_equal(np.asarray(grads["xla"]), np.asarray(cot, np.float32))
+    cfg = configs.get_config("tiny", ["expert_qat=mxfp4"])
+    assert mx_quant.expert_weight_qat(w, cfg).dtype == cfg.runtime.jnp_dtype  # auto: XLA on CPU
+    with pytest.raises(ValueError, match="k a multiple of 32 and n of 16; got backend 'interpret', shape"):
+        mx_quant.fake_quant_mxfp4_cast(w[:, :, :40], jnp.bfloat16, impl="kernel")
+    with pytest.raises(ValueError, match="unknown weight QAT impl 'fast'"):
+        mx_quant.fake_quant_mxfp4_cast(w, jnp.bfloat16, impl="fast")
+
+
+def test_moe_layer_with_the_weight_qat_kernel_equals_the_xla_qat_path():
+    """A latent MoE layer under expert_qat=mxfp4 and expert_act_qat=mxfp8 with its weights quantized by the kernel
+    (`mx_quant.weight_qat_impl("kernel")`, as `auto` does on a GPU) gives the XLA QAT path's output and gradients
+    (to the f32 masters and the input) bit for bit."""
+    cfg = configs.get_config("tiny", WIDTHS + ["expert_qat=mxfp4", "expert_act_qat=mxfp8"])
+    layer = LatentMoE(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(9).standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
+    cot = jnp.asarray(np.random.default_rng(10).standard_normal((2, 16, cfg.hidden_size)), jnp.float32)
+    graphdef, state = nnx.split(layer)
+
+    def loss(state, x):
+        return jnp.sum(nnx.merge(graphdef, state)(x).astype(jnp.float32) * cot)
+
+    out = {}
+    for impl in ("xla", "kernel"):
+        with mx_quant.weight_qat_impl(impl):
+            out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile(FAST_COMPILE)(
+                state, x)
+    leaves = [jax.tree.leaves(out[impl]) for impl in ("xla", "kernel")]
+    assert len(leaves[0]) > 5
+    for a, b in zip(*leaves):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
 
 
 def test_knobs_reach_the_runtime_config_and_bad_values_are_refused():

@@ -21,6 +21,11 @@ so the f32 master weights stay unquantized. MXFP4 values are decoded with the se
 for bit on one platform. (Where a platform flushes f32 subnormals, as XLA CPU does, the E8M0 scale 2^-127 decodes to
 0 in both: groups whose amax is below 2^-125.)
 
+Weight QAT on a GPU runs as one Pallas pass fused into the cast to the compute dtype that the forward makes anyway
+(`fake_quant_mxfp4_cast`, `pallas_kernels.gmm.qat`: the same codes and decoder, bit for bit, and the same
+straight-through gradient); elsewhere, and under a multi-device jit outside `shard_map`, XLA runs the quantizer
+below. Cost measured in docs/training.md#qat (`benchmarks/qat_overhead.py`).
+
 A small module of ours rather than `qwix` (which has MX qtypes): QAT must reproduce the serving format's codes and
 decoder exactly and keep STE gradients on the f32 masters; that is ~100 lines here against a new dependency whose
 rounding and scale conventions would have to be pinned to ours anyway.
@@ -28,16 +33,20 @@ rounding and scale conventions would have to be pinned to ours anyway.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.ops import backend as backend_lib
 from pallas_kernels.gmm import mxfp4 as mxfp4_codec
+from pallas_kernels.gmm import qat as qat_kernels
 
-__all__ = ["GROUP", "expert_activation_qat", "expert_weight_qat", "fake_quant_mxfp4", "fake_quant_mxfp8",
-           "mxfp4_encode", "mxfp8_encode", "pack_mxfp4"]
+__all__ = ["GROUP", "WEIGHT_QAT_IMPLS", "expert_activation_qat", "expert_weight_qat", "fake_quant_mxfp4",
+           "fake_quant_mxfp4_cast", "fake_quant_mxfp8", "mxfp4_encode", "mxfp8_encode", "pack_mxfp4",
+           "weight_qat_impl"]
 
 GROUP = mxfp4_codec.GROUP  # elements per E8M0 scale (both formats)
 E2M1_EMAX, E2M1_MBITS, E2M1_EMIN, E2M1_MAX = 2, 1, 0, 6.0
@@ -157,10 +166,68 @@ def pack_mxfp4(w_nk: jax.Array) -> tuple[jax.Array, jax.Array]:
     return (codes[..., 0::2] | (codes[..., 1::2] << 4)).astype(jnp.uint8), scales
 
 
-def expert_weight_qat(w_ekn: jax.Array, cfg: ModelConfig) -> jax.Array:
-    """A routed-expert weight stack [E, in, out] as the forward uses it: MXFP4-fake-quantized along `in` (the
-    reduction axis) when `cfg.runtime.expert_qat == 'mxfp4'`, else unchanged."""
-    return fake_quant_mxfp4(w_ekn, -2) if cfg.runtime.expert_qat == "mxfp4" else w_ekn
+WEIGHT_QAT_IMPLS = ("auto", "kernel", "xla")
+_IMPL = ["auto"]  # what impl=None means while tracing (`weight_qat_impl`)
+
+
+@contextlib.contextmanager
+def weight_qat_impl(impl: str):
+    """Within the block, `fake_quant_mxfp4_cast` / `expert_weight_qat` called without an impl (the model's layers)
+    trace with `impl` (benchmarks compare the kernel with the XLA form in one process)."""
+    if impl not in WEIGHT_QAT_IMPLS:
+        raise ValueError(f"unknown weight QAT impl {impl!r}; available: {', '.join(map(repr, WEIGHT_QAT_IMPLS))}")
+    before, _IMPL[0] = _IMPL[0], impl
+    try:
+        yield
+    finally:
+        _IMPL[0] = before
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _kernel_cast(w_kn, dtype, interpret: bool):
+    return qat_kernels.mxfp4_fake_quant(w_kn, out_dtype=dtype, interpret=interpret)
+
+
+def _kernel_cast_fwd(w_kn, dtype, interpret: bool):
+    return _kernel_cast(w_kn, dtype, interpret), jnp.zeros((0,), w_kn.dtype)
+
+
+def _kernel_cast_bwd(dtype, interpret: bool, residual, g_kn):
+    return (g_kn.astype(residual.dtype),)  # straight through, as fake_quant_mxfp4's JVP followed by the cast
+
+
+_kernel_cast.defvjp(_kernel_cast_fwd, _kernel_cast_bwd)
+
+
+def fake_quant_mxfp4_cast(w_kn: jax.Array, dtype, *, impl: str | None = None) -> jax.Array:
+    """`fake_quant_mxfp4(w, axis=-2).astype(dtype)` for weights [..., k, n] (MXFP4 along the reduction axis k), with
+    the same straight-through gradient (the cotangent cast back to w's dtype), bit for bit either way.
+
+    impl: "kernel": one Pallas pass that reads w once and writes the `dtype` copy (`pallas_kernels.gmm.qat`; the
+    interpreter off a GPU); "xla": the XLA fake quantizer, then the cast; "auto" (default): the kernel where a GPU
+    kernel may run in this trace (`k3jax.ops.backend.gpu_kernel_backend_here`: one device or inside `shard_map`) and
+    the shape fits (`pallas_kernels.gmm.qat.applies`), else XLA. None: "auto" unless `weight_qat_impl` says
+    otherwise."""
+    impl = impl or _IMPL[0]
+    if impl not in WEIGHT_QAT_IMPLS:
+        raise ValueError(f"unknown weight QAT impl {impl!r}; available: {', '.join(map(repr, WEIGHT_QAT_IMPLS))}")
+    backend = {"kernel": backend_lib.forced_kernel_backend(), "xla": None}.get(
+        impl, backend_lib.gpu_kernel_backend_here())
+    if backend not in ("gpu", "interpret") or not qat_kernels.applies(w_kn.shape):
+        if impl == "kernel":
+            raise ValueError(f"the MXFP4 weight QAT kernel runs on GPU (or interpreted on CPU) for weights [..., k, n]"
+                             f" with k a multiple of {GROUP} and n of 16; got backend {backend!r}, shape {w_kn.shape}")
+        return fake_quant_mxfp4(w_kn, -2).astype(dtype)
+    return _kernel_cast(w_kn, jnp.dtype(dtype), backend == "interpret")
+
+
+def expert_weight_qat(w_ekn: jax.Array, cfg: ModelConfig, *, impl: str | None = None) -> jax.Array:
+    """A routed-expert weight stack [E, in, out] as the forward uses it: with `cfg.runtime.expert_qat == 'mxfp4'`
+    MXFP4-fake-quantized along `in` (the reduction axis) and already in the compute dtype (`fake_quant_mxfp4_cast`:
+    on a GPU one pass fused into the cast the forward makes anyway), else unchanged."""
+    if cfg.runtime.expert_qat != "mxfp4":
+        return w_ekn
+    return fake_quant_mxfp4_cast(w_ekn, cfg.runtime.jnp_dtype, impl=impl)
 
 
 def expert_activation_qat(x_mk: jax.Array, cfg: ModelConfig) -> jax.Array:

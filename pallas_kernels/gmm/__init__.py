@@ -2,7 +2,9 @@
 TPU; the backend is named by the caller (`k3jax.ops.gmm` picks it by platform, see api.py):
 - `gmm` (differentiable) and `tgmm` (its weight gradient): api.py;
 - `gmm_glu`: the fused expert up-projection act(x @ w_gate, x @ w_up), differentiable: glu.py;
-- `gmm_mxfp4`: inference with MXFP4 weights decoded inside the kernel: quantized.py."""
+- `gmm_mxfp4`: inference with MXFP4 weights decoded inside the kernel: quantized.py;
+- `qat.mxfp4_fake_quant`: quantization-aware training's MXFP4-fake-quantized copy of the expert weights, written in
+  the one pass that casts them for these kernels: qat.py."""
 
 from pallas_kernels.gmm.api import (
     BACKENDS,
