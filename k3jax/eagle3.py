@@ -154,8 +154,12 @@ class Eagle3Layer(nnx.Module):
 # ------------------------------------------------------------------------------------------ save / load
 
 
+# config fields a draft does not depend on (a target re-exported with an MTP layer keeps its drafts)
+_NOT_CHECKED = ("name", "runtime", "num_nextn_predict_layers", "initializer_range", "max_position_embeddings")
+
+
 def _architecture(cfg: ModelConfig) -> dict:
-    return json.loads(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in ("name", "runtime")}))
+    return json.loads(json.dumps({k: v for k, v in cfg.to_dict().items() if k not in _NOT_CHECKED}))
 
 
 def save_eagle3(layer: Eagle3Layer, out: str, *, overwrite: bool = False, info: dict | None = None) -> str:
