@@ -32,6 +32,11 @@ every prefill bucket and the decode step (one progress line each; k3jax/inferenc
 for a quick start) while the server already listens: /health answers 503 "warming up" until then, and requests
 wait for it.
 
+The prefix cache is on (`--prefix_block=512`; `0` turns it off): prompts are prefilled in 512-token chunks, one
+request at a time, and KDA state snapshots kept at chunk ends (every 512 tokens up to `--prefix_long_threshold`,
+every `--prefix_long_block` = 6144 past it) let a later prompt with the same start resume from the longest one;
+snapshots take at most `--prefix_cache_gib` of device memory (docs/serving.md#prefix-cache).
+
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
 are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
 over data x expert, KDA heads over model) and the MoE runs expert-parallel when E > 1 (k3jax/inference/sharded.py).
@@ -51,6 +56,7 @@ from k3jax.inference.batch import BatchOptions, load_model, make_tokenizer, read
 from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine import Engine
 from k3jax.inference.engine_loop import EngineLoop
+from k3jax.inference.prefix_cache import DEFAULT_BLOCK, DEFAULT_LONG_BLOCK, DEFAULT_THRESHOLD
 from k3jax.inference.scheduler import Scheduler
 from k3jax.inference.server import K3Server, ServerOptions, run_server
 from k3jax.inference.sharded import mesh_from_spec
@@ -96,9 +102,22 @@ _MAX_QUEUE = flags.DEFINE_integer("max_queue", 64, "Server mode: requests waitin
 _PREFILL_BATCH = flags.DEFINE_integer("max_prefill_batch", 1, "Server mode: requests prefilled per call "
                                       "(power of two).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "Server mode: decode steps per device call.")
-_PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", 0, "Server mode: prefix cache boundary in tokens (a power of "
-                                     "two >= 16, e.g. 512); 0 = no prefix cache.")
-_PREFIX_CAPACITY = flags.DEFINE_integer("prefix_capacity", 64, "Server mode: prefix cache snapshots kept (LRU).")
+_PREFIX_BLOCK = flags.DEFINE_integer("prefix_block", DEFAULT_BLOCK, "Server mode: prefix cache chunk and KDA "
+                                     "state checkpoint interval in tokens (a power of two >= 16; the release's "
+                                     "512); 0 = no prefix cache (prompts are then prefilled in batches of "
+                                     "--max_prefill_batch instead of one at a time).")
+_PREFIX_LONG_BLOCK = flags.DEFINE_integer("prefix_long_block", DEFAULT_LONG_BLOCK, "Server mode: past "
+                                          "--prefix_long_threshold tokens, checkpoints only at multiples of this "
+                                          "(a multiple of --prefix_block; the release's 6144); 0 = every block.")
+_PREFIX_THRESHOLD = flags.DEFINE_integer("prefix_long_threshold", DEFAULT_THRESHOLD, "Server mode: checkpoints "
+                                         "every --prefix_block tokens up to this position, then every "
+                                         "--prefix_long_block.")
+_PREFIX_GIB = flags.DEFINE_float("prefix_cache_gib", 0.0, "Server mode: device memory bound of the prefix cache's "
+                                 "snapshots in GiB (least recently used dropped first); 0 = automatic: a quarter "
+                                 "of the memory free once the decode cache is allocated (1 GiB where the device "
+                                 "reports none, e.g. CPU).")
+_PREFIX_CAPACITY = flags.DEFINE_integer("prefix_capacity", 0, "Server mode: most prefix cache snapshots kept (LRU); "
+                                        "0 = bounded by --prefix_cache_gib only.")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 64, "Server mode: tokens per MLA latent page (>= 1; capped at "
                                   "--max_len; a multiple of 64, the prefill chunk, suits real models).")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 0, "Server mode: pages in each MLA layer's latent pool; 0 = "
@@ -133,9 +152,18 @@ def _serve(log, mesh) -> None:
     for name, flag, low in (("--slots", _SLOTS, 1), ("--max_queue", _MAX_QUEUE, 0), ("--decode_steps",
                                                                                        _DECODE_STEPS, 1),
                             ("--default_max_tokens", _DEFAULT_MAX, 1), ("--max_prefill_batch", _PREFILL_BATCH, 1),
-                            ("--page_size", _PAGE_SIZE, 1), ("--num_pages (0 = automatic)", _NUM_PAGES, 0)):
+                            ("--page_size", _PAGE_SIZE, 1), ("--num_pages (0 = automatic)", _NUM_PAGES, 0),
+                            ("--prefix_block (0 = off)", _PREFIX_BLOCK, 0), ("--prefix_capacity", _PREFIX_CAPACITY, 0),
+                            ("--prefix_long_block", _PREFIX_LONG_BLOCK, 0),
+                            ("--prefix_long_threshold", _PREFIX_THRESHOLD, 0), ("--prefix_cache_gib", _PREFIX_GIB, 0)):
         if flag.value < low:
             raise ValueError(f"{name} must be >= {low}, got {flag.value}")
+    block = _PREFIX_BLOCK.value
+    if block and (block < 16 or block & (block - 1)):
+        raise ValueError(f"--prefix_block must be 0 (off) or a power of two >= 16, got {block}")
+    if block and _PREFIX_LONG_BLOCK.value % block:
+        raise ValueError(f"--prefix_long_block must be 0 or a multiple of --prefix_block={block}, got "
+                         f"{_PREFIX_LONG_BLOCK.value}")
     if not 0 < _PORT.value < 65536:
         raise ValueError(f"--port must be in [1, 65535], got {_PORT.value}")
     if _PROMPTS.value or _OUT.value:
@@ -153,8 +181,10 @@ def _serve(log, mesh) -> None:
     max_len = _MAX_LEN.value or min(2048, cfg.max_position_embeddings)
     scheduler = Scheduler(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
                           decode_steps=_DECODE_STEPS.value, prefix_block=_PREFIX_BLOCK.value or None,
-                          prefix_capacity=_PREFIX_CAPACITY.value, page_size=_PAGE_SIZE.value,
-                          num_pages=_NUM_PAGES.value or None, mesh=mesh)
+                          prefix_capacity=_PREFIX_CAPACITY.value or None, page_size=_PAGE_SIZE.value,
+                          num_pages=_NUM_PAGES.value or None, mesh=mesh, prefix_long_block=_PREFIX_LONG_BLOCK.value,
+                          prefix_long_threshold=_PREFIX_THRESHOLD.value,
+                          prefix_bytes=max(1, int(_PREFIX_GIB.value * 2**30)) if _PREFIX_GIB.value else None)
     if scheduler.num_pages < scheduler.pages_per_seq:
         log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
             f"less than one sequence of --max_len={max_len}: longer requests get a 400")

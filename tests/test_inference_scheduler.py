@@ -135,7 +135,7 @@ def test_prefix_cache_hit_equals_cold_run():
     assert (pc.hits, len(pc)) == (0, 1)
     warm = s.generate([Request("a", a, 6, eos_ids=[]), Request("b", b, 6, eos_ids=[]),
                        Request("s", short, 6, eos_ids=[])], arrival_steps=[0, 1, 1])
-    assert (pc.hits, pc.tokens_reused, len(pc)) == (2, 32, 1)  # the 15-token prompt has no full block
+    assert (pc.hits, pc.tokens_saved, len(pc)) == (2, 32, 1)  # the 15-token prompt has no full block
     assert warm["a"] == cold["a"] and cold["a"] == (greedy_alone(a, 6), "length")
     assert warm["b"] == (greedy_alone(b, 6), "length") and warm["s"] == (greedy_alone(short, 6), "length")
     with pytest.raises(ValueError, match="prefix_block"):

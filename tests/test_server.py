@@ -141,7 +141,8 @@ def test_concurrent_completions_and_chat_match_the_scheduler(scheduler, tokenize
     # pages: max_len 64 in one default 64-token page per slot; every page back in the pool once requests finish
     assert models["data"][0]["id"] == "tiny" and health == (200, {"status": "ok", "in_flight": 0, "capacity": 10,
                                                                   "slots": 2, "max_len": 64, "pages": {
-                                                                      "size": 64, "total": 2, "free": 2}})
+                                                                      "size": 64, "total": 2, "free": 2},
+                                                                  "prefix_cache": {"enabled": False}})
     lines = [m for m in logs if '"POST /v1/' in m]
     assert len(lines) == 6 and all(" 200 id=" in m for m in lines)
 
@@ -453,12 +454,15 @@ def test_serve_cli_rejects_bad_server_flags():
     r = subprocess.run([sys.executable, "serve.py", "--config=tiny", "--port=8000", "--page_size=0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--page_size must be >= 1, got 0" in r.stderr
+    r = subprocess.run([sys.executable, "serve.py", "--config=tiny", "--port=8000", "--prefix_long_block=1000"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--prefix_long_block must be 0 or a multiple of --prefix_block=512" in r.stderr
 
 
 @pytest.mark.slow
 def test_serve_cli_serves_and_stops_on_sigterm():
-    """`python serve.py --port` end to end: health (with the --page_size / --num_pages pool), one completion,
-    SIGTERM → clean exit 0."""
+    """`python serve.py --port` end to end: health (with the --page_size / --num_pages pool and the prefix cache,
+    on by default), one completion, SIGTERM → clean exit 0."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "serve.py", f"--config={NAME}", f"--port={port}", "--slots=2",
                              "--max_len=64", "--page_size=16", "--num_pages=5"], cwd=ROOT, stdout=subprocess.PIPE,
@@ -472,17 +476,19 @@ def test_serve_cli_serves_and_stops_on_sigterm():
                         async with client.get("/health") as r:
                             statuses.add((await r.json())["status"])
                             if r.status == 200:
-                                pages = (await r.json())["pages"]
+                                pages, prefix = (await r.json())["pages"], (await r.json())["prefix_cache"]
                                 break
                     except aiohttp.ClientConnectionError:
                         pass
                     await asyncio.sleep(0.25)
                 assert "warming up" in statuses
-                return pages, await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 5,
-                                                                     "temperature": 0})
+                return pages, prefix, await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 5,
+                                                                             "temperature": 0})
 
-        pages, (status, body) = asyncio.run(go())
+        pages, prefix, (status, body) = asyncio.run(go())
         assert pages == {"size": 16, "total": 5, "free": 5}
+        assert prefix["enabled"] and (prefix["block"], prefix["long_block"], prefix["bytes_limit"]) == (
+            512, 6144, 1 << 30)  # on by default, bounded (automatic: 1 GiB on a CPU)
         assert status == 200 and body["usage"]["completion_tokens"] <= 5
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)

@@ -59,7 +59,13 @@ from flax import nnx
 from k3jax.inference import sharded
 from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
-from k3jax.inference.prefix_cache import PrefixCache, PrefixEntry
+from k3jax.inference.prefix_cache import (
+    DEFAULT_LONG_BLOCK,
+    DEFAULT_THRESHOLD,
+    PrefixCache,
+    PrefixEntry,
+    auto_max_bytes,
+)
 from k3jax.inference.slot_steps import (
     MAX_EOS_IDS,
     MAX_TOP_LOGPROBS,
@@ -124,9 +130,12 @@ class Scheduler:
     for the rest of the call). The jitted functions are module-level with the model's graphdef as a static
     argument, so schedulers of the same model and shapes share compilations (`slot_steps.TRACE_COUNTS` counts
     traces).
-    `prefix_block`: enables the prefix cache (`prefix_cache.PrefixCache`, at most `prefix_capacity` snapshots):
-    prompts are then admitted one at a time, prefilled in `prefix_block`-token chunks (a power of two >= 16); a hit
-    shares the prefix's full latent pages.
+    `prefix_block`: enables the prefix cache (`prefix_cache.PrefixCache`): prompts are then admitted one at a time,
+    prefilled in `prefix_block`-token chunks (a power of two >= 16); a snapshot is kept at every chunk end up to
+    `prefix_long_threshold` tokens and at multiples of `prefix_long_block` past it (None or 0: at every chunk end);
+    a hit shares the prefix's full latent pages. Snapshots take at most `prefix_bytes` bytes of device memory (None:
+    `prefix_cache.auto_max_bytes`, a share of the memory free once the decode cache is allocated) and, if set, at
+    most `prefix_capacity` entries; least recently used ones go first.
     `page_size`: tokens per MLA latent page (default 64, capped at max_len; a multiple of the 64-token prefill chunk
     suits real models). `num_pages`: pages per MLA layer pool (default num_slots * ceil(max_len / page_size): every
     slot at full length; fewer pages hold less memory and make requests wait when their reservations do not fit).
@@ -137,8 +146,9 @@ class Scheduler:
 
     def __init__(self, model: K3Model, *, num_slots: int = 8, max_len: int = 1024, max_prefill_batch: int = 1,
                  decode_steps: int = 1, pad_id: int | None = None, prefix_block: int | None = None,
-                 prefix_capacity: int = 64, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
-                 mesh=None):
+                 prefix_capacity: int | None = None, page_size: int = DEFAULT_PAGE_SIZE, num_pages: int | None = None,
+                 mesh=None, prefix_long_block: int | None = DEFAULT_LONG_BLOCK,
+                 prefix_long_threshold: int = DEFAULT_THRESHOLD, prefix_bytes: int | None = None):
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         if max_len < 2:
@@ -180,7 +190,9 @@ class Scheduler:
             if prefix_block < MIN_PROMPT_BUCKET:
                 raise ValueError(f"prefix_block must be >= {MIN_PROMPT_BUCKET}, got {prefix_block}")
             self.prefix_cache = PrefixCache(prefix_block, prefix_capacity,
-                                            release=lambda pages: self.allocator.release(pages))
+                                            release=lambda pages: self.allocator.release(pages),
+                                            long_block=prefix_long_block, threshold=prefix_long_threshold,
+                                            max_bytes=prefix_bytes)
         self._waiting: collections.deque[Request] = collections.deque()
         self._slots: list[_Running | None] = [None] * num_slots
         self._slot_pages: list[list[int]] = [[] for _ in range(num_slots)]
@@ -188,6 +200,9 @@ class Scheduler:
         self._ids: set = set()  # ids of waiting and running requests
         self._auto_id = itertools.count()
         self.reset()
+        if self.prefix_cache is not None and prefix_bytes is None:  # measured after the decode cache exists
+            self.prefix_cache.max_bytes = auto_max_bytes(
+                list(self.mesh.devices.flat) if self.mesh is not None else jax.local_devices()[:1])
 
     # ------------------------------------------------------------------ state
 
@@ -481,11 +496,12 @@ class Scheduler:
 
     def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
         """Prefill through the prefix cache: resume from the longest cached boundary (KDA states restored, full
-        latent pages shared, a partial last page copied), snapshot every new boundary. None: not enough free pages
-        (nothing changed; the request keeps waiting)."""
+        latent pages shared, a partial last page copied), snapshot every new kept boundary. None: not enough free
+        pages (nothing changed; the request keeps waiting)."""
         pc, ps, layout = self.prefix_cache, self.page_size, self.layout.value
         ids = list(r.prompt_ids)
-        pos, entry = pc.lookup(ids)
+        keys = pc.block_keys(ids)
+        pos, entry = pc.lookup(keys)
         shared = list(entry.pages[:pos // ps]) if entry is not None else []
         partial = entry.pages[pos // ps] if entry is not None and pos % ps else None
         held = shared + ([partial] if partial is not None else [])
@@ -501,8 +517,7 @@ class Scheduler:
                                            mesh=self._mesh))
             self.page_copies += 1
             self.allocator.release([partial])
-        if entry is not None:
-            pc.record_hit(pos)
+        pc.record(pos, len(ids))
         start = entry.state if entry is not None else self._fresh1
         table_1p = page_table_rows([pages], 1, self.pages_per_seq)
         seq1 = layout.split(start._replace(page_table=jnp.asarray(table_1p)))[0]
@@ -515,9 +530,11 @@ class Scheduler:
                                                   spec=self.model_spec, layout=self.layout, mesh=self._mesh)
             self._set_pools(pools)
             pos += pc.block
-            entry_pages = tuple(pages[:-(-pos // ps)])
-            self.allocator.ref(entry_pages)
-            pc.store(ids[:pos], PrefixEntry(layout.without_pools(layout.join(seq1, pools)), entry_pages))
+            if pc.keeps(pos):
+                entry_pages = tuple(pages[:-(-pos // ps)])
+                self.allocator.ref(entry_pages)
+                pc.store(keys[pos // pc.block - 1],
+                         PrefixEntry(layout.without_pools(layout.join(seq1, pools)), entry_pages))
         rest = ids[pos:]
         chunk = np.full((1, bucket(len(rest), MIN_PROMPT_BUCKET)), self.pad_id, np.int32)
         chunk[0, :len(rest)] = rest

@@ -10,7 +10,8 @@ wrong types, bad sampling parameters, prompt + max_tokens beyond the context), 4
 k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Type) and 421 (Host) before any route.
 `/health` reports the state (status: "ok", or 503 with "warming up" while the engine compiles at start-up,
 "draining", "engine stopped"; in-flight generations, capacity, slots, max_len, the MLA page pool
-`pages: {size, total, free}`, and the prefix cache when enabled).
+`pages: {size, total, free}`, and `prefix_cache`: `{enabled: false}` or `PrefixCache.stats()`: block, long_block,
+long_threshold, entries, capacity, bytes_used, bytes_limit, hits, misses, tokens_saved).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
 Shutdown (SIGINT / SIGTERM under `run_server`, or `cleanup()` of a `K3Runner`): drain first, while every
@@ -163,9 +164,7 @@ class K3Server:
                 "pages": {"size": self.scheduler.page_size, "total": self.scheduler.num_pages,
                           "free": self.scheduler.num_free_pages}}
         pc = self.scheduler.prefix_cache
-        if pc is not None:
-            body["prefix_cache"] = {"block": pc.block, "entries": len(pc), "hits": pc.hits,
-                                    "tokens_reused": pc.tokens_reused}
+        body["prefix_cache"] = pc.stats() if pc is not None else {"enabled": False}
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -514,7 +513,10 @@ def run_server(server: K3Server, host: str, port: int) -> None:
     """Serves until SIGINT / SIGTERM, then shuts down gracefully (see the module docstring)."""
     server.engine.start()
     sched = server.scheduler
-    prefix = f"{sched.prefix_cache.block}-token blocks" if sched.prefix_cache is not None else "off"
+    pc = sched.prefix_cache
+    prefix = "off" if pc is None else (
+        f"{pc.block}-token blocks" + (f" (every {pc.long_block} past {pc.threshold})" if pc.long_block else "")
+        + (f" in {pc.max_bytes / 2**30:.2f} GiB" if pc.max_bytes else ""))
     devices = "one device" if getattr(sched, "mesh", None) is None else f"mesh {describe(sched.mesh)}"
     warming = "" if server.engine.ready.is_set() else "; warming up: /health says ok when done"
     server.log(f"serving {server.options.model_name!r} on http://{host}:{port} ({sched.num_slots} slots x "

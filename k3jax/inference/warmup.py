@@ -68,7 +68,7 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
             f"({time.monotonic() - t:.1f}s)")
     if pc is not None:
         pc.clear()
-        pc.hits = pc.tokens_reused = 0
+        pc.reset_stats()
         scheduler.page_copies = 0
     log(f"warm-up done: {total} programs in {time.monotonic() - t0:.1f}s")
 
