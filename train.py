@@ -67,6 +67,11 @@ _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Held-out LM loss every N st
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 10, "Batches per eval (of batch_size / grad_accum rows each).")
 _EVAL_DATA = flags.DEFINE_string("eval_data", None, "Prepared eval data dir; default: the held-out split of the "
                                  "training data (every 100th document, then left out of training).")
+_VISION = flags.DEFINE_string("vision_config", None, "Multimodal: train a vision tower "
+                              f"({', '.join(configs.vision_names())}) on --data from `python -m "
+                              "k3jax.data.prepare_multimodal`; --set vision_trainable=false freezes it.")
+_MAX_PATCHES = flags.DEFINE_integer("max_patches", 1024, "Multimodal: image patches per sequence (a multiple of the "
+                                    "merge kernel; padded).")
 _HALT = flags.DEFINE_integer("halt_at_step", None, "Stop (and save) after this step, as a preemption would.")
 
 
@@ -79,7 +84,8 @@ def options_from_flags() -> TrainOptions:
         seed=_SEED.value, log_every=_LOG_EVERY.value, checkpoint_every=_CKPT_EVERY.value,
         halt_at_step=_HALT.value, context_stages=parse_context_stages(_STAGES.value), init_from=_INIT.value,
         grad_accum=_ACCUM.value, state_dtype=_STATE_DTYPE.value, eval_every=_EVAL_EVERY.value,
-        eval_batches=_EVAL_BATCHES.value, eval_data=_EVAL_DATA.value)
+        eval_batches=_EVAL_BATCHES.value, eval_data=_EVAL_DATA.value, vision_config=_VISION.value,
+        max_patches=_MAX_PATCHES.value)
 
 
 def main(argv):
@@ -96,6 +102,9 @@ def main(argv):
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if _COMPILE_ONLY.value:
+        if opts.vision_config is not None:
+            print("error: --compile_only compiles the text model only (no --vision_config)", file=sys.stderr)
+            return 2
         return compile_only(cfg, opts, _TOPOLOGY.value)
     if opts.workdir is None:
         print("no --workdir: checkpoints and metrics are not saved", flush=True)

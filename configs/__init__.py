@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from configs import k3, kimi_linear, small
+from configs import k3, kimi_linear, small, vision
 from k3jax.config import ConfigError, ModelConfig
+from k3jax.vision.config import VisionConfig
 
 _REGISTRY = {
     "k3": k3.config,
@@ -39,3 +40,17 @@ def mesh_plan(name: str) -> dict[str, int]:
     if name not in _REGISTRY:
         raise ConfigError(f"unknown config {name!r}; known configs: {', '.join(names())}")
     return dict(_MESH_PLANS.get(name, {}))
+
+
+_VISION_REGISTRY = {"k3": vision.k3, "tiny": vision.tiny}
+
+
+def vision_names() -> list[str]:
+    return sorted(_VISION_REGISTRY)
+
+
+def get_vision_config(name: str) -> VisionConfig:
+    """The named vision tower + projector config (`configs/vision.py`)."""
+    if name not in _VISION_REGISTRY:
+        raise ConfigError(f"unknown vision config {name!r}; known vision configs: {', '.join(vision_names())}")
+    return _VISION_REGISTRY[name]()

@@ -1,7 +1,8 @@
 """k3jax: Kimi K3 in JAX / Flax NNX. Top-level helpers are imported lazily (importing k3jax stays light)."""
 
 _LAZY = {"load_hf": "k3jax.loading", "load_checkpoint": "k3jax.loading", "save_checkpoint": "k3jax.loading",
-         "load_tokenizer": "k3jax.loading"}
+         "load_tokenizer": "k3jax.loading", "load_vision_language_model": "k3jax.loading",
+         "save_vision_language_model": "k3jax.loading"}
 
 __all__ = sorted(_LAZY)
 

@@ -147,6 +147,9 @@ class RuntimeConfig:
     # metrics read them; the trainer turns this on).
     record_routing_stats: bool = dataclasses.field(default=False, metadata=_STATE)
     routing_histogram_bins: int = dataclasses.field(default=256, metadata=_STATE)
+    # Multimodal training (`train.py --vision_config`): False freezes the vision tower and projector (no gradients,
+    # no optimizer state, weights unchanged; docs/training.md#multimodal-data).
+    vision_trainable: bool = dataclasses.field(default=True, metadata=_STATE)
 
     def __post_init__(self):
         hints = typing.get_type_hints(type(self))

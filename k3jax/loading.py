@@ -5,6 +5,8 @@
     config, model = k3jax.load_hf("/path/to/Kimi-K3", expert_weights="mxfp4")   # serving: experts kept at 4 bits
     logits = model(input_ids)                                     # int32[B, T] -> [B, T, V]
     tokenizer = k3jax.load_tokenizer("/path/to/Kimi-K3", config)
+    config, vlm = k3jax.load_vision_language_model("/path/to/orbax_out")   # + the vision tower (multimodal)
+    logits = vlm(input_ids, pixels, grids)                        # placeholders filled with the images' tokens
 
 The model is built without random initialisation (`nnx.eval_shape`) and filled one checkpoint item (one layer)
 at a time, each tensor placed straight into its device sharding (`mesh=`), so host memory never holds the model.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 
 import jax
@@ -40,8 +43,12 @@ from k3jax.convert.checkpoint import (
     restore_item,
 )
 from k3jax.convert.checkpoint import save_checkpoint as _save_converted
+from k3jax.convert.safetensors_io import CheckpointError
+from k3jax.convert.vision_load import load_vision_checkpoint
 from k3jax.data.tokenizer import load_tokenizer as _load_tokenizer
 from k3jax.ops.gmm import MXFP4Experts
+from k3jax.vision import MEDIA_PLACEHOLDER_ID, K3VisionLanguageModel
+from sharding.rules import LOGICAL_AXIS_RULES
 from sharding.shard import plan_shardings
 
 EXPERT_WEIGHTS = ("bf16", "mxfp4")
@@ -299,6 +306,56 @@ def save_checkpoint(model, out: str, overwrite: bool = False) -> str:
                           f"checkpoint by converting the HF release with `python -m k3jax.convert --experts mxfp4`")
 
     return _save_converted(model, out, overwrite=overwrite)
+
+
+def load_vision_language_model(path: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None,
+                               rules=None, allow_nonfinite: bool = False, placeholder_id: int | None = None
+                               ) -> tuple[ModelConfig, K3VisionLanguageModel]:
+    """(config, K3VisionLanguageModel) from a converted k3jax Orbax checkpoint that holds the vision tower and
+    projector (`python -m k3jax.convert` of a multimodal release without --text_only, or
+    `save_vision_language_model`). The text model loads as `load_checkpoint` (same arguments); the tower and
+    projector compute in the text model's dtype with parameters in its parameter dtype, placed by `rules` on
+    `mesh` when given. `placeholder_id`: the image placeholder token, default the checkpoint's
+    `media_placeholder_token_id` (hf_config.json or the manifest), else the release's 163605. A checkpoint
+    without a vision tower raises CheckpointError."""
+    manifest, _ = read_manifest(path)
+    if not manifest.get("hf", {}).get("vision"):
+        raise CheckpointError(f"{path} holds no vision tower (a text-only conversion or model); load it with "
+                              f"load_checkpoint")
+    cfg, text = load_checkpoint(path, dtype, overrides, mesh, expert_weights, rules, allow_nonfinite)
+    vision = load_vision_checkpoint(path, dtype=cfg.runtime.jnp_dtype, param_dtype=cfg.runtime.jnp_param_dtype)
+    # the vision weights arrive as host arrays: place them (on `mesh` in their shardings, else the default device)
+    shardings = (plan_shardings(nnx.state(vision), mesh, rules=rules or LOGICAL_AXIS_RULES).shardings
+                 if mesh is not None else None)
+    nnx.update(vision, jax.device_put(nnx.state(vision), shardings))
+    placeholder = checkpoint_placeholder_id(path, manifest) if placeholder_id is None else int(placeholder_id)
+    if not 0 <= placeholder < cfg.vocab_size:
+        raise ConfigError(f"image placeholder id {placeholder} is outside the vocabulary [0, {cfg.vocab_size})")
+    return cfg, K3VisionLanguageModel(text, vision, placeholder_id=placeholder)
+
+
+def checkpoint_placeholder_id(path: str, manifest: dict | None = None) -> int:
+    """The image placeholder token of a checkpoint: `media_placeholder_token_id` of its hf_config.json (top level
+    or text_config), else of its manifest, else the release's 163605."""
+    hf_path = os.path.join(path, "hf_config.json")
+    if os.path.exists(hf_path):
+        with open(hf_path) as f:
+            hf = json.load(f)
+        for where in (hf, hf.get("text_config") or {}):
+            if isinstance(where.get("media_placeholder_token_id"), int):
+                return where["media_placeholder_token_id"]
+    manifest = read_manifest(path)[0] if manifest is None else manifest
+    saved = manifest.get("hf", {}).get("media_placeholder_token_id")
+    return MEDIA_PLACEHOLDER_ID if saved is None else int(saved)
+
+
+def save_vision_language_model(model: K3VisionLanguageModel, out: str, overwrite: bool = False) -> str:
+    """Writes a K3VisionLanguageModel as a k3jax Orbax checkpoint: the text model as `save_checkpoint`, plus the
+    `vision` item and the placeholder id (`load_vision_language_model` reads it back)."""
+    if model.language_model.cfg.runtime.expert_weights != "bf16":
+        raise ConfigError("save_vision_language_model writes parameter (bf16/f32) experts, not packed MXFP4 ones")
+    return _save_converted(model.language_model, out, overwrite=overwrite, vision=model.vision,
+                           placeholder_id=model.placeholder_id)
 
 
 def load_tokenizer(path: str, config: ModelConfig):

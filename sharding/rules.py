@@ -42,6 +42,18 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mtp_concat": ("data", "expert"),
     # scanned layer stacks
     "layers": None,
+    # vision tower + projector (k3jax/vision): FSDP on the tower width like `embed`, tensor parallel on the MLP,
+    # the fused qkv columns and the attention output's input; the patch projection's input and the learned position
+    # grid replicated (small); the projector's 4x-wide input FSDP, its hidden width tensor parallel
+    "vision_embed": ("data", "expert"),
+    "vision_mlp": "model",
+    "vision_qkv": "model",
+    "vision_heads": "model",
+    "vision_patch": None,
+    "vision_pos_h": None,
+    "vision_pos_w": None,
+    "vision_merged": ("data", "expert"),
+    "vision_merged_out": "model",
 }
 
 
@@ -53,6 +65,8 @@ SERVING_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": None,
     "mtp_concat": None,
     "expert_latent": None,
+    "vision_embed": None,
+    "vision_merged": None,
 }
 
 

@@ -38,7 +38,8 @@ def test_architecture_or_state_shaping_changes_block_resume(flat):
     cfg = configs.get_config("tiny", ["record_routing_stats=true"])
     meta = _meta(cfg, flat)
     assert set(RuntimeConfig.state_fields()) == {"param_dtype", "scan_layers", "expert_weights",
-                                                 "record_routing_stats", "routing_histogram_bins"}
+                                                 "record_routing_stats", "routing_histogram_bins",
+                                                 "vision_trainable"}
     changed = cfg.replace(hidden_size=96, scan_layers=False, routing_histogram_bins=64, kda_impl="recurrent")
     with pytest.raises(CheckpointMismatchError) as err:
         check_meta(meta, changed, {"seq_len": 16}, "ckpt")

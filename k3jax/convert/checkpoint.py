@@ -57,6 +57,7 @@ from k3jax.convert.vision import (
     open_vision,
     read_vision,
     text_only_hf_config,
+    vision_item,
 )
 from k3jax.model import K3Model
 
@@ -480,8 +481,11 @@ def _write_meta(tmp: str, cfg: ModelConfig, items, hashes, experts: str, hf: dic
         json.dump(manifest, f, indent=1)
 
 
-def save_checkpoint(model, out: str, *, overwrite: bool = False) -> str:
-    """Writes a live K3Model as a k3jax Orbax checkpoint (same layout as `hf_to_orbax`, one item at a time)."""
+def save_checkpoint(model, out: str, *, overwrite: bool = False, vision=None,
+                    placeholder_id: int | None = None) -> str:
+    """Writes a live K3Model as a k3jax Orbax checkpoint (same layout as `hf_to_orbax`, one item at a time).
+    `vision` (a `VisionModel`): also its `vision` item, described by manifest["hf"]["vision"], with the image
+    placeholder id as manifest["hf"]["media_placeholder_token_id"]."""
     cfg = model.cfg
     plan = make_plan(cfg)
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
@@ -496,8 +500,13 @@ def save_checkpoint(model, out: str, *, overwrite: bool = False) -> str:
             _save_item(os.path.join(tmp, "params", name), arrays)
             items[name] = _item_meta(arrays)
             hashes[name] = item_hash(arrays)
-        _write_meta(tmp, cfg, items, hashes, "dense", {"prefix": K3_PREFIX if cfg.uses_attn_res else "",
-                                                "a_log_shape": None, "source_experts": "dense"})
+        hf = {"prefix": K3_PREFIX if cfg.uses_attn_res else "", "a_log_shape": None, "source_experts": "dense"}
+        if vision is not None:
+            arrays = vision_item(vision)
+            _save_item(os.path.join(tmp, "params", VISION_ITEM), arrays)
+            hf.update(vision={"config": vision.cfg.to_dict(), "arrays": _item_meta(arrays),
+                              "hash": item_hash(arrays)}, media_placeholder_token_id=placeholder_id)
+        _write_meta(tmp, cfg, items, hashes, "dense", hf)
     return os.path.abspath(out)
 
 

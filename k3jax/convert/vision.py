@@ -122,6 +122,13 @@ def load_vision_weights(model: VisionModel, weights: Mapping[str, np.ndarray] | 
     nnx.update(model, state)
 
 
+def vision_item(model: VisionModel) -> dict[str, np.ndarray]:
+    """A live model's `vision` checkpoint item: our dotted path -> array in our layout and dtype (what `read_vision`
+    gives for a release)."""
+    flat = {".".join(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    return {ours: np.asarray(flat[ours].get_value()) for ours, _, _, _ in vision_entries(model)}
+
+
 def export_vision_weights(model: VisionModel) -> dict[str, np.ndarray]:
     """Our vision parameters as release-named NumPy arrays (the inverse of `load_vision_weights`)."""
     flat = {".".join(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param))}

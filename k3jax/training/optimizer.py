@@ -75,7 +75,8 @@ HEADS_AXES = frozenset({"heads", "kda_heads"})
 HEAD_DIM_AXES = frozenset({"head_dim", "kda_head_dim"})
 STACKING_AXES = frozenset({"layers"})  # nnx.scan stacking: always a batch axis
 EXPERT_AXES = frozenset({"experts"})  # routed experts: one block per expert
-ADAMW_AXES = frozenset({"vocab", "norm", "conv_window"})  # embeddings / lm_head, norm gains, conv kernels
+# embeddings / lm_head, norm gains, conv kernels, the vision tower's learned position grid
+ADAMW_AXES = frozenset({"vocab", "norm", "conv_window", "vision_pos_h"})
 
 
 def muon_dimension_numbers(path: Sequence[Any] | str, axes: Sequence[str | None], shape: Sequence[int], *,

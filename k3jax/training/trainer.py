@@ -42,6 +42,7 @@ from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 from k3jax.param_count import count_params
 from k3jax.training import checkpointing
+from k3jax.training import multimodal as mm
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
 from k3jax.training.evaluate import Evaluator, format_eval
 from k3jax.training.loss import masked_mean, mtp_loss, token_counts
@@ -88,6 +89,8 @@ class TrainOptions:
     eval_every: int = 0  # held-out LM loss every N steps and after the last one (k3jax/training/evaluate.py); 0: none
     eval_batches: int = 10  # batches per evaluation (of batch_size / grad_accum rows)
     eval_data: str | None = None  # prepared eval data dir; None: the held-out split of the training data
+    vision_config: str | None = None  # multimodal: a named vision tower (configs/vision.py); data from
+    max_patches: int = 1024  # `prepare_multimodal`; image patches per row (k3jax/training/multimodal.py)
 
     def __post_init__(self):
         if self.optimizer not in ("muon", "adamw"):
@@ -95,7 +98,7 @@ class TrainOptions:
         if self.grad_accum < 1 or self.batch_size % self.grad_accum:
             raise ValueError(f"grad_accum must be >= 1 and divide batch_size={self.batch_size}, "
                              f"got {self.grad_accum}")
-        for name in ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints"):
+        for name in ("steps", "batch_size", "seq_len", "log_every", "keep_checkpoints", "max_patches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.state_dtype not in STATE_DTYPES:
@@ -109,6 +112,9 @@ class TrainOptions:
                              f"eval_batches={self.eval_batches}")
         if self.eval_data is not None and not self.eval_every:
             raise ValueError("eval_data is read only with eval_every > 0 (evaluate every N steps)")
+        if self.vision_config is not None and (self.eval_every or self.data is None):
+            raise ValueError("--vision_config needs --data (a `python -m k3jax.data.prepare_multimodal` directory) "
+                             "and has no held-out eval yet (--eval_every 0)")
 
     @property
     def train_split(self) -> str:
@@ -123,7 +129,8 @@ class TrainOptions:
     def resume_keys(self) -> dict[str, Any]:
         """Options a resumed run must share with the checkpoint (the rest may change, e.g. --steps)."""
         return {k: getattr(self, k) for k in ("batch_size", "seq_len", "optimizer", "quantile_balancing", "mtp",
-                                              "data", "seed", "context_stages", "train_split")}
+                                              "data", "seed", "context_stages", "train_split", "vision_config",
+                                              "max_patches")}
 
 
 STATE_DTYPES = ("float32", "bfloat16")
@@ -142,11 +149,14 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class Trainable(nnx.Module):
-    """What the optimizer trains: the model and (optionally) its MTP layer."""
+    """What the optimizer trains: the model, (optionally) its MTP layer and (multimodal) the vision tower, whose
+    tokens replace the `placeholder_id` embeddings (k3jax/training/multimodal.py)."""
 
-    def __init__(self, cfg: ModelConfig, *, mtp: bool, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, mtp: bool, rngs: nnx.Rngs, vision=None, placeholder_id: int = -1):
         self.model = K3Model(cfg, rngs=rngs)
         self.mtp = MTPLayer(cfg, rngs=rngs) if mtp else None
+        self.vision = mm.make_vision_model(cfg, vision, rngs) if vision is not None else None
+        self.placeholder_id = placeholder_id
 
 
 def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
@@ -154,7 +164,10 @@ def loss_fn(trainable: Trainable, batch: dict, mtp_weight: float):
     accumulation carries its whole batch's `token_counts` ("lm_tokens", "mtp_tokens") as the denominators."""
     model = trainable.model
     segment_ids = batch.get("segment_ids")
-    h = model.hidden_states(batch["input_ids"], segment_ids)
+    if trainable.vision is not None:
+        h = mm.hidden_states(trainable, batch)
+    else:
+        h = model.hidden_states(batch["input_ids"], segment_ids)
     lm = masked_mean(model.token_losses(h, batch["targets"]), batch["loss_mask"], denominator=batch.get("lm_tokens"))
     metrics = {"lm_loss": lm}
     loss = lm
@@ -177,7 +190,9 @@ def after_update(trainable: Trainable, grads, *, balance: bool) -> dict:
 
 def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx.Optimizer]:
     """A freshly initialised model (+ MTP layer) and its optimizer (unplaced)."""
-    trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed))
+    vision, placeholder = mm.vision_setup(cfg, opts.vision_config, opts.data)
+    trainable = Trainable(cfg, mtp=opts.mtp, rngs=nnx.Rngs(opts.seed), vision=vision,
+                          placeholder_id=-1 if placeholder is None else placeholder)
     schedule = opts.schedule()
     state_dtype = jnp.dtype(opts.state_dtype)
     if opts.optimizer == "muon":
@@ -187,7 +202,7 @@ def make_trainable(cfg: ModelConfig, opts: TrainOptions) -> tuple[Trainable, nnx
         tx = optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=opts.weight_decay, mu_dtype=state_dtype)
         if opts.max_grad_norm is not None:
             tx = optax.chain(optax.clip_by_global_norm(opts.max_grad_norm), tx)
-    return trainable, nnx.Optimizer(trainable, _state_in(tx, state_dtype), wrt=nnx.Param)
+    return trainable, nnx.Optimizer(trainable, _state_in(tx, state_dtype), wrt=mm.trainable_params(cfg))
 
 
 def _state_in(tx: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
@@ -231,7 +246,7 @@ def build(cfg: ModelConfig, opts: TrainOptions, mesh, *, abstract: bool = False)
     step = make_sharded_train_step(
         trainable, optimizer, mesh, lambda t, b: loss_fn(t, b, opts.mtp_weight), has_aux=True,
         after_update=lambda t, g: after_update(t, g, balance=opts.quantile_balancing), grad_accum=opts.grad_accum,
-        accumulate_context=lambda b: token_counts(b["targets"], b["loss_mask"]))
+        accumulate_context=lambda b: token_counts(b["targets"], b["loss_mask"]), wrt=mm.trainable_params(cfg))
     return trainable, optimizer, step, opts.schedule()
 
 
@@ -316,7 +331,11 @@ def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None
               stage: int = 0):
     """Global batches on `mesh` (`global_batch.make_global_dataset`: each process reads its data-parallel shards)
     from `data_dir_for` (prepared with `python -m k3jax.data.prepare`), its `opts.train_split` documents. Context
-    stage s reads with seed + s."""
+    stage s reads with seed + s. Multimodal (`opts.vision_config`): `multimodal.open_data`."""
+    if opts.vision_config is not None:
+        vcfg = mm.vision_setup(cfg, opts.vision_config, opts.data)[0]
+        return mm.open_data(cfg, vcfg, opts.data, mesh, batch_size=opts.batch_size, seq_len=seq_len,
+                            max_patches=opts.max_patches, seed=opts.seed + stage, log_fn=log_fn)
     data_dir = data_dir_for(cfg, opts)
     meta = prepare.read_metadata(data_dir)
     if int(meta["vocab_size"]) > cfg.vocab_size:
@@ -415,6 +434,8 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
                                          dp, mesh, log_fn)
     elif opts.init_from:
         init_weights(trainable.model, opts.init_from, mesh)
+        if trainable.vision is not None and mm.init_vision(trainable.vision, opts.init_from):
+            log_fn(f"initialised the vision tower from {opts.init_from}")
         log_fn(f"initialised the model from {opts.init_from}")
 
     active = count_params(cfg)["active_params"]

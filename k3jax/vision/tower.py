@@ -163,7 +163,8 @@ class PosEmb(nnx.Module):
     def __init__(self, cfg: VisionConfig, *, param_dtype, rngs: nnx.Rngs):
         self.cfg = cfg
         shape = (cfg.init_pos_emb_height, cfg.init_pos_emb_width, cfg.vt_hidden_size)
-        self.weight = params.normal(rngs, shape, (None, None, "vision_embed"), param_dtype, std=0.02)
+        axes = ("vision_pos_h", "vision_pos_w", "vision_embed")
+        self.weight = params.normal(rngs, shape, axes, param_dtype, std=0.02)
 
     def __call__(self, layout: PackedLayout) -> jax.Array:
         """[length, D] in at least f32 (zeros on padding)."""
