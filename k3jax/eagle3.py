@@ -71,6 +71,10 @@ def block_features(blocks: AttnResBlocks, feature_blocks) -> jax.Array:
 
 
 class Eagle3Layer(nnx.Module):
+    """The draft (module docstring): W_E3 (`feature_proj`), the input fusion (`hidden_norm`, `embed_norm`,
+    `eh_proj`), one decoder layer (`block`: MLA + dense MLP, plain residuals) and its final `norm`; the embedding
+    and head are the target's, passed in by the caller."""
+
     def __init__(self, cfg: ModelConfig, *, feature_blocks=None, rngs: nnx.Rngs):
         self.cfg = cfg
         self.feature_blocks = check_feature_blocks(cfg, feature_blocks or default_feature_blocks(cfg))
