@@ -11,7 +11,7 @@ top (a module may import its own layer and the ones below; the first matching pr
   4  k3jax.layers                                          the model's layers
   5  k3jax.vision                                          the vision tower, its packing and preprocessing
   6  k3jax.model                                           K3Model and its decode cache
-  7  k3jax.mtp                                             the MTP layer (built from the model's decoder block)
+  7  k3jax.mtp, k3jax.eagle3                               the MTP layer and the EAGLE-3 draft (the decoder block)
   8  k3jax.param_count                                     parameter counts from shapes
   9  k3jax.data                                            tokenizers, data preparation, the Grain pipeline
   10 k3jax.convert                                         HF <-> k3jax checkpoint conversion
@@ -48,7 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("k3jax.layers",),
     ("k3jax.vision",),
     ("k3jax.model",),
-    ("k3jax.mtp",),
+    ("k3jax.mtp", "k3jax.eagle3"),
     ("k3jax.param_count",),
     ("k3jax.data",),
     ("k3jax.convert",),
