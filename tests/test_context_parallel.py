@@ -12,7 +12,8 @@ the unsharded model computes, on 8 emulated CPU devices.
   traces the kernel and no value-width-(V+K) array.
 - Short-conv halo == an independent NumPy loop (taps reaching into the left neighbour and across documents).
 - KDA and MLA layers traced under a context mesh take the context-parallel path and equal the unsharded layer.
-- `tiny` (packed documents) under meshes (2,1,4,1) and (1,2,2,2): loss and gradients equal one device.
+- `tiny` (packed documents) under meshes (2,1,4,1) and (1,2,2,2): loss and gradients equal one device; also with
+  the KDA kernel on every context shard (slow suite).
 """
 
 from __future__ import annotations
@@ -343,12 +344,12 @@ def test_no_context_parallel_without_context_axis():
 MODEL_BATCH, MODEL_SEQ = 8, 32
 
 
-def _build_tiny():
+def _build_tiny(kda_impl="recurrent"):
     """`tiny` with routing pinned by a well-separated selection bias (as in test_sharding_equivalence)."""
     from k3jax.layers.params import RouterBias
     from k3jax.model import K3Model
 
-    model = K3Model(configs.get_config("tiny", ["kda_impl=recurrent"]), rngs=nnx.Rngs(0))
+    model = K3Model(configs.get_config("tiny", [f"kda_impl={kda_impl}"]), rngs=nnx.Rngs(0))
     biases = nnx.state(model, RouterBias)
     nnx.update(model, jax.tree.map(lambda b: jnp.broadcast_to(jnp.arange(b.shape[-1]) * 10.0, b.shape), biases))
     return model
@@ -375,11 +376,11 @@ def packed_batch():
     return np.stack([ids, seg], axis=1).astype(np.int32)
 
 
-def _loss_and_grads(mesh, batch):
+def _loss_and_grads(mesh, batch, kda_impl="recurrent"):
     from sharding.shard import shard_batch
     from tests.helpers import make_sharded_loss_and_grad, shard_model
 
-    model = _build_tiny()
+    model = _build_tiny(kda_impl)
     shard_model(model, mesh)
     fn = make_sharded_loss_and_grad(model, mesh, _packed_loss, batch_ndim=3, compiler_options=FAST_COMPILE)
     loss, grads = fn(model, shard_batch(batch, mesh))
@@ -392,12 +393,15 @@ def packed_reference(packed_batch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("shape", [(2, 1, 4, 1), (1, 2, 2, 2)], ids=["2x1x4x1", "1x2x2x2"])
-def test_tiny_packed_loss_and_grads_match_single_device(shape, packed_batch, packed_reference, monkeypatch):
+@pytest.mark.parametrize("shape, kda_impl", [((2, 1, 4, 1), "recurrent"), ((1, 2, 2, 2), "recurrent"),
+                                             ((2, 1, 4, 1), "pallas")], ids=["2x1x4x1", "1x2x2x2", "2x1x4x1-kernel"])
+def test_tiny_packed_loss_and_grads_match_single_device(shape, kda_impl, packed_batch, packed_reference, monkeypatch):
+    """The sharded model against one device running the token recurrence; "pallas": every context shard runs the
+    KDA kernel (interpret mode)."""
     ref_loss, ref_grads = packed_reference
     kda_calls = _spy(monkeypatch, "kda_context_parallel")
     mla_calls = _spy(monkeypatch, "mla_attention_context_parallel")
-    loss, grads = _loss_and_grads(make_mesh(*shape), packed_batch)
+    loss, grads = _loss_and_grads(make_mesh(*shape), packed_batch, kda_impl)
     assert kda_calls and mla_calls, "the model did not take the context-parallel paths"
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
     assert grads.keys() == ref_grads.keys()
