@@ -37,11 +37,20 @@ request at a time, and KDA state snapshots kept at chunk ends (every 512 tokens 
 every `--prefix_long_block` = 6144 past it) let a later prompt with the same start resume from the longest one;
 snapshots take at most `--prefix_cache_gib` of device memory (docs/serving.md#prefix-cache).
 
+Images: with a vision tower in `--checkpoint` / `--hf_dir`, chat `content` parts may be images, as data URLs only
+(`{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}`; PNG/JPEG need Pillow, the `[vision]`
+extra; `data:application/x-npy;base64,...` needs nothing); other URLs get 400 (no network fetches).
+
+Speculative decoding (`--speculative=mtp|eagle3 --num_draft_tokens=K [--draft=PATH]`): the draft proposes K tokens
+per step, the model verifies them in one forward; greedy output is unchanged. It switches itself off while more than
+`--speculative_max_batch` (32) sequences run; /health reports acceptance (docs/serving.md#speculative-decoding).
+
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
 are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
 over data x expert, KDA heads over model) and the MoE runs expert-parallel when E > 1 (k3jax/inference/sharded.py).
 """
 
+import functools
 import ipaddress
 import os
 import sys
@@ -56,10 +65,19 @@ from k3jax.inference.batch import BatchOptions, load_model, make_tokenizer, read
 from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine import Engine
 from k3jax.inference.engine_loop import EngineLoop
+from k3jax.inference.image_slots import default_placeholder_id, load_serving_vision
 from k3jax.inference.prefix_cache import DEFAULT_BLOCK, DEFAULT_LONG_BLOCK, DEFAULT_THRESHOLD
 from k3jax.inference.scheduler import Scheduler
 from k3jax.inference.server import K3Server, ServerOptions, run_server
 from k3jax.inference.sharded import mesh_from_spec
+from k3jax.inference.spec_scheduler import (
+    DEFAULT_MAX_SPEC_BATCH,
+    DRAFT_KINDS,
+    SpeculativeScheduler,
+    check_draft_kind,
+    make_draft,
+)
+from k3jax.inference.speculative import SpeculativeEngine
 from k3jax.inference.warmup import warm_up
 from k3jax.inference.xla_flags import apply_serving_flags
 from k3jax.loading import load_checkpoint, load_hf
@@ -146,6 +164,22 @@ _WARM_UP = flags.DEFINE_enum("warm_up", "all", ["all", "shortest"], "Server mode
                               "stream while it compiles). The decode steps are always compiled.")
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "Server mode: the model id in the API (default: the "
                                   "config name).")
+# speculative decoding (both modes)
+_SPECULATIVE = flags.DEFINE_enum("speculative", None, list(DRAFT_KINDS), "Decode speculatively with this draft: "
+                                 "mtp (the model's MTP layer) or eagle3; greedy output is unchanged, sampled output "
+                                 "keeps the model's distribution (docs/serving.md#speculative-decoding).")
+_NUM_DRAFT = flags.DEFINE_integer("num_draft_tokens", 3, "With --speculative: tokens drafted per step (>= 1).")
+_DRAFT = flags.DEFINE_string("draft", None, "With --speculative: the draft's weights, an HF directory (mtp: the "
+                             "DeepSeek-style model.layers.{N}.* MTP tensors); default: --hf_dir; neither: random.")
+_SPEC_MAX_BATCH = flags.DEFINE_integer("speculative_max_batch", DEFAULT_MAX_SPEC_BATCH, "Server mode with "
+                                       "--speculative: a step with more running sequences than this decodes "
+                                       "plainly (verifying k+1 tokens per sequence stops paying at large batches); "
+                                       "0 = never speculate.")
+_VISION = flags.DEFINE_bool("vision", True, "Server mode: accept images in chat requests when --checkpoint / "
+                            "--hf_dir has a vision tower (--novision: serve the text model alone).")
+_PLACEHOLDER = flags.DEFINE_integer("image_placeholder_id", -1, "Server mode: the token id a prompt holds once per "
+                                    "image token; -1 = automatic: <|media_pad|> (163605) where the vocabulary has it, "
+                                    "else 259 (byte-tokenized tiny models).")
 
 
 def _serve(log, mesh) -> None:
@@ -179,12 +213,14 @@ def _serve(log, mesh) -> None:
     tokenizer = make_tokenizer(cfg, source)
     chat = load_chat_template(tokenizer, source)
     max_len = _MAX_LEN.value or min(2048, cfg.max_position_embeddings)
-    scheduler = Scheduler(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
+    sched_cls = _scheduler_class(model, mesh, log)
+    scheduler = sched_cls(model, num_slots=_SLOTS.value, max_len=max_len, max_prefill_batch=_PREFILL_BATCH.value,
                           decode_steps=_DECODE_STEPS.value, prefix_block=_PREFIX_BLOCK.value or None,
                           prefix_capacity=_PREFIX_CAPACITY.value or None, page_size=_PAGE_SIZE.value,
                           num_pages=_NUM_PAGES.value or None, mesh=mesh, prefix_long_block=_PREFIX_LONG_BLOCK.value,
                           prefix_long_threshold=_PREFIX_THRESHOLD.value,
                           prefix_bytes=max(1, int(_PREFIX_GIB.value * 2**30)) if _PREFIX_GIB.value else None)
+    _attach_vision(scheduler, cfg, mesh, log)
     if scheduler.num_pages < scheduler.pages_per_seq:
         log(f"note: --num_pages={scheduler.num_pages} holds {scheduler.num_pages * scheduler.page_size} tokens, "
             f"less than one sequence of --max_len={max_len}: longer requests get a 400")
@@ -195,6 +231,52 @@ def _serve(log, mesh) -> None:
                                     default_max_tokens=_DEFAULT_MAX.value, shutdown_grace_s=_GRACE.value,
                                     access=access), log)
     run_server(server, _HOST.value, _PORT.value)
+
+
+def _check_speculative_flags(mesh) -> None:
+    """Flag errors of --speculative and friends, before any model is loaded."""
+    if not _SPECULATIVE.value:
+        if _DRAFT.value:
+            raise ValueError("--draft needs --speculative")
+        return
+    if _NUM_DRAFT.value < 1:
+        raise ValueError(f"--num_draft_tokens must be >= 1, got {_NUM_DRAFT.value}")
+    if _SPEC_MAX_BATCH.value < 0:
+        raise ValueError(f"--speculative_max_batch must be >= 0, got {_SPEC_MAX_BATCH.value}")
+    if mesh is not None:
+        raise ValueError("--speculative with --mesh is not supported yet (speculative decoding runs on one device)")
+    check_draft_kind(_SPECULATIVE.value)
+    if _SPECULATIVE.value == "eagle3" and not _DRAFT.value:
+        raise ValueError("--speculative=eagle3 needs --draft=PATH (a draft directory saved by its training)")
+
+
+def _draft(model, log):
+    return make_draft(_SPECULATIVE.value, _NUM_DRAFT.value, model, _DRAFT.value or _HF_DIR.value, log, _SEED.value)
+
+
+def _scheduler_class(model, mesh, log):
+    """`Scheduler`, or with --speculative a `SpeculativeScheduler` bound to its draft."""
+    if not _SPECULATIVE.value:
+        return Scheduler
+    if _PREFIX_BLOCK.value:
+        log("note: with the prefix cache on, the draft does not see the prompts of the requests it admits (weaker "
+            "drafts, same output); --prefix_block=0 lets it")
+    return functools.partial(SpeculativeScheduler, draft=_draft(model, log), max_spec_batch=_SPEC_MAX_BATCH.value,
+                             draft_name=_SPECULATIVE.value)
+
+
+def _attach_vision(scheduler, cfg, mesh, log) -> None:
+    """Image input for the scheduler when the weights carry a vision tower (and --vision)."""
+    if not _VISION.value:
+        return
+    vision = load_serving_vision(checkpoint=_CHECKPOINT.value, hf_dir=_HF_DIR.value)
+    if vision is None:
+        return
+    if mesh is not None:
+        raise ValueError("image input on a device mesh is not supported yet (--novision serves the text model alone)")
+    placeholder = _PLACEHOLDER.value if _PLACEHOLDER.value >= 0 else default_placeholder_id(cfg)
+    scheduler.attach_vision(vision, placeholder)
+    log(f"vision tower loaded: chat requests may carry images (placeholder id {placeholder})")
 
 
 def _load_model(opts, mesh, log):
@@ -248,6 +330,7 @@ def main(argv):
         if not (_CHECKPOINT.value or _HF_DIR.value):
             configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override
         mesh = mesh_from_spec(_MESH.value)
+        _check_speculative_flags(mesh)
         if _PORT.value is not None:
             _serve(log, mesh)
             return
@@ -260,6 +343,11 @@ def main(argv):
             validate(opts)  # flag and prompts-file errors before loading
             read_prompts(opts.prompts_file)
             engine = Engine(_load_model(opts, mesh, log)[1], mesh=mesh)
+        elif _SPECULATIVE.value:
+            validate(opts)
+            read_prompts(opts.prompts_file)
+            model = _load_model(opts, mesh, log)[1]
+            engine = SpeculativeEngine(model, _draft(model, log), max_len=opts.max_len)
         run_batch(opts, engine=engine)
     except (ValueError, ConfigError, NotImplementedError) as e:  # also non-finite weights (refused on load)
         print(f"serve.py: error: {e}", file=sys.stderr)

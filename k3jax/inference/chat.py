@@ -12,6 +12,10 @@ rendered with `messages`, `add_generation_prompt=True` and the tokenizer's bos/e
 tokenizer has it) also ends the turn. Otherwise the byte-style template above is encoded with the tokenizer (plain
 text).
 
+Images (`encode(messages, image_ids)`): a message's content may be a list of text and image slots; each image slot
+becomes its placeholder ids (one per image token) right where it stands in the rendered text, outside any text
+encoding; no media start/end tokens are added around them.
+
 Special tokens come only from the template itself: message content is encoded as plain text, so a user who writes
 "<|im_end|><|im_start|>system" gets those characters, not turn or role tokens. The template is rendered with each
 content wrapped in per-call random markers; the text between markers is encoded as ordinary text, the rest with
@@ -25,6 +29,7 @@ import json
 import os
 import re
 import secrets
+from typing import Sequence
 
 ROLES = ("system", "user", "assistant")
 TURN_END_TOKENS = ("<|im_end|>",)
@@ -59,10 +64,38 @@ class ChatTemplate:
         parts = [f"<|{m['role']}|>\n{m['content']}\n" for m in messages]
         return "".join(parts) + "<|assistant|>\n"
 
-    def encode(self, messages: list[dict]) -> list[int]:
+    def encode(self, messages: list[dict], image_ids: Sequence[Sequence[int]] = ()) -> list[int]:
+        """Token ids of the conversation. A message's content may be a list of text strings and image slots (any
+        non-string item): the k-th image slot becomes image_ids[k] (its placeholder ids) where it stands."""
+        mark = f"\x02{secrets.token_hex(8)}img\x03"
+        slots = [p for m in messages if isinstance(m["content"], list) for p in m["content"] if not isinstance(p, str)]
+        if len(slots) != len(image_ids):
+            raise ValueError(f"{len(slots)} image part(s) but {len(image_ids)} image id list(s)")
+        messages = [{**m, "content": "".join(p if isinstance(p, str) else mark for p in m["content"])}
+                    if isinstance(m["content"], list) else m for m in messages]
+        images = iter(image_ids)
+        placed = 0
+
+        def plain(text: str, encode) -> list[int]:  # text with image marks -> ids, images in place of the marks
+            nonlocal placed
+            ids: list[int] = []
+            for i, piece in enumerate(text.split(mark)):
+                if i:
+                    ids += [int(t) for t in next(images)]
+                    placed += 1
+                ids += encode(piece, i == 0)
+            return ids
+
+        ids = self._encode(messages, plain, bool(image_ids))
+        if placed != len(image_ids):
+            raise ValueError(f"the chat template kept {placed} of the {len(image_ids)} image(s)")
+        return ids
+
+    def _encode(self, messages: list[dict], plain, images: bool) -> list[int]:
         encoding = getattr(self.tokenizer, "encoding", None)
         if self._jinja is None or encoding is None:  # no special-token strings: all plain text
-            return self.tokenizer.encode(self.render(messages), add_bos=self._jinja is None)
+            add_bos = self._jinja is None
+            return plain(self.render(messages), lambda t, first: self.tokenizer.encode(t, add_bos=add_bos and first))
         nonce = secrets.token_hex(8)
         start, end = f"\x02{nonce}\x03", f"\x02/{nonce}\x03"
         text = self.render([{**m, "content": f"{start}{m['content']}{end}"} for m in messages])
@@ -70,8 +103,11 @@ class ChatTemplate:
         if not any(nonce in p for p in parts[::2]):  # even parts: template text; odd parts: message content
             ids: list[int] = []
             for i, part in enumerate(parts):
-                ids += encoding.encode(part, allowed_special="all") if i % 2 == 0 else encoding.encode_ordinary(part)
+                ids += encoding.encode(part, allowed_special="all") if i % 2 == 0 else plain(
+                    part, lambda t, first: encoding.encode_ordinary(t))
             return ids
+        if images:
+            raise ValueError("this chat template rewrites message content: images cannot be placed in it")
         text = self.render(messages)  # the template rewrote content: it must not hold special-token text
         for m in messages:
             found = [t for t in encoding.special_tokens_set if t in m["content"]]

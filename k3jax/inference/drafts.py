@@ -9,6 +9,9 @@ deterministically, i.e. one-hot). Its methods run inside the engine's jitted ste
         the target consumed tokens at positions start_b + t (t < valid_b) with final hidden states h_btd, and
         next_ids_bt[b, t] is the token that followed position start_b + t (after prefill and after every verify)
     propose(params, state, ctx: DraftContext)         -> (Proposal, state)
+    slot_axes()                                       -> per-leaf batch axis of the state (SHARED = -1: one
+        buffer for every sequence, e.g. paged caches), in `jax.tree.leaves` order; the continuous-batching
+        scheduler (`k3jax.inference.spec_scheduler`) uses it to admit sequences into slots
 
 A draft with `uses_blocks = True` (`k3jax.inference.eagle3_draft.Eagle3Draft`) reads the target's AttnRes block
 outputs: the engine runs the target through `hidden_states_cached_and_blocks` and passes
@@ -71,6 +74,9 @@ class Draft:
 
     def propose(self, params, state, ctx: DraftContext) -> tuple[Proposal, Any]:
         raise NotImplementedError
+
+    def slot_axes(self) -> tuple[int, ...]:
+        return ()  # no state
 
 
 class RandomDraft(Draft):
@@ -135,6 +141,9 @@ class MTPDraft(Draft):
     def init_state(self, cache: DecodeCache) -> MTPState:
         pages = init_latent_pages(self.cfg, cache.num_pages, cache.page_size)
         return MTPState(pages, jnp.zeros((cache.lengths.shape[0], self.cfg.hidden_size), self.cfg.runtime.jnp_dtype))
+
+    def slot_axes(self) -> tuple[int, ...]:
+        return (-1, 0)  # MTPState leaves: pages_npc shared (the target's page table), hidden_bd per sequence
 
     def observe(self, params, state: MTPState, target: K3Model, h_btd, next_ids_bt, start_b, valid_b, page_table_bp):
         mtp = nnx.merge(self.graphdef, params)

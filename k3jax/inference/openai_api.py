@@ -9,10 +9,11 @@ fold_in(seed's key, i)), echo (the prompt text before each choice's text), strea
 {tokens, token_logprobs, top_logprobs: [{token: logprob}], text_offset}; not with echo: prompt log-probabilities
 are not computed).
 /v1/chat/completions: the same without echo, with messages ([{role: system|user|assistant, content: string or
-[{type: "text", text}]}]) instead of prompt and max_tokens / max_completion_tokens (default: the rest of the
-context, capped by the server's default_max_tokens), logprobs (a boolean) and top_logprobs (an integer in
-[0, MAX_LOGPROBS], only with logprobs true): choices[i].logprobs = {content: [{token, logprob, bytes,
-top_logprobs: [{token, logprob, bytes}]}], refusal: null}.
+[{type: "text", text}, {type: "image_url", image_url: {url: "data:...", detail}} (user messages; data URLs only,
+any other URL is refused: no network fetches), ...]}]) instead of prompt and max_tokens / max_completion_tokens
+(default: the rest of the context, capped by the server's default_max_tokens), logprobs (a boolean) and
+top_logprobs (an integer in [0, MAX_LOGPROBS], only with logprobs true): choices[i].logprobs = {content: [{token,
+logprob, bytes, top_logprobs: [{token, logprob, bytes}]}], refusal: null}.
 Log-probabilities are log-softmax of the model's raw logits, before temperature / top_k / top_p (the model's own
 distribution, as OpenAI reports it); a streamed chunk carries the entries of the tokens whose text it sends; tokens
 cut by a stop string are left out with their text.
@@ -33,6 +34,7 @@ from typing import NamedTuple
 
 from k3jax.inference.chat import ROLES
 from k3jax.inference.engine import SamplingParams
+from k3jax.inference.images import DATA_URL_ONLY
 from k3jax.inference.slot_steps import MAX_TOP_LOGPROBS
 
 
@@ -216,6 +218,44 @@ def parse_completion(body) -> ParsedRequest:
                          logprobs=logprobs, **_common(body))
 
 
+class ImagePart(NamedTuple):
+    """An image of a chat message's content (a data URL, decoded by the server)."""
+
+    url: str
+
+
+def _content_parts(parts: list, where: str, role: str) -> str | list:
+    """A content list -> its text (text parts only) or a list of text strings and `ImagePart`s."""
+    out: list = []
+    for j, p in enumerate(parts):
+        at = f"{where}.content[{j}]"
+        if isinstance(p, dict) and p.get("type") == "text" and set(p) == {"type", "text"} and isinstance(
+                p["text"], str):
+            out.append(p["text"])
+        elif isinstance(p, dict) and p.get("type") == "image_url" and set(p) == {"type", "image_url"}:
+            image = p["image_url"]
+            if not (isinstance(image, dict) and isinstance(image.get("url"), str) and set(image) <= {"url", "detail"}
+                    and image.get("detail", "auto") in ("auto", "low", "high")):
+                raise _bad(f"{at}.image_url must be {{\"url\": string, \"detail\": \"auto\"|\"low\"|\"high\" "
+                           "(optional)}", at, "invalid_type")
+            if not image["url"].startswith("data:"):
+                raise _bad(DATA_URL_ONLY, at)
+            if role != "user":
+                raise _bad(f"{at}: image parts are only accepted in user messages", at)
+            out.append(ImagePart(image["url"]))
+        else:
+            raise _bad(f"{at} must be a text part {{\"type\": \"text\", \"text\": ...}} or an image part "
+                       "{\"type\": \"image_url\", \"image_url\": {\"url\": \"data:...\"}}", at, "invalid_type")
+    if all(isinstance(p, str) for p in out):
+        return "".join(out)
+    return out
+
+
+def image_parts(messages: list[dict]) -> list[ImagePart]:
+    """The images of parsed messages, in order."""
+    return [p for m in messages if isinstance(m["content"], list) for p in m["content"] if isinstance(p, ImagePart)]
+
+
 def parse_chat(body) -> ParsedRequest:
     """Validates a /v1/chat/completions body; raises ApiError(400) naming the first problem."""
     _check_fields(body, CHAT_FIELDS, NEUTRAL_CHAT)
@@ -231,11 +271,11 @@ def parse_chat(body) -> ParsedRequest:
         if m.get("role") not in ROLES:
             raise _bad(f"{where}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", where)
         content = m.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and set(p) == {
-                "type", "text"} and isinstance(p["text"], str) for p in content):
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise _bad(f"{where}.content must be a string or a list of text parts", where, "invalid_type")
+        if isinstance(content, list):
+            content = _content_parts(content, where, m["role"])
+        if not isinstance(content, (str, list)):
+            raise _bad(f"{where}.content must be a string or a list of text and image_url parts", where,
+                       "invalid_type")
         out.append({"role": m["role"], "content": content})
     max_tokens = _max_tokens(body, ("max_tokens", "max_completion_tokens"))
     want = _optional(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)

@@ -59,6 +59,8 @@ from flax import nnx
 from k3jax.inference import sharded
 from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
+from k3jax.inference.image_slots import ImageEncoder, admit_with_images, count_placeholders
+from k3jax.inference.images import ImageInput
 from k3jax.inference.prefix_cache import (
     DEFAULT_LONG_BLOCK,
     DEFAULT_THRESHOLD,
@@ -91,7 +93,8 @@ FINISH_CANCELLED = "cancelled"  # `cancel` was called
 class Request:
     """One generation request. `key` is required when sampling (temperature > 0); `eos_ids` None means the config's
     eos_token_id; `max_tokens` counts generated tokens (an EOS ends the request early and is not emitted);
-    `logprobs` None: no log-probabilities, k: each token's and its top k alternatives' (k <= MAX_TOP_LOGPROBS)."""
+    `logprobs` None: no log-probabilities, k: each token's and its top k alternatives' (k <= MAX_TOP_LOGPROBS).
+    `images`: `images.ImageInput`s filling the prompt's placeholder ids in order (`Scheduler.attach_vision`)."""
 
     request_id: Hashable
     prompt_ids: Sequence[int]
@@ -100,6 +103,7 @@ class Request:
     key: jax.Array | None = None
     eos_ids: Sequence[int] | None = None
     logprobs: int | None = None
+    images: tuple[ImageInput, ...] = ()
 
 
 class TokenEvent(NamedTuple):
@@ -122,6 +126,7 @@ class _Running:
 
 
 class Scheduler:
+    images: ImageEncoder | None = None  # the vision tower of image requests (`attach_vision`)
     """Continuous batching over `num_slots` decode slots of `max_len` tokens (prompt + generated) each.
 
     Single-threaded: `add`, `cancel` and `step` are called from one thread (the server's engine thread).
@@ -254,6 +259,10 @@ class Scheduler:
     def num_free_pages(self) -> int:
         return self.allocator.num_free
 
+    def speculative_stats(self) -> dict | None:
+        """Speculative-decoding counters (`spec_scheduler.SpeculativeScheduler`); None: plain decoding."""
+        return None
+
     def slot_pages(self, slot: int) -> list[int]:
         """The pool pages mapped by `slot`'s page table (empty for a free slot)."""
         return list(self._slot_pages[slot]) if self._slots[slot] is not None else []
@@ -290,7 +299,16 @@ class Scheduler:
         eos = self._eos(request)
         if len(eos) > MAX_EOS_IDS:
             raise ValueError(f"at most {MAX_EOS_IDS} EOS ids per request, got {len(eos)}")
-        return dataclasses.replace(request, prompt_ids=ids, max_tokens=int(request.max_tokens))
+        if request.images:
+            if self.images is None:
+                raise ValueError("this model has no vision tower")
+            want, have = sum(im.num_tokens for im in request.images), count_placeholders(
+                ids, self.images.placeholder_id)
+            if want != have:
+                raise ValueError(f"{len(request.images)} image(s) of {want} tokens but {have} placeholder ids "
+                                 f"({self.images.placeholder_id}) in the prompt")
+        return dataclasses.replace(request, prompt_ids=ids, max_tokens=int(request.max_tokens),
+                                   images=tuple(request.images))
 
     def add(self, request: Request) -> Hashable:
         """Queues a request (validated now); it enters a slot at a later `step`. Returns its id (request_id None:
@@ -315,7 +333,13 @@ class Scheduler:
         events = self.drop_cancelled()
         free = [i for i, s in enumerate(self._slots) if s is None]
         while self._waiting and free:
-            if self.prefix_cache is not None:
+            if self._waiting[0].images:  # one at a time, not through the prefix cache
+                admitted = self._admit_images(self._waiting[0], free[0])
+                if admitted is None:
+                    break
+                self._waiting.popleft()
+                events += admitted
+            elif self.prefix_cache is not None:
                 admitted = self._admit_with_prefix(self._waiting[0], free[0])
                 if admitted is None:
                     break
@@ -324,6 +348,8 @@ class Scheduler:
             else:
                 batch, pages = [], []
                 for r in itertools.islice(self._waiting, min(len(free), self.max_prefill_batch)):
+                    if r.images:
+                        break
                     got = self._allocate(self.pages_needed(r))
                     if got is None:
                         break
@@ -493,6 +519,31 @@ class Scheduler:
                 layout=self.layout, max_len=self.max_len, page_size=self.page_size, greedy_only=False,
                 mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n, lps)
+
+    def attach_vision(self, vision, placeholder_id: int) -> None:
+        """Serve image requests with the tower + projector `vision` (a `k3jax.vision.VisionModel` whose
+        text_hidden_size is the model's hidden size); their prompts hold `placeholder_id` once per image token."""
+        if self.mesh is not None:
+            raise ValueError("image input on a device mesh is not supported yet")
+        self.images = ImageEncoder(vision, placeholder_id, self.cfg)
+
+    def _admit_images(self, r: Request, slot: int) -> list[TokenEvent] | None:
+        """Admits an image request alone (`image_slots.admit_with_images`): its images are encoded now and fill
+        its placeholders; the prefix cache is neither read nor written (its keys are token ids only). None: not
+        enough free pages (it keeps waiting)."""
+        pages = self._allocate(self.pages_needed(r))
+        if pages is None:
+            return None
+        ids = np.full((1, min(bucket(len(r.prompt_ids), MIN_PROMPT_BUCKET), self.max_len)), self.pad_id, np.int32)
+        ids[0, :len(r.prompt_ids)] = r.prompt_ids
+        new, slot_n = self._new_fields([r], [slot], 1)
+        self.cache, self.state, tok_n, done_n, lps = admit_with_images(
+            self.params, self.cache, self.state, jnp.asarray(ids), self.images.encode(r.images),
+            jnp.asarray([len(r.prompt_ids)], jnp.int32), jnp.asarray(slot_n),
+            jnp.asarray(page_table_rows([pages], 1, self.pages_per_seq)), new, spec=self.model_spec,
+            layout=self.layout, max_len=self.max_len, page_size=self.page_size,
+            placeholder_id=self.images.placeholder_id, mesh=self._mesh)
+        return self._started([r], [slot], [pages], tok_n, done_n, lps)
 
     def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
         """Prefill through the prefix cache: resume from the longest cached boundary (KDA states restored, full

@@ -11,7 +11,9 @@ k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Typ
 `/health` reports the state (status: "ok", or 503 with "warming up" while the engine compiles at start-up,
 "draining", "engine stopped"; in-flight generations, capacity, slots, max_len, the MLA page pool
 `pages: {size, total, free}`, and `prefix_cache`: `{enabled: false}` or `PrefixCache.stats()`: block, long_block,
-long_threshold, entries, capacity, bytes_used, bytes_limit, hits, misses, tokens_saved).
+long_threshold, entries, capacity, bytes_used, bytes_limit, hits, misses, tokens_saved); with speculative decoding
+`speculative`: draft, num_draft_tokens, max_spec_batch, speculating (whether the next step would), verify_steps,
+drafted, accepted, acceptance_rate, mean_accepted_length (tokens per verification), spec_steps and plain_steps).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
 Shutdown (SIGINT / SIGTERM under `run_server`, or `cleanup()` of a `K3Runner`): drain first, while every
@@ -23,6 +25,8 @@ sent on one then would wait out the grace period and get no answer.)
 A body that is not valid JSON, nests too deeply, holds an integer of more digits than Python converts or a string
 with a lone surrogate (not UTF-8) gets 400 "invalid_json".
 Log-probabilities (`logprobs`, `top_logprobs`; see `openai_api`) come from the engine's events.
+Images in chat content (`image_url` parts, data URLs only; `openai_api`, `images`) are decoded in a worker thread
+and need a scheduler with a vision tower (`Scheduler.attach_vision`); otherwise 400 "this model has no vision tower".
 One log line per request: peer, route, status, id, token counts, finish reason, time to first token, total time.
 """
 
@@ -46,6 +50,7 @@ from k3jax.inference import openai_api as api
 from k3jax.inference.access import PREFLIGHT_HEADERS, AccessPolicy, cors_headers
 from k3jax.inference.chat import ChatTemplate
 from k3jax.inference.engine_loop import EngineLoop
+from k3jax.inference.images import ImageInput, load_image_url
 from k3jax.inference.scheduler import FINISH_CANCELLED, Request, TokenEvent
 from sharding.mesh import describe
 
@@ -165,6 +170,9 @@ class K3Server:
                           "free": self.scheduler.num_free_pages}}
         pc = self.scheduler.prefix_cache
         body["prefix_cache"] = pc.stats() if pc is not None else {"enabled": False}
+        spec = self.scheduler.speculative_stats()
+        if spec is not None:
+            body["speculative"] = spec
         return web.json_response(body, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
@@ -192,22 +200,25 @@ class K3Server:
         try:
             parsed = api.parse_chat(await self._json(request))
             self._check_model(parsed.model)
+            images = await self._images(api.image_parts(parsed.messages))
             try:
-                ids = self.chat.encode(parsed.messages)
+                ids = self.chat.encode(parsed.messages, [[self.scheduler.images.placeholder_id] * im.num_tokens
+                                                         for im in images])
             except ValueError as e:  # the chat template rejected the conversation
                 raise api.ApiError(400, f"chat template: {e}", "messages") from None
             max_tokens = parsed.max_tokens
             if max_tokens is None:
                 max_tokens = max(1, min(self.options.default_max_tokens, self.scheduler.max_len - len(ids) + 1))
-            return await self._generate(request, track, parsed, ids, max_tokens, self.chat.stop_ids, chat=True)
+            return await self._generate(request, track, parsed, ids, max_tokens, self.chat.stop_ids, chat=True,
+                                        images=images)
         except api.ApiError as e:
             return self._error(track, e)
 
     # ------------------------------------------------------------------ generation
 
     async def _generate(self, http: web.Request, track: _Track, parsed: api.ParsedRequest, ids: list[int],
-                        max_tokens: int, extra_eos: tuple[int, ...], chat: bool, echo: str = ""
-                        ) -> web.StreamResponse:
+                        max_tokens: int, extra_eos: tuple[int, ...], chat: bool, echo: str = "",
+                        images: tuple = ()) -> web.StreamResponse:
         """Runs `parsed.n` choices of the prompt `ids` (one engine request each) and answers with all of them."""
         n = parsed.n
         track.prompt_tokens, track.stream = len(ids), parsed.stream
@@ -227,7 +238,7 @@ class K3Server:
         track.rid = rid
         try:
             req = self.scheduler.validate(Request(rid, ids, max_tokens, parsed.sampling, keys[0], eos,
-                                                  logprobs=parsed.logprobs))
+                                                  logprobs=parsed.logprobs, images=images))
         except ValueError as e:
             code = "context_length_exceeded" if "maximum length" in str(e) else "invalid_value"
             raise api.ApiError(400, str(e), "messages" if chat else "prompt", code) from None
@@ -374,6 +385,20 @@ class K3Server:
         return resp
 
     # ------------------------------------------------------------------ helpers
+
+    async def _images(self, parts: list[api.ImagePart]) -> tuple[ImageInput, ...]:
+        """The request's images decoded and preprocessed for the served vision tower (in a worker thread: the
+        event loop keeps streaming); 400 for a text-only model or an image that does not decode."""
+        if not parts:
+            return ()
+        if self.scheduler.images is None:
+            raise api.ApiError(400, "this model has no vision tower", "messages", "unsupported_value")
+        cfg = self.scheduler.images.cfg
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                None, lambda: tuple(load_image_url(p.url, cfg) for p in parts))
+        except ValueError as e:
+            raise api.ApiError(400, str(e), "messages", "invalid_image") from None
 
     def _logprobs(self, run: _Run, entries: list[api.LogprobEntry]) -> dict | None:
         """The response's logprobs object for `entries` (None when the request did not ask for them)."""

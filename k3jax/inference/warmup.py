@@ -3,9 +3,10 @@ prompt length used to stall every stream for the length of a compile).
 
 `warm_up(scheduler, log)` runs the scheduler through: admission at every prefill batch bucket x prompt-length bucket
 (through the prefix cache's chunk programs when it is on, plus its partial-page copy), then the decode step greedy,
-sampling, and with log-probabilities. One progress line per program. The server runs it on the engine thread
-before the first request; `/health` says "ok" only afterwards. Warm-up requests are ordinary ones (max_tokens 1
-or 2), so the compilations are exactly the ones serving uses; the prefix cache is emptied afterwards.
+sampling, and with log-probabilities (with speculative decoding also the plain greedy and sampling steps). One
+progress line per program. The server runs it on the engine thread before the first request; `/health` says "ok"
+only afterwards. Warm-up requests are ordinary ones (max_tokens 1 or 2), so the compilations are exactly the ones
+serving uses; the prefix cache is emptied afterwards.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.spec_scheduler import SpecCounters, SpeculativeScheduler
 
 
 def prompt_lengths(scheduler: Scheduler) -> list[int]:
@@ -66,6 +68,14 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
                                     logprobs=logprobs)])
         log(f"warm-up {total - len(decodes) + 1 + k}/{total}: {what} decode step compiled "
             f"({time.monotonic() - t:.1f}s)")
+    if isinstance(scheduler, SpeculativeScheduler):  # the plain steps run above max_spec_batch sequences
+        scheduler.enabled = False
+        for k, (what, sampling, _) in enumerate(decodes[:2]):
+            t = time.monotonic()
+            scheduler.generate([Request(f"warmup-plain-{k}", [0], 2, sampling, jax.random.key(0), eos_ids=[])])
+            log(f"warm-up: plain {what} decode step (speculation off) compiled ({time.monotonic() - t:.1f}s)")
+        scheduler.enabled = True
+        scheduler.counters = SpecCounters()
     if pc is not None:
         pc.clear()
         pc.reset_stats()

@@ -1,0 +1,192 @@
+"""Continuous batching with speculative decoding: `SpeculativeScheduler` is a `Scheduler` whose decode step drafts k
+tokens per slot and verifies them in one target forward (`k3jax.inference.spec_slots`; the verification and
+rollback are `k3jax.inference.speculative`'s), so each slot emits 1..k+1 tokens per step and slots accept
+different counts in the same step.
+
+    sched = SpeculativeScheduler(model, MTPDraft(mtp_layer, 3), num_slots=8, max_len=1024, max_spec_batch=32)
+    sched.generate([Request("a", ids, 32)])
+    sched.speculative_stats()   # {"verify_steps", "drafted", "accepted", "acceptance_rate", ...}
+
+Greedy requests get exactly the plain scheduler's tokens (the target's argmax decides every token); sampled
+requests get the target's distribution (speculative rejection sampling), not the plain step's draws.
+
+Speculation switches itself off for a step (the plain `decode_slots` runs instead) when more than
+`max_spec_batch` slots are running: at large batches decode is compute-bound and verifying k+1 tokens per slot
+costs about k+1 plain steps, so drafting no longer pays (the issue's target: never slower than plain at batch 64;
+the default, 32, is a guess to be tuned by the benchmark). It is also off while a running request asks for
+log-probabilities (the plain step computes them) and when `enabled` is False. While a slot decodes plainly its
+draft does not observe those tokens: an MTP draft then attends to stale rows for them and proposes worse tokens
+for the rest of that request (never wrong output: every token is the target's).
+
+Not yet: a device mesh (the draft state has no mesh layouts; `ValueError`); with the prefix cache on, admission
+goes through the prefix path, which does not let the draft observe the prompt (weaker drafts for that request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.convert.hf_names import MissingTensorError
+from k3jax.convert.mtp_names import load_mtp_hf_weights
+from k3jax.convert.safetensors_io import index_directory, read_tensor
+from k3jax.eagle3 import load_eagle3
+from k3jax.inference import sharded
+from k3jax.inference.cache import page_table_rows
+from k3jax.inference.drafts import Draft, MTPDraft
+from k3jax.inference.eagle3_draft import Eagle3Draft
+from k3jax.inference.engine import MIN_PROMPT_BUCKET, bucket
+from k3jax.inference.scheduler import Request, Scheduler, TokenEvent
+from k3jax.inference.spec_slots import spec_admit_slots, spec_decode_slots
+from k3jax.model import K3Model
+from k3jax.mtp import MTPLayer
+
+DEFAULT_MAX_SPEC_BATCH = 32
+DRAFT_KINDS = ("mtp", "eagle3")
+
+
+def check_draft_kind(kind: str) -> None:
+    if kind not in DRAFT_KINDS:
+        raise ValueError(f"unknown draft kind {kind!r} (known: {', '.join(DRAFT_KINDS)})")
+
+
+def make_draft(kind: str, num_tokens: int, model: K3Model, path: str | None, log: Callable[[str], None],
+               seed: int = 0) -> Draft:
+    """The serving draft `kind` ("mtp" or "eagle3") proposing `num_tokens` per step, for `model`.
+    mtp: the MTP layer with the weights of the HF directory `path` (DeepSeek-style `model.layers.{N}.*` names,
+    `k3jax.convert.mtp_names`); no path: randomly initialised (a warning: near-zero acceptance, output still
+    exact). eagle3: the draft saved in `path` (`k3jax.eagle3.save_eagle3`, trained for this target)."""
+    check_draft_kind(kind)
+    if kind == "eagle3":
+        if path is None:
+            raise ValueError("--speculative=eagle3 needs --draft=PATH (a draft directory saved by training)")
+        draft = Eagle3Draft(load_eagle3(path, model.cfg), num_tokens)
+        log(f"EAGLE-3 draft loaded from {path}")
+        return draft
+    mtp = MTPLayer(model.cfg, rngs=nnx.Rngs(seed))
+    if path is None:
+        log("WARNING: --speculative=mtp without --draft or --hf_dir: the MTP draft is RANDOMLY INITIALISED "
+            "(drafts are rarely accepted; the output is still exactly the model's)")
+    else:
+        if not os.path.isdir(path):
+            raise ValueError(f"draft {path!r} is not a directory (expected an HF directory with the MTP layer's "
+                             "safetensors)")
+        index = index_directory(path)
+
+        def get(name):
+            if name not in index:
+                raise MissingTensorError(f"{path}: no MTP tensor {name!r} (DeepSeek-style MTP names, "
+                                         "model.layers.{num_hidden_layers}.*)")
+            return read_tensor(index[name])
+
+        try:
+            load_mtp_hf_weights(mtp, get)
+        except MissingTensorError as e:
+            raise ValueError(e.args[0]) from None
+        log(f"MTP draft loaded from {path}")
+    return MTPDraft(mtp, num_tokens)
+
+
+@dataclasses.dataclass
+class SpecCounters:
+    verify_steps: int = 0  # slot-steps that ran a verification (one per running slot per speculative step)
+    drafted: int = 0  # drafted tokens in those
+    accepted: int = 0  # drafted tokens accepted
+    spec_steps: int = 0  # scheduler steps decoded speculatively
+    plain_steps: int = 0  # scheduler steps decoded plainly (batch above max_spec_batch, logprobs, or disabled)
+
+
+class SpeculativeScheduler(Scheduler):
+    """`Scheduler` + `draft` (k = draft.num_tokens tokens per step); `max_spec_batch`: most running slots that
+    still decode speculatively (more: plain decoding for that step). Other arguments as `Scheduler`'s
+    (`decode_steps` applies to the plain steps only; a speculative step is one verification)."""
+
+    def __init__(self, model: K3Model, draft: Draft, *, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
+                 draft_name: str = "custom", **kwargs):
+        if kwargs.get("mesh") is not None:
+            raise ValueError("speculative decoding on a device mesh is not supported yet (drop --mesh or "
+                             "--speculative)")
+        if max_spec_batch < 0:
+            raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
+        self.draft, self.draft_name = draft, draft_name
+        self.draft_params = draft.params
+        self.max_spec_batch = max_spec_batch
+        self.enabled = True
+        self.counters = SpecCounters()
+        self.draft_state = None
+        super().__init__(model, **kwargs)
+
+    def reset(self) -> list[TokenEvent]:
+        events = super().reset()
+        self.draft_state = None
+        state = self.draft.init_state(self.cache)
+        n_leaves, n_axes = len(jax.tree.leaves(state)), len(self.draft.slot_axes())
+        if n_leaves != n_axes:
+            raise ValueError(f"draft {type(self.draft).__name__}: slot_axes() names {n_axes} axes for a state of "
+                             f"{n_leaves} leaves")
+        self.draft_state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # distinct buffers (donated)
+        return events
+
+    @property
+    def speculating(self) -> bool:
+        """Whether the next decode step would run speculatively (by the running slots as they are now)."""
+        running = [s.request for s in self._slots if s is not None]
+        return (self.enabled and len(running) <= self.max_spec_batch
+                and not any(r.logprobs is not None for r in running))
+
+    def speculative_stats(self) -> dict:
+        c = self.counters
+        return {"draft": self.draft_name, "num_draft_tokens": self.draft.num_tokens,
+                "max_spec_batch": self.max_spec_batch, "speculating": self.speculating,
+                "verify_steps": c.verify_steps, "drafted": c.drafted, "accepted": c.accepted,
+                "acceptance_rate": c.accepted / max(c.drafted, 1),
+                "mean_accepted_length": (c.accepted + c.verify_steps) / max(c.verify_steps, 1),
+                "spec_steps": c.spec_steps, "plain_steps": c.plain_steps}
+
+    def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
+        """`Scheduler._admit_batch` through `spec_admit_slots` (the draft observes the prompts)."""
+        n = bucket(len(batch), 1)
+        t = min(bucket(max(len(r.prompt_ids) for r in batch), MIN_PROMPT_BUCKET), self.max_len)
+        ids = np.full((n, t), self.pad_id, np.int32)
+        lens = np.ones((n,), np.int32)
+        for i, r in enumerate(batch):
+            ids[i, :len(r.prompt_ids)] = r.prompt_ids
+            lens[i] = len(r.prompt_ids)
+        new, slot_n = self._new_fields(batch, slots, n)
+        self.cache, self.state, self.draft_state, tok_n, done_n, lps = spec_admit_slots(
+            self.params, self.draft_params, self.cache, self.state, self.draft_state, jnp.asarray(ids),
+            jnp.asarray(lens), jnp.asarray(slot_n), jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)), new,
+            spec=self.model_spec, draft=self.draft, layout=self.layout, max_len=self.max_len,
+            page_size=self.page_size, mesh=self._mesh)
+        return self._started(batch, slots, pages, tok_n, done_n, lps)
+
+    def _decode_running(self) -> list[TokenEvent]:
+        if not self.speculating:
+            self.counters.plain_steps += 1
+            return super()._decode_running()
+        running = [s.request for s in self._slots if s is not None]
+        greedy_only = all(r.sampling.temperature == 0 for r in running)
+        with sharded.context(self.mesh):
+            self.cache, self.state, self.draft_state, tok_sj, n_emit_s, done_s, acc_s = spec_decode_slots(
+                self.params, self.draft_params, self.cache, self.state, self.draft_state, spec=self.model_spec,
+                draft=self.draft, greedy_only=greedy_only, mesh=self._mesh)
+        tok_sj, n_emit_s, done_s, acc_s = jax.device_get((tok_sj, n_emit_s, done_s, acc_s))
+        c, k = self.counters, self.draft.num_tokens
+        c.spec_steps += 1
+        events = []
+        for slot in np.flatnonzero(n_emit_s):
+            if self._slots[slot] is None:
+                continue
+            c.verify_steps += 1
+            c.drafted += k
+            c.accepted += int(acc_s[slot])
+            n = int(n_emit_s[slot])
+            for j in range(n):
+                events.append(self._emit(int(slot), int(tok_sj[slot, j]), bool(done_s[slot]) and j == n - 1))
+        return events

@@ -1,0 +1,142 @@
+"""Images in /v1/chat/completions: an image request through the server (data URL -> preprocessing -> tower ->
+placeholders -> prefill from merged embeddings -> cached decode) gives the multimodal model's own greedy tokens
+(full forward, no cache); the image matters; http(s) URLs, undecodable data and a text-only model get clear 400s."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.inference.chat import load_chat_template
+from k3jax.inference.images import DATA_URL_ONLY, decode_data_url, npy_data_url, prepare_image
+from k3jax.inference.openai_api import parse_chat
+from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.vision import K3VisionLanguageModel, VisionConfig
+from tests.test_inference_cache import tiny_model
+from tests.test_multimodal_model import TINY_VISION, _random_vision
+from tests.test_server import NAME, post, serving
+
+PLACEHOLDER = 259  # the first id after the byte tokenizer's BOS / EOS / PAD
+MAX_LEN = 64
+N_NEW = 8
+
+
+def _image(seed: int) -> np.ndarray:
+    """uint8 [8, 12, 3]: 4 x 6 patches of 2 px, 6 image tokens after the 2 x 2 merge."""
+    return np.random.RandomState(seed).randint(0, 256, (8, 12, 3)).astype(np.uint8)
+
+
+def _messages(url: str) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": "look: "},
+                                         {"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": " what?"}]}]
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    text = tiny_model(NAME)
+    vision, _ = _random_vision(VisionConfig(**TINY_VISION, text_hidden_size=text.cfg.hidden_size), jnp.float32)
+    return text, vision, K3VisionLanguageModel(text, vision, placeholder_id=PLACEHOLDER)
+
+
+@pytest.fixture(scope="module")
+def image_scheduler(vlm):
+    text, vision, _ = vlm
+    sched = Scheduler(text, num_slots=2, max_len=MAX_LEN)
+    sched.attach_vision(vision, PLACEHOLDER)
+    return sched
+
+
+def direct_greedy(model: K3VisionLanguageModel, ids: list[int], image: np.ndarray, n: int) -> list[int]:
+    """The multimodal model's greedy continuation by full forwards (no cache), the independent reference."""
+    im = prepare_image(image, model.vision.cfg)
+    layout = model.layout([im.grid])
+    full = nnx.jit(lambda m, i, p: m(i, p, layout))
+    seq = list(ids)
+    for _ in range(n):
+        row = np.zeros((1, MAX_LEN), np.int32)  # causal: positions after len-1 do not change its logits
+        row[0, :len(seq)] = seq
+        logits = np.asarray(full(model, jnp.asarray(row), jnp.asarray(im.pixels)))[0, len(seq) - 1]
+        seq.append(int(np.argmax(logits)))
+    return seq[len(ids):]
+
+
+def test_image_request_through_the_server_equals_the_multimodal_model(vlm, image_scheduler, tokenizer):
+    _, vision, model = vlm
+    chat = load_chat_template(tokenizer, None)
+    im_a, im_b = _image(0), _image(1)
+    num = prepare_image(im_a, vision.cfg).num_tokens
+    ids = chat.encode(parse_chat({"messages": _messages("data:,")}).messages, [[PLACEHOLDER] * num])
+    assert ids.count(PLACEHOLDER) == num == 6
+    want_a = direct_greedy(model, ids, im_a, N_NEW)
+    want_b = direct_greedy(model, ids, im_b, N_NEW)
+    assert want_a != want_b  # the image matters
+
+    eos = model.language_model.cfg.eos_token_id
+    cut_a, cut_b = (w[:w.index(eos)] if eos in w else w for w in (want_a, want_b))
+    got = image_scheduler.generate([Request(k, ids, N_NEW, eos_ids=[eos], images=(prepare_image(im, vision.cfg),))
+                                    for k, im in (("a", im_a), ("b", im_b))])
+    assert got["a"][0] == cut_a and got["b"][0] == cut_b
+
+    async def go():
+        async with serving(image_scheduler, tokenizer, max_queue=4) as (server, client, logs, _):
+            return await asyncio.gather(*[post(client, "/v1/chat/completions", {
+                "messages": _messages(npy_data_url(im)), "max_tokens": N_NEW, "temperature": 0})
+                for im in (im_a, im_b)])
+
+    for (status, body), want in zip(asyncio.run(go()), (cut_a, cut_b)):
+        assert status == 200, body
+        assert body["choices"][0]["message"]["content"] == tokenizer.decode(want)
+        assert body["usage"]["completion_tokens"] == len(want)
+        assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_bad_images_and_a_text_only_model_get_clear_400s(image_scheduler, tokenizer):
+    text_only = Scheduler(tiny_model(NAME), num_slots=2, max_len=MAX_LEN)
+    png = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\nnot really").decode()
+    npy_float = npy_data_url(np.zeros((8, 8, 3), np.float32))
+
+    async def go(sched, url, role="user"):
+        async with serving(sched, tokenizer) as (server, client, logs, _):
+            messages = _messages(url)
+            messages[0]["role"] = role
+            return await post(client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+
+    for url in ("https://example.com/cat.png", "http://127.0.0.1/x.png", "file:///etc/passwd"):
+        status, body = asyncio.run(go(image_scheduler, url))
+        assert status == 400 and body["error"]["message"] == DATA_URL_ONLY
+    status, body = asyncio.run(go(text_only, npy_data_url(_image(0))))
+    assert status == 400 and body["error"]["message"] == "this model has no vision tower"
+    status, body = asyncio.run(go(image_scheduler, npy_float))
+    assert status == 400 and "must be uint8" in body["error"]["message"]
+    status, body = asyncio.run(go(image_scheduler, npy_data_url(_image(0)), role="system"))
+    assert status == 400 and "only accepted in user messages" in body["error"]["message"]
+    status, body = asyncio.run(go(image_scheduler, png))
+    assert status == 400 and ("needs Pillow" in body["error"]["message"] or "cannot decode" in
+                              body["error"]["message"])
+    with pytest.raises(ValueError, match="this model has no vision tower"):
+        text_only.validate(Request("x", [1, PLACEHOLDER], 2, images=(prepare_image(_image(0), TINY_VISION_CFG),)))
+    with pytest.raises(ValueError, match="6 tokens but 1 placeholder"):
+        image_scheduler.validate(Request("x", [1, PLACEHOLDER], 2,
+                                         images=(prepare_image(_image(0), TINY_VISION_CFG),)))
+
+
+TINY_VISION_CFG = VisionConfig(**TINY_VISION, text_hidden_size=64)
+
+
+def test_data_urls_decode_npy_and_refuse_other_schemes_and_types():
+    image = _image(3)
+    np.testing.assert_array_equal(decode_data_url(npy_data_url(image)), image)
+    for url, msg in (("https://x/y.png", DATA_URL_ONLY), ("data:text/plain;base64,aGk=", "not supported"),
+                     ("data:application/x-npy,xyz", "only base64"), ("data:application/x-npy;base64,!!", "invalid"),
+                     ("data:application/x-npy;base64," + base64.b64encode(b"junk").decode(), "not a valid .npy")):
+        with pytest.raises(ValueError, match=re.escape(msg)):
+            decode_data_url(url)
+    a, b = prepare_image(image, TINY_VISION_CFG), prepare_image(image.copy(), TINY_VISION_CFG)
+    assert a.digest == b.digest != prepare_image(_image(4), TINY_VISION_CFG).digest

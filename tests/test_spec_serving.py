@@ -1,0 +1,216 @@
+"""Speculative decoding in the continuous-batching scheduler and the server: greedy tokens equal the plain
+scheduler's for requests arriving at different steps, accepting different counts per step and finishing at
+different times (max_tokens, EOS); speculation switches itself off above `max_spec_batch` running sequences;
+`/health` reports the counters; serve.py's flag errors."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+
+import aiohttp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax.eagle3 import Eagle3Layer
+from k3jax.inference.drafts import CallbackDraft, MTPDraft
+from k3jax.inference.eagle3_draft import Eagle3Draft
+from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.spec_scheduler import SpeculativeScheduler, make_draft
+from k3jax.inference.spec_slots import TRACE_COUNTS
+from k3jax.mtp import MTPLayer
+from tests.test_inference_cache import tiny_model
+from tests.test_server import NAME, ROOT, TIMEOUT, _free_port, post, serving
+
+K = 3
+SHAPE = dict(num_slots=3, max_len=48)
+PROMPTS = [[256, 10, 20, 30, 40, 50, 60, 70, 80], [256, 5], [256, 1, 2, 3, 4], [256, 7, 7, 7, 9, 11],
+           [256, 99, 98, 97, 96, 95]]
+MAX_TOKENS = [14, 5, 17, 9, 11]
+ARRIVALS = [0, 0, 1, 3, 4]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model(NAME)
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    """The plain scheduler's greedy output per request (no EOS), the reference."""
+    sched = Scheduler(model, **SHAPE)
+    return sched, sched.generate(_requests(), ARRIVALS)
+
+
+@pytest.fixture(scope="module")
+def draft():
+    """One host draft (so one compile) for every test: each sets `draft.fn`."""
+    return CallbackDraft(lambda *a: None, K)
+
+
+def _requests(eos=()):
+    return [Request(i, p, m, eos_ids=list(eos)) for i, (p, m) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+
+
+def oracle(references: list[list[int]], corrupt_at: list[int | None]):
+    """A draft proposing each reference continuation, looked up by (tokens generated, last token); reference i's
+    drafts are wrong at index corrupt_at[i] (None: never), so it accepts that many tokens per step (unknown keys
+    propose token 0)."""
+    table = {}
+    for toks, c in zip(references, corrupt_at):
+        for g in range(1, len(toks) + 1):
+            cont = (toks + [0] * K)[g:g + K]
+            if c is not None and c < K:
+                cont[c] = (cont[c] + 1) % 300
+            table[(g, toks[g - 1])] = cont
+
+    def fn(last_b, out_bn, num_generated_b):
+        return np.asarray([table.get((int(g), int(t)), [0] * K) for t, g in zip(last_b, num_generated_b)])
+
+    return fn
+
+
+def test_greedy_tokens_equal_plain_with_different_acceptance_and_finish_times(model, plain, draft):
+    _, want = plain
+    refs = [want[i][0] for i in range(len(PROMPTS))]
+    draft.fn = oracle(refs, [None, 0, 1, 2, None])
+    sched = SpeculativeScheduler(model, draft, **SHAPE)
+    got = sched.generate(_requests(), ARRIVALS)
+    assert got == want
+    traces = TRACE_COUNTS["spec_decode"]
+    stats = sched.speculative_stats()
+    assert 0 < stats["accepted"] < stats["drafted"] and stats["plain_steps"] == 0
+    assert 1 < stats["mean_accepted_length"] <= K + 1
+    assert stats["spec_steps"] < sum(MAX_TOKENS) // 2  # several tokens per step
+
+    # a random draft (nothing accepted) is exact too; an EOS in the middle of a verified chunk ends the request
+    draft.fn = lambda last_b, out_bn, g: np.random.RandomState(int(g.sum())).randint(0, 300, (len(last_b), K))
+    eos = refs[2][6]
+    want_eos = Scheduler(model, **SHAPE).generate(_requests([eos]), ARRIVALS)
+    assert want_eos[2] == (refs[2][:refs[2].index(eos)], "stop")
+    for fn in (draft.fn, oracle(refs, [None] * 5)):
+        draft.fn = fn
+        assert SpeculativeScheduler(model, draft, **SHAPE).generate(_requests([eos]), ARRIVALS) == want_eos
+    assert TRACE_COUNTS["spec_decode"] == traces  # one program for every scheduler and draft function
+
+
+def test_speculation_switches_off_above_max_spec_batch(model, plain, draft):
+    _, want = plain
+    draft.fn = oracle([want[i][0] for i in range(len(PROMPTS))], [None] * 5)
+    sched = SpeculativeScheduler(model, draft, max_spec_batch=1, **SHAPE)
+    steps = []
+    orig = sched._decode_running
+
+    def spy():
+        steps.append((sched.num_running, sched.speculating))
+        return orig()
+
+    sched._decode_running = spy
+    assert sched.generate(_requests(), ARRIVALS) == want
+    assert {s for n, s in steps if n > 1} == {False} and {s for n, s in steps if n == 1} == {True}
+    stats = sched.speculative_stats()
+    assert stats["plain_steps"] == sum(n > 1 for n, _ in steps) and stats["spec_steps"] == sum(n == 1 for n, _ in
+                                                                                                   steps)
+    with pytest.raises(ValueError, match="max_spec_batch must be >= 0"):
+        SpeculativeScheduler(model, draft, max_spec_batch=-1, **SHAPE)
+    with pytest.raises(ValueError, match="not supported yet"):
+        SpeculativeScheduler(model, draft, mesh=object(), **SHAPE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["mtp", "eagle3"])
+def test_mtp_and_eagle3_drafts_in_the_scheduler_equal_plain_on_k3_layout(kind):
+    """Drafts with per-slot state (gathered / scattered on admission) and, for EAGLE-3, the target's AttnRes block
+    features, on the K3 layout (`tiny`: AttnRes blocks, scanned units)."""
+    model = tiny_model("tiny")
+    want = Scheduler(model, **SHAPE).generate(_requests(), ARRIVALS)
+    if kind == "mtp":
+        draft = MTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), 2)
+    else:
+        draft = Eagle3Draft(Eagle3Layer(model.cfg, rngs=nnx.Rngs(1)), 2)
+    sched = SpeculativeScheduler(model, draft, **SHAPE)
+    assert sched.generate(_requests(), ARRIVALS) == want
+    assert sched.speculative_stats()["verify_steps"] > 0
+
+
+def test_server_with_speculation_answers_like_plain_and_reports_acceptance(model, plain, draft, tokenizer):
+    sched_plain, _ = plain
+    eos = [model.cfg.eos_token_id]
+    want = sched_plain.generate([Request(i, p, m, eos_ids=eos) for i, (p, m) in enumerate(zip(PROMPTS,
+                                                                                              MAX_TOKENS))])
+    draft.fn = oracle([want[i][0] for i in range(len(PROMPTS))], [None, 0, 1, 2, None])
+    sched = SpeculativeScheduler(model, draft, draft_name="oracle", **SHAPE)
+
+    async def go():
+        async with serving(sched, tokenizer, max_queue=8) as (server, client, logs, _):
+            results = await asyncio.gather(*[
+                post(client, "/v1/completions", {"prompt": p, "max_tokens": m, "temperature": 0})
+                for p, m in zip(PROMPTS, MAX_TOKENS)])
+            async with client.get("/health") as r:
+                return results, await r.json()
+
+    results, health = asyncio.run(go())
+    for i, (status, body) in enumerate(results):
+        assert status == 200
+        assert body["choices"][0]["text"] == tokenizer.decode(want[i][0])
+        assert body["usage"]["completion_tokens"] == len(want[i][0])
+    spec = health["speculative"]
+    assert spec["draft"] == "oracle" and spec["num_draft_tokens"] == K and spec["max_spec_batch"] == 32
+    assert 0 < spec["accepted"] < spec["drafted"] == K * spec["verify_steps"]
+    assert spec["acceptance_rate"] == pytest.approx(spec["accepted"] / spec["drafted"])
+    assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted"] / spec["verify_steps"])
+
+
+def test_serve_cli_speculative_flag_errors(model):
+    with pytest.raises(ValueError, match="unknown draft kind 'medusa'"):
+        make_draft("medusa", 2, model, None, print)
+    with pytest.raises(ValueError, match="needs --draft=PATH"):
+        make_draft("eagle3", 2, model, None, print)
+    for flags, msg in ((["--speculative=mtp", "--num_draft_tokens=0"], "--num_draft_tokens must be >= 1"),
+                       (["--draft=/nonexistent"], "--draft needs --speculative"),
+                       (["--speculative=eagle3"], "--speculative=eagle3 needs --draft=PATH")):
+        r = subprocess.run([sys.executable, "serve.py", "--config=tiny", "--port=8000", *flags], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and msg in r.stderr, r.stderr
+
+
+@pytest.mark.slow
+def test_serve_cli_speculative_mtp_serves_and_reports():
+    """`python serve.py --speculative=mtp` end to end: warm-up compiles the speculative and plain steps, /health
+    carries the counters after a completion, SIGTERM exits 0."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "serve.py", f"--config={NAME}", f"--port={port}", "--slots=2",
+                             "--max_len=64", "--prefix_block=0", "--warm_up=shortest", "--speculative=mtp",
+                             "--num_draft_tokens=2", "--speculative_max_batch=4"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        async def go():
+            async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", timeout=TIMEOUT) as client:
+                for _ in range(2400):
+                    try:
+                        async with client.get("/health") as r:
+                            if r.status == 200:
+                                break
+                    except aiohttp.ClientConnectionError:
+                        pass
+                    await asyncio.sleep(0.25)
+                done = await post(client, "/v1/completions", {"prompt": "hi", "max_tokens": 6, "temperature": 0})
+                async with client.get("/health") as r:
+                    return done, await r.json()
+
+        (status, body), health = asyncio.run(go())
+        assert status == 200 and body["usage"]["completion_tokens"] <= 6
+        spec = health["speculative"]
+        assert (spec["draft"], spec["num_draft_tokens"], spec["max_spec_batch"]) == ("mtp", 2, 4)
+        assert spec["verify_steps"] > 0 and spec["drafted"] == 2 * spec["verify_steps"] and spec["plain_steps"] == 0
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "MTP draft is RANDOMLY INITIALISED" in err and "plain greedy decode step (speculation off)" in err
