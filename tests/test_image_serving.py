@@ -32,8 +32,8 @@ def _image(seed: int) -> np.ndarray:
     return np.random.RandomState(seed).randint(0, 256, (8, 12, 3)).astype(np.uint8)
 
 
-def _messages(url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "text", "text": "look: "},
+def _messages(url: str, text: str = "look: ") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "text", "text": text},
                                          {"type": "image_url", "image_url": {"url": url}},
                                          {"type": "text", "text": " what?"}]}]
 
@@ -95,6 +95,26 @@ def test_image_request_through_the_server_equals_the_multimodal_model(vlm, image
         assert body["choices"][0]["message"]["content"] == tokenizer.decode(want)
         assert body["usage"]["completion_tokens"] == len(want)
         assert body["usage"]["prompt_tokens"] == len(ids)
+
+
+def test_image_prompts_through_the_prefix_cache_match_only_the_same_image(vlm, tokenizer):
+    """Prefix-cache keys hold the image's pixel digest: the same prompt with the same image resumes from the last
+    boundary, with another image from none (its first block already holds a placeholder); every output equals the
+    multimodal model's own. Chunks split the image's placeholders at the 16-token boundary."""
+    text, vision, model = vlm
+    sched = Scheduler(text, num_slots=2, max_len=MAX_LEN, prefix_block=16)
+    sched.attach_vision(vision, PLACEHOLDER)
+    im_a, im_b = _image(0), _image(1)
+    num = prepare_image(im_a, vision.cfg).num_tokens
+    ids = load_chat_template(tokenizer, None).encode(parse_chat({"messages": _messages("data:,", "look:")}).messages,
+                                                     [[PLACEHOLDER] * num])
+    assert ids.index(PLACEHOLDER) < 16 < ids.index(PLACEHOLDER) + num and 32 < len(ids) < 48
+    want = {k: direct_greedy(model, ids, im, N_NEW) for k, im in (("a", im_a), ("b", im_b))}
+    pc = sched.prefix_cache
+    for k, im, saved in (("a", im_a, 0), ("a", im_a, 32), ("b", im_b, 0)):
+        before = pc.tokens_saved
+        got = sched.generate([Request(k, ids, N_NEW, eos_ids=[], images=(prepare_image(im, vision.cfg),))])
+        assert got[k][0] == want[k] and pc.tokens_saved - before == saved
 
 
 def test_bad_images_and_a_text_only_model_get_clear_400s(image_scheduler, tokenizer):

@@ -59,7 +59,7 @@ from flax import nnx
 from k3jax.inference import sharded
 from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
-from k3jax.inference.image_slots import ImageEncoder, admit_with_images, count_placeholders
+from k3jax.inference.image_slots import ImageEncoder, admit_with_images, count_placeholders, extend_chunk
 from k3jax.inference.images import ImageInput
 from k3jax.inference.prefix_cache import (
     DEFAULT_LONG_BLOCK,
@@ -75,7 +75,6 @@ from k3jax.inference.slot_steps import (
     admit_slots,
     copy_page,
     decode_slots,
-    extend_sequences,
     install_slots,
     intern_static,
 )
@@ -333,7 +332,7 @@ class Scheduler:
         events = self.drop_cancelled()
         free = [i for i, s in enumerate(self._slots) if s is None]
         while self._waiting and free:
-            if self._waiting[0].images:  # one at a time, not through the prefix cache
+            if self._waiting[0].images and self.prefix_cache is None:  # one at a time
                 admitted = self._admit_images(self._waiting[0], free[0])
                 if admitted is None:
                     break
@@ -528,9 +527,8 @@ class Scheduler:
         self.images = ImageEncoder(vision, placeholder_id, self.cfg)
 
     def _admit_images(self, r: Request, slot: int) -> list[TokenEvent] | None:
-        """Admits an image request alone (`image_slots.admit_with_images`): its images are encoded now and fill
-        its placeholders; the prefix cache is neither read nor written (its keys are token ids only). None: not
-        enough free pages (it keeps waiting)."""
+        """Admits an image request alone without the prefix cache (`image_slots.admit_with_images`): its images are
+        encoded now and fill its placeholders. None: not enough free pages (it keeps waiting)."""
         pages = self._allocate(self.pages_needed(r))
         if pages is None:
             return None
@@ -551,7 +549,7 @@ class Scheduler:
         pages (nothing changed; the request keeps waiting)."""
         pc, ps, layout = self.prefix_cache, self.page_size, self.layout.value
         ids = list(r.prompt_ids)
-        keys = pc.block_keys(ids)
+        keys = pc.block_keys(self.images.key_ids(ids, r.images) if r.images else ids)  # images: by their pixels
         pos, entry = pc.lookup(keys)
         shared = list(entry.pages[:pos // ps]) if entry is not None else []
         partial = entry.pages[pos // ps] if entry is not None and pos % ps else None
@@ -569,6 +567,8 @@ class Scheduler:
             self.page_copies += 1
             self.allocator.release([partial])
         pc.record(pos, len(ids))
+        tokens_md = self.images.encode(r.images) if r.images else None
+        chunk_images = dict(images=self.images, tokens_md=tokens_md, ids=ids)
         start = entry.state if entry is not None else self._fresh1
         table_1p = page_table_rows([pages], 1, self.pages_per_seq)
         seq1 = layout.split(start._replace(page_table=jnp.asarray(table_1p)))[0]
@@ -576,9 +576,9 @@ class Scheduler:
         while pos < end:
             chunk = np.asarray([ids[pos:pos + pc.block]], np.int32)
             with sharded.context(self.mesh):
-                seq1, pools, _ = extend_sequences(self.params, seq1, layout.split(self.cache)[1],
-                                                  jnp.asarray(chunk), jnp.asarray([pc.block], jnp.int32),
-                                                  spec=self.model_spec, layout=self.layout, mesh=self._mesh)
+                seq1, pools, _ = extend_chunk(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
+                                              jnp.asarray([pc.block], jnp.int32), spec=self.model_spec,
+                                              layout=self.layout, mesh=self._mesh, start=pos, **chunk_images)
             self._set_pools(pools)
             pos += pc.block
             if pc.keeps(pos):
@@ -591,9 +591,10 @@ class Scheduler:
         chunk[0, :len(rest)] = rest
         new, slot_n = self._new_fields([r], [slot], 1)
         with sharded.context(self.mesh):
-            seq1, pools, logits_nv = extend_sequences(self.params, seq1, layout.split(self.cache)[1],
-                                                      jnp.asarray(chunk), jnp.asarray([len(rest)], jnp.int32),
-                                                      spec=self.model_spec, layout=self.layout, mesh=self._mesh)
+            seq1, pools, logits_nv = extend_chunk(self.params, seq1, layout.split(self.cache)[1],
+                                                  jnp.asarray(chunk), jnp.asarray([len(rest)], jnp.int32),
+                                                  spec=self.model_spec, layout=self.layout, mesh=self._mesh,
+                                                  start=pos, **chunk_images)
             self._set_pools(pools)
             self.cache, self.state, tok_n, done_n, lps = install_slots(
                 self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
