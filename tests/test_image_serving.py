@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import functools
 import re
 
 import jax.numpy as jnp
@@ -53,11 +54,16 @@ def image_scheduler(vlm):
     return sched
 
 
+@functools.lru_cache(maxsize=None)
+def _full_forward(model: K3VisionLanguageModel, grid: tuple[int, int, int]):
+    layout = model.layout([grid])
+    return nnx.jit(lambda m, i, p: m(i, p, layout))
+
+
 def direct_greedy(model: K3VisionLanguageModel, ids: list[int], image: np.ndarray, n: int) -> list[int]:
     """The multimodal model's greedy continuation by full forwards (no cache), the independent reference."""
     im = prepare_image(image, model.vision.cfg)
-    layout = model.layout([im.grid])
-    full = nnx.jit(lambda m, i, p: m(i, p, layout))
+    full = _full_forward(model, im.grid)
     seq = list(ids)
     for _ in range(n):
         row = np.zeros((1, MAX_LEN), np.int32)  # causal: positions after len-1 do not change its logits
