@@ -46,9 +46,10 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.numerics import wide
-from k3jax.ops.backend import traced_platform
+from k3jax.ops.backend import kernel_backend_here, traced_platform
 from k3jax.ops.glu import grouped_glu
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
+from k3jax.ops.moe import inverse_permutation, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -157,19 +158,26 @@ def _ragged_all_to_all(native: bool):
 # ---------------------------------------------------------------------------------------------------- local compute
 def _local_experts(rows_rl, local_expert_r, w1_elm, w3_elm, w2_eml, cfg: ModelConfig):
     """The local experts on received rows (`local_expert_r` in [0, E_local]; E_local marks an empty slot):
-    sorted by expert, grouped matmuls, back in the input order. Empty slots give zeros. Returns `rows_rl.dtype`."""
+    sorted by expert, grouped matmuls, back in the input order. Empty slots give zeros. Returns `rows_rl.dtype`
+    (the down projection stores it straight from its f32 accumulator: no f32 [rows, L] copy)."""
     n_local = w1_elm.shape[0]
-    order = jnp.argsort(local_expert_r, stable=True)
+    order = jnp.argsort(local_expert_r, stable=True).astype(jnp.int32)
+    inverse = inverse_permutation(order)
     group_sizes = jnp.zeros((n_local + 1,), jnp.int32).at[local_expert_r].add(1)[:n_local]
-    rows = rows_rl[order]
+    rows = take_rows(rows_rl, order, inverse[:, None])
     hidden = grouped_glu(rows, w1_elm, w3_elm, group_sizes, cfg)
-    out = gmm(hidden, w2_eml, group_sizes, preferred_element_type=wide(hidden.dtype)).astype(rows_rl.dtype)
-    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+    out = gmm(hidden, w2_eml, group_sizes, preferred_element_type=_down_dtype(rows_rl.dtype))
+    return take_rows(out.astype(rows_rl.dtype), inverse, order[:, None])
+
+
+def _down_dtype(dtype):
+    """The down projection's output dtype: the rows' own where a kernel runs (it accumulates in f32 and rounds
+    once, as f32-then-cast would), f32 on XLA's ragged_dot (whose narrow output need not accumulate wide)."""
+    return dtype if kernel_backend_here() is not None else wide(dtype)
 
 
 def _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg, *, native: bool, recv_rows: int | None):
-    """Returns (out rows [rows, L] for the rows `row_ids` (rows in expert order), row_ids, rows sent per rank,
-    dropped rows = 0)."""
+    """Returns (out rows [rows, L] in row order, rows sent per rank, dropped rows = 0)."""
     r = jax.lax.axis_size(EXPERT_AXIS)
     n_local = w1.shape[0]
     rows = experts_r.shape[0]
@@ -177,8 +185,9 @@ def _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg, *, native: bool, recv_r
     exchange = _ragged_all_to_all(native)
     a2a = lambda x: jax.lax.all_to_all(x, EXPERT_AXIS, 0, 0, tiled=True)  # noqa: E731
 
-    order = jnp.argsort(experts_r, stable=True)  # by global expert, hence contiguous per destination rank
-    send = z_nl[order // k]
+    order = jnp.argsort(experts_r, stable=True).astype(jnp.int32)  # by global expert: contiguous per rank
+    position = inverse_permutation(order)  # where each row (n, j) sits in the send buffer
+    send = take_rows(z_nl, order // k, position.reshape(-1, k))
     counts_re = jnp.zeros((r * n_local,), jnp.int32).at[experts_r].add(1).reshape(r, n_local)
     send_sizes = counts_re.sum(1)
     input_offsets = _exclusive_cumsum(send_sizes)
@@ -199,7 +208,7 @@ def _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg, *, native: bool, recv_r
     out = _local_experts(received, local_expert, w1, w3, w2, cfg)
     back = exchange(out, jnp.zeros((rows, out.shape[1]), out.dtype), recv_offsets, recv_sizes, back_offsets,
                     send_sizes, axis_name=EXPERT_AXIS)
-    return back, order, send_sizes, jnp.zeros((), jnp.int32)
+    return take_rows(back, position, order[:, None]), send_sizes, jnp.zeros((), jnp.int32)
 
 
 def most_rows_per_rank(tokens: int, k: int, experts_per_rank: int) -> int:
@@ -215,8 +224,9 @@ def capacity_per_rank(tokens: int, k: int, num_ranks: int, experts_per_rank: int
 
 
 def _dispatch_capacity(z_nl, experts_r, w1, w3, w2, cfg, *, factor: float):
-    """Returns (out rows [rows, L] in row order, zero where dropped; None; rows sent per rank before drops;
-    dropped rows)."""
+    """Returns (out rows [rows, L] in row order, zero where dropped; rows sent per rank before drops; dropped
+    rows). The send buffer and the returned rows are gathers (`take_rows`), not scatters: on TPU a 16-bit scatter
+    widens to a 32-bit [slots, L] copy."""
     r = jax.lax.axis_size(EXPERT_AXIS)
     n_local = w1.shape[0]
     rows = experts_r.shape[0]
@@ -228,16 +238,17 @@ def _dispatch_capacity(z_nl, experts_r, w1, w3, w2, cfg, *, factor: float):
     onehot = (dest[:, None] == jnp.arange(r, dtype=jnp.int32)[None, :]).astype(jnp.int32)  # [rows, R]
     position = jnp.sum(jnp.cumsum(onehot, axis=0) * onehot, axis=1) - 1  # among earlier rows to the same rank
     keep = position < c
-    slot = jnp.where(keep, dest * c + position, r * c)  # r * c: a trash slot, cut off
-    send = jnp.zeros((r * c + 1, z_nl.shape[1]), z_nl.dtype).at[slot].set(z_nl[jnp.arange(rows) // k])[:r * c]
-    send_expert = jnp.full((r * c + 1,), n_local, jnp.int32).at[slot].set(experts_r % n_local)[:r * c]
+    slot = jnp.where(keep, dest * c + position, r * c).astype(jnp.int32)  # r * c: dropped (out of range)
+    row_of_slot = jnp.full((r * c + 1,), rows, jnp.int32).at[slot].set(
+        jnp.arange(rows, dtype=jnp.int32))[:r * c]  # `rows`: an empty slot (out of range)
+    token_of_slot = jnp.where(row_of_slot < rows, row_of_slot // k, z_nl.shape[0])
+    send = take_rows(z_nl, token_of_slot, slot.reshape(-1, k))
+    send_expert = jnp.where(row_of_slot < rows, experts_r[jnp.minimum(row_of_slot, rows - 1)] % n_local, n_local)
     out = _local_experts(a2a(send), a2a(send_expert), w1, w3, w2, cfg)
-    back = a2a(out)
-    out_rows = jnp.where(keep[:, None], back[jnp.minimum(slot, r * c - 1)], jnp.zeros((), back.dtype))
-    return out_rows, None, onehot.sum(0), rows - keep.sum()
+    out_rows = take_rows(a2a(out), slot, row_of_slot[:, None])
+    return out_rows, onehot.sum(0), rows - keep.sum()
 
 
-# ---------------------------------------------------------------------------------------------------- entry point
 def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, mode: str,
                    capacity_factor: float | None = None, mesh=None, ragged: str = "auto",
                    recv_rows: int | None = None):
@@ -279,14 +290,14 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
         experts_r = experts_btk.reshape(-1).astype(jnp.int32)
         weights_r = weights_btk.reshape(-1)
         if mode == "dropless":
-            out_rows, row_ids, sent_per_rank, dropped = _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg,
-                                                                           native=native, recv_rows=recv_rows)
+            out_rows, sent_per_rank, dropped = _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg,
+                                                                  native=native, recv_rows=recv_rows)
         else:
-            out_rows, row_ids, sent_per_rank, dropped = _dispatch_capacity(z_nl, experts_r, w1, w3, w2, cfg,
-                                                                           factor=capacity_factor)
-        row_ids = jnp.arange(experts_r.shape[0]) if row_ids is None else row_ids
-        weighted = out_rows.astype(out_dtype) * weights_r[row_ids].astype(out_dtype)[:, None]
-        u_nl = jnp.zeros((bl * tl, l), out_dtype).at[row_ids // k].add(weighted)
+            out_rows, sent_per_rank, dropped = _dispatch_capacity(z_nl, experts_r, w1, w3, w2, cfg,
+                                                                  factor=capacity_factor)
+        # rows are in row order (token-major): each token sums its k rows weighted, in f32, in j order
+        weighted = out_rows.astype(out_dtype) * weights_r.astype(out_dtype)[:, None]
+        u_nl = weighted.reshape(bl * tl, k, l).sum(axis=1)
         if split_m:
             u_nl = jax.lax.psum(u_nl, MODEL_AXIS)
         rank_load = jax.lax.psum(sent_per_rank.astype(jnp.float32), token_axes)  # global rows per expert rank

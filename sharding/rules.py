@@ -26,13 +26,17 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "kda_heads": "model",
     "kda_head_dim": None,
     "kda_proj": "model",
-    "kda_gate_rank": None,
+    "kda_gate_rank": "data",  # FSDP of f_b/g_b [rank 128, heads, head_dim] (in f_a/g_a the embed dim has 'data')
     "conv_window": None,
     # MLA
     "heads": "model",
     "head_dim": None,
-    "q_lora": None,
-    "kv_lora": None,
+    # FSDP like embed: q_b/kv_b [lora, heads, head_dim] were replicated where heads do not split (model = 1): 8 GB
+    # of k3's f32 parameters + momentum per v5p chip, and as much gradient (benchmarks/RESULTS.md, 2026-12-04). In
+    # q_a/kv_a [embed, lora] the embed dim already takes these axes (a "reused" fallback, as intended)
+    "q_lora": ("data", "expert"),
+    "kv_lora": ("data", "expert"),
+    "kv_a_out": None,  # kv_a_proj_with_mqa's output [latent | rope] (576): its embed dim is the FSDP one
     # MoE
     "experts_router": None,
     "experts": "expert",
@@ -63,6 +67,9 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
 SERVING_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     **LOGICAL_AXIS_RULES,
     "embed": None,
+    "kda_gate_rank": None,
+    "q_lora": None,
+    "kv_lora": None,
     "mtp_concat": None,
     "expert_latent": None,
     "vision_embed": None,

@@ -1,11 +1,15 @@
 """Every parameter's logical axes resolve through the one rules table (no silently unknown names)."""
 
+import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractMesh
 
 import configs
 from k3jax.model import K3Model
+from k3jax.training.memory import _variable_table
 from sharding.rules import MESH_AXES, UnknownLogicalAxisError, mesh_axes_for
+from sharding.shard import resolve_spec
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny_kimi_linear"])
@@ -63,3 +67,18 @@ def test_serving_rules_drop_fsdp_and_keep_tensor_and_expert_parallelism():
         assert "data" not in ((axes,) if isinstance(axes, str) else (axes or ())), name
     assert SERVING_AXIS_RULES["experts"] == "expert" and SERVING_AXIS_RULES["mlp"] == "model"
     assert mesh_axes_for(("embed", "mlp"), SERVING_AXIS_RULES) == (None, "model")
+
+
+def test_k3_weights_of_a_pod_mesh_are_fsdp_sharded_unless_small():
+    """On the k3 pod mesh (data 16, expert 64, model 1) every parameter over 8 MB per chip in f32 is split over
+    'data' or 'expert': no matrix is replicated because its head axis cannot split (q_b / kv_b / f_b / g_b were,
+    8 GB of parameters + momentum per chip)."""
+    cfg = configs.get_config("k3")
+    mesh = AbstractMesh((16, 64, 1, 1), ("data", "expert", "context", "model"))
+    big = []
+    for path, shape, logical, *_ in _variable_table(cfg, True):
+        spec, _ = resolve_spec(logical, shape, mesh, path=path)
+        split = {a for entry in spec if entry for a in ((entry,) if isinstance(entry, str) else entry)}
+        if not split & {"data", "expert"} and np.prod(shape) * 4 > 8 * 2 ** 20:
+            big.append((path, shape))
+    assert not big, big

@@ -32,7 +32,7 @@ class MLA(nnx.Module):
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=cfg.mla_lora_norm_eps, param_dtype=pd)
             self.q_b_proj = params.normal(rngs, (cfg.q_lora_rank, h, qk), ("q_lora", "heads", "head_dim"), pd)
         self.kv_a_proj_with_mqa = params.normal(
-            rngs, (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_lora"), pd)
+            rngs, (d, cfg.kv_lora_rank + cfg.qk_rope_head_dim), ("embed", "kv_a_out"), pd)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, eps=cfg.mla_lora_norm_eps, param_dtype=pd)
         self.kv_b_proj = params.normal(rngs, (cfg.kv_lora_rank, h, nope + vd), ("kv_lora", "heads", "head_dim"), pd)
         if cfg.mla_use_output_gate:

@@ -20,8 +20,8 @@ from k3jax.ops.linear import unless_single_row
 from pallas_kernels.moe import assigned, select
 
 __all__ = ["RoutePlan", "assigned_backend", "assigned_tilings", "decode_tiling", "experts_assigned",
-           "experts_dropless", "experts_planned", "plan_from_experts", "route_selected", "router_logits",
-           "select_backend"]
+           "experts_dropless", "experts_planned", "inverse_permutation", "plan_from_experts", "route_selected",
+           "router_logits", "select_backend", "take_rows"]
 
 
 class RoutePlan(NamedTuple):
@@ -139,44 +139,35 @@ def plan_from_experts(experts_nk: jax.Array, num_experts: int) -> RoutePlan:
                      order // k, order)
 
 
-# The two row permutations of the planned experts, with gathers for their backward too. Autodiff would transpose
-# the gathers into scatter-adds: on GPU those add with atomics (and in the activations' dtype for the token rows),
-# and they cost ~0.3 s of a 7.9 s `k3_gpu` training step (benchmarks/RESULTS.md, 2026-12-04). The plan is a
-# permutation of the N * k assignments, so each transpose is a gather (and a sum over a token's k rows, in f32).
 @jax.custom_vjp
-def rows_of_tokens(z_nl: jax.Array, plan: RoutePlan) -> jax.Array:
-    """[N * k, L]: row r holds token plan.token_of_row_a[r]'s input."""
-    return z_nl[plan.token_of_row_a]
+def take_rows(x_al: jax.Array, idx_b: jax.Array, readers_ak: jax.Array) -> jax.Array:
+    """y[b] = x[idx[b]] (an out-of-range index reads a zero row), whose backward is a gather too.
+
+    `readers_ak` [A, K] lists, for each row a of x, the positions b that read it (out-of-range entries: none), so
+    dx[a] = Σ_j dy[readers[a, j]] (summed in f32). Autodiff would transpose the gather into a scatter-add: on GPU
+    that adds with atomics (in the activations' dtype), on TPU a 16-bit scatter widens to 32 bits; the MoE row
+    permutations cost ~0.3 s of a 7.9 s `k3_gpu` training step that way (benchmarks/RESULTS.md, 2026-12-04). Every
+    row movement of the routed experts (the dropless plan, expert parallelism) goes through here."""
+    return jnp.take(x_al, idx_b, axis=0, mode="fill", fill_value=0)
 
 
-def _rows_of_tokens_fwd(z_nl, plan):
-    return rows_of_tokens(z_nl, plan), plan
+def _take_rows_fwd(x_al, idx_b, readers_ak):
+    return take_rows(x_al, idx_b, readers_ak), readers_ak
 
 
-def _rows_of_tokens_bwd(plan, d_al):
-    d_nl = upcast(d_al)[plan.rows_nk].sum(axis=1).astype(d_al.dtype)  # each token's k rows, summed in f32
-    return d_nl, jax.tree.map(lambda _: None, plan)
+def _take_rows_bwd(readers_ak, dy_bl):
+    d_akl = jnp.take(dy_bl, readers_ak, axis=0, mode="fill", fill_value=0)
+    d_al = d_akl[:, 0] if readers_ak.shape[1] == 1 else upcast(d_akl).sum(axis=1).astype(dy_bl.dtype)
+    return d_al, None, None
 
 
-rows_of_tokens.defvjp(_rows_of_tokens_fwd, _rows_of_tokens_bwd)
+take_rows.defvjp(_take_rows_fwd, _take_rows_bwd)
 
 
-@jax.custom_vjp
-def tokens_of_rows(out_al: jax.Array, plan: RoutePlan) -> jax.Array:
-    """[N, k, L]: assignment (n, j)'s output row, out_al[plan.rows_nk[n, j]]."""
-    return out_al[plan.rows_nk]
-
-
-def _tokens_of_rows_fwd(out_al, plan):
-    return tokens_of_rows(out_al, plan), plan
-
-
-def _tokens_of_rows_bwd(plan, d_nkl):
-    n, k, width = d_nkl.shape
-    return d_nkl.reshape(n * k, width)[plan.assignment_of_row_a], jax.tree.map(lambda _: None, plan)
-
-
-tokens_of_rows.defvjp(_tokens_of_rows_fwd, _tokens_of_rows_bwd)
+def inverse_permutation(perm_a: jax.Array) -> jax.Array:
+    """int32 [A]: inv[perm[i]] = i (an integer scatter with distinct indices: cheap, exact)."""
+    n = perm_a.shape[0]
+    return jnp.zeros((n,), jnp.int32).at[perm_a].set(jnp.arange(n, dtype=jnp.int32), unique_indices=True)
 
 
 def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
@@ -200,9 +191,11 @@ def experts_planned(z_nl, weights_nk, plan: RoutePlan, w1_elm, w3_elm, w2_eml, c
     decode_sized = n * k <= DECODE_ROWS_PER_GROUP * cfg.num_experts
     tiling = decode_tiling if decode_sized else None
     sizes = plan.group_sizes_e
-    hidden = grouped_glu(rows_of_tokens(z_nl, plan), w1_elm, w3_elm, sizes, cfg, tiling=tiling)
+    hidden = grouped_glu(take_rows(z_nl, plan.token_of_row_a, plan.rows_nk), w1_elm, w3_elm, sizes, cfg,
+                         tiling=tiling)
     out_rows = gmm(hidden, w2_eml, sizes, preferred_element_type=wide(hidden.dtype), tiling=tiling)
-    return (tokens_of_rows(out_rows, plan) * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
+    out_nkl = take_rows(out_rows, plan.rows_nk.reshape(-1), plan.assignment_of_row_a[:, None]).reshape(n, k, -1)
+    return (out_nkl * weights_nk[..., None].astype(out_rows.dtype)).sum(axis=1)
 
 
 def experts_assigned(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, backend: str, *,

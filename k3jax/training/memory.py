@@ -11,7 +11,7 @@ asked about from a laptop): `k3` answers in about a second. All figures are byte
     optimizer    Muon parameters (`optimizer.label_table`): momentum, 1 × state bytes; AdamW parameters: mu + nu,
                  2 × state bytes (`state_dtype`, default f32); `optimizer='adamw'`: 2 × for every parameter
     other_state  non-Param variables (router biases, routing statistics) in their shardings
-    gathered     the largest decoder layer's weights with their FSDP axes (embed, expert_latent, mtp_concat)
+    gathered     the largest decoder layer's weights with their FSDP axes (`FSDP_AXES`)
                  all-gathered, in the compute dtype, + their gradient (param dtype) before its reduce-scatter: with
                  few expert or model ranks this is GBs (k3, expert=8: ~22 GB for one layer's 112 local experts)
     activations  the formula below
@@ -78,7 +78,7 @@ DEVICE_MEMORY_GIB = (("v5 lite", 16), ("v5e", 16), ("v6 lite", 32), ("v6e", 32),
                      ("v4", 32), ("h200", 141), ("h100", 80))
 COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "gathered", "activations", "batch")
 # Logical axes that only shard storage (FSDP): a layer's weights are all-gathered over their mesh axes at use.
-FSDP_AXES = ("embed", "expert_latent", "mtp_concat")
+FSDP_AXES = ("embed", "expert_latent", "mtp_concat", "q_lora", "kv_lora", "kda_gate_rank")
 _LAYER_PATH = re.compile(r"groups/(\d+)/(?:units/)?layers/(\d+)/")
 
 

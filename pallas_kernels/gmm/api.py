@@ -80,9 +80,20 @@ def _fit(tiling: Tiling, m: int, k: int, n: int, family: str) -> Tiling:
     if family == "gpu":  # Triton blocks are powers of two, dot dims >= 16
         tm, tk, tn = (min(t, next_pow2(d, 16)) for t, d in zip(tiling[:3], (m, k, n)))
     else:
-        tm, tk, tn = (min(tiling.tm, -(-m // 16) * 16), min(tiling.tk, -(-k // 128) * 128),
-                      min(tiling.tn, -(-n // 128) * 128))
+        tm, tk, tn = (min(tiling.tm, -(-m // 16) * 16), _dividing_tile(tiling.tk, k), _dividing_tile(tiling.tn, n))
     return tiling._replace(tm=tm, tk=tk, tn=tn)
+
+
+def _dividing_tile(tile: int, d: int) -> int:
+    """A TPU tile for a dim of size d: the largest of tile, tile/2, ... (>= 128) that divides d, so the operand is
+    not padded (K3's latent width 3584 took 1024-wide tiles to 4096: a padded copy of every expert weight per call
+    and an f32 [rows, 4096] output, 1/8 of it padding); else min(tile, d rounded up to 128) (then padded)."""
+    t = tile
+    while t >= 128:
+        if d % t == 0:
+            return t
+        t //= 2
+    return min(tile, -(-d // 128) * 128)
 
 
 def _default_tiling(family: str, call: str, m: int, groups: int) -> Tiling:
