@@ -18,8 +18,9 @@ log-probabilities (the plain step computes them) and when `enabled` is False. Wh
 draft does not observe those tokens: an MTP draft then attends to stale rows for them and proposes worse tokens
 for the rest of that request (never wrong output: every token is the target's).
 
-Not yet: a device mesh (the draft state has no mesh layouts; `ValueError`); with the prefix cache on, admission
-goes through the prefix path, which does not let the draft observe the prompt (weaker drafts for that request).
+Not yet: a device mesh (the draft state has no mesh layouts; `ValueError`). Requests admitted through the prefix
+cache or with images are prefilled by `Scheduler`'s own paths, which do not let the draft observe the prompt
+(weaker drafts for those requests, same output).
 """
 
 from __future__ import annotations
