@@ -215,6 +215,11 @@ def test_vision_language_checkpoint_round_trips_to_identical_logits(tmp_path):
                                   nnx.to_flat_state(nnx.state(placed.vision, nnx.Param))):
         np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()))
         assert b.get_value().sharding.mesh.shape == mesh.shape, path_
+    # training's --init_from copies the tower into a run's VisionModel (kept in its placement)
+    fresh = VisionModel(configs.get_vision_config("tiny"), rngs=nnx.Rngs(7))
+    assert mmt.init_vision(fresh, path)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(fresh, nnx.Param)),
+                 jax.tree.map(np.asarray, nnx.state(model.vision, nnx.Param)))
     # a text-only checkpoint is refused with a clear error
     save_checkpoint(model.language_model, str(tmp_path / "text"))
     with pytest.raises(CheckpointError, match="holds no vision tower"):
@@ -244,8 +249,28 @@ def test_train_runs_saves_and_resumes_on_multimodal_data(data, tmp_path):
     _, out = data
     cfg = trainer.training_config("tiny", TEXT)
     kw = dict(vision_config="tiny", data=out, batch_size=2, seq_len=SEQ, max_patches=PATCHES, mtp=False,
-              workdir=str(tmp_path / "w"), checkpoint_every=2, log_every=1)
+              workdir=str(tmp_path / "w"), checkpoint_every=2, log_every=1, mesh="1,1,1,1")
     losses = trainer.train(cfg, trainer.TrainOptions(steps=2, **kw), log_fn=lambda m: None)
     assert len(losses) == 2 and all(np.isfinite(losses))
     more = trainer.train(cfg, trainer.TrainOptions(steps=3, **kw), log_fn=lambda m: None)
     assert len(more) == 1 and np.isfinite(more[0])
+
+
+@pytest.mark.slow
+def test_sharded_multimodal_steps_equal_one_device(data):
+    """Three Muon steps with the tower's parameters sharded by their vision_* logical axes on a (data 2, model 2)
+    mesh give the losses and tower weights of one device."""
+    _, out = data
+    it = iter(build_multimodal_dataset(out, configs.get_vision_config("tiny"), batch_size=4, seq_len=SEQ,
+                                       max_patches=PATCHES, shuffle=False))
+    batch = next(it)
+    cfg = trainer.training_config("tiny", SMALL)
+    opts = trainer.TrainOptions(vision_config="tiny", data=out, batch_size=4, seq_len=SEQ, max_patches=PATCHES,
+                                mtp=False, steps=10)
+    results = []
+    for mesh in (make_mesh(devices=jax.devices()[:1]), make_mesh(data=2, model=2, devices=jax.devices()[:4])):
+        t, optimizer, step, _ = trainer.build(cfg, opts, mesh)
+        losses = [float(step(t, optimizer, batch)[0]) for _ in range(3)]
+        results.append((losses, jax.tree.map(np.asarray, nnx.state(t.vision, nnx.Param))))
+    np.testing.assert_allclose(results[1][0], results[0][0], rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=0, atol=1e-5), results[1][1], results[0][1])
