@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from configs import k3, kimi_linear, small, vision
 from k3jax.config import ConfigError, ModelConfig
-from k3jax.vision.config import VisionConfig
 
 _REGISTRY = {
     "k3": k3.config,
@@ -49,8 +48,9 @@ def vision_names() -> list[str]:
     return sorted(_VISION_REGISTRY)
 
 
-def get_vision_config(name: str) -> VisionConfig:
-    """The named vision tower + projector config (`configs/vision.py`)."""
+def get_vision_config(name: str) -> dict:
+    """The named vision tower + projector config's fields (`configs/vision.py`; a `k3jax.vision.VisionConfig` from
+    `k3jax.training.multimodal.named_vision_config`)."""
     if name not in _VISION_REGISTRY:
         raise ConfigError(f"unknown vision config {name!r}; known vision configs: {', '.join(vision_names())}")
     return _VISION_REGISTRY[name]()

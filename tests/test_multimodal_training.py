@@ -45,7 +45,7 @@ def data(tmp_path_factory):
 
 
 def _batches(out, n=1, **kw):
-    cfg = configs.get_vision_config("tiny")
+    cfg = mmt.named_vision_config("tiny")
     it = iter(build_multimodal_dataset(out, cfg, batch_size=2, seq_len=SEQ, max_patches=PATCHES, shuffle=False,
                                        **kw))
     return it, [next(it) for _ in range(n)]
@@ -181,7 +181,7 @@ def test_frozen_tower_gets_no_update_and_a_trainable_one_changes(data):
 
 def _tiny_vlm(seed=0):
     cfg = configs.get_config("tiny", TEXT)
-    vcfg = configs.get_vision_config("tiny")
+    vcfg = mmt.named_vision_config("tiny")
     model = nnx.jit(lambda: K3VisionLanguageModel(K3Model(cfg, rngs=nnx.Rngs(seed)),  # jitted init: one compile
                                                   VisionModel(vcfg, rngs=nnx.Rngs(seed + 1)),
                                                   placeholder_id=PLACEHOLDER))()
@@ -216,7 +216,7 @@ def test_vision_language_checkpoint_round_trips_to_identical_logits(tmp_path):
         np.testing.assert_array_equal(np.asarray(b.get_value()), np.asarray(a.get_value()))
         assert b.get_value().sharding.mesh.shape == mesh.shape, path_
     # training's --init_from copies the tower into a run's VisionModel (kept in its placement)
-    fresh = VisionModel(configs.get_vision_config("tiny"), rngs=nnx.Rngs(7))
+    fresh = VisionModel(mmt.named_vision_config("tiny"), rngs=nnx.Rngs(7))
     assert mmt.init_vision(fresh, path)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(fresh, nnx.Param)),
                  jax.tree.map(np.asarray, nnx.state(model.vision, nnx.Param)))
@@ -234,7 +234,7 @@ def test_bad_multimodal_input_is_refused_with_one_line(data, tmp_path):
     with pytest.raises(prep.DataPrepError, match="2 '<image>' marker"):
         pm.prepare_multimodal(str(bad), str(tmp_path / "o"))
     meta = pm.read_metadata(out)
-    cfg = configs.get_vision_config("tiny")
+    cfg = mmt.named_vision_config("tiny")
     with pytest.raises(ValueError, match="raise --max_patches"):
         check_fits(meta, cfg, seq_len=SEQ, max_patches=8)
     with pytest.raises(ValueError, match="raise --seq_len"):
@@ -261,7 +261,7 @@ def test_sharded_multimodal_steps_equal_one_device(data):
     """Three Muon steps with the tower's parameters sharded by their vision_* logical axes on a (data 2, model 2)
     mesh give the losses and tower weights of one device."""
     _, out = data
-    it = iter(build_multimodal_dataset(out, configs.get_vision_config("tiny"), batch_size=4, seq_len=SEQ,
+    it = iter(build_multimodal_dataset(out, mmt.named_vision_config("tiny"), batch_size=4, seq_len=SEQ,
                                        max_patches=PATCHES, shuffle=False))
     batch = next(it)
     cfg = trainer.training_config("tiny", SMALL)

@@ -29,13 +29,18 @@ from k3jax.vision.tower import VisionModel
 VISION_ATTR = "vision"  # the Trainable attribute holding the VisionModel (its parameters' paths contain it)
 
 
+def named_vision_config(name: str) -> VisionConfig:
+    """The VisionConfig registered as `name` in configs/vision.py."""
+    return VisionConfig(**configs.get_vision_config(name))
+
+
 def vision_setup(cfg: ModelConfig, vision_config: str | None, data: str | None
                  ) -> tuple[VisionConfig, int] | tuple[None, None]:
     """(the named vision config, the data's placeholder id), or (None, None) for text-only training. ConfigError
     (one line) when the tower does not fit the text model or the data is not multimodal."""
     if vision_config is None:
         return None, None
-    vcfg = configs.get_vision_config(vision_config)
+    vcfg = named_vision_config(vision_config)
     if vcfg.text_hidden_size != cfg.hidden_size:
         raise ConfigError(f"vision config {vision_config!r} projects into {vcfg.text_hidden_size} wide text, config "
                           f"{cfg.name!r} has hidden_size={cfg.hidden_size}")
