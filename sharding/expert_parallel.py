@@ -249,6 +249,7 @@ def _dispatch_capacity(z_nl, experts_r, w1, w3, w2, cfg, *, factor: float):
     return out_rows, onehot.sum(0), rows - keep.sum()
 
 
+# ---------------------------------------------------------------------------------------------------- entry point
 def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *, mode: str,
                    capacity_factor: float | None = None, mesh=None, ragged: str = "auto",
                    recv_rows: int | None = None):

@@ -131,26 +131,31 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     return sorted(files)
 
 
+def iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
+    """(`path:line`, parsed value) of every non-blank line of a JSONL file; invalid JSON is a `DataPrepError`."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{line_no}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataPrepError(f"{where}: invalid JSON ({e})") from None
+
+
 def iter_documents(files: Sequence[str], *, text_key: str = "text") -> Iterator[tuple[str, str | bytes]]:
     """(where, document) for every document: `path:line` for JSONL lines (str), `path` for whole files (bytes)."""
     for path in files:
         if path.endswith(".jsonl"):
-            with open(path, encoding="utf-8") as f:
-                for line_no, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    where = f"{path}:{line_no}"
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise DataPrepError(f"{where}: invalid JSON ({e})") from None
-                    if not isinstance(record, dict) or text_key not in record:
-                        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-                        raise DataPrepError(f"{where}: no {text_key!r} field (got {keys})")
-                    if not isinstance(record[text_key], str):
-                        raise DataPrepError(f"{where}: {text_key!r} is {type(record[text_key]).__name__}, "
-                                            f"expected a string")
-                    yield where, record[text_key]
+            for where, record in iter_jsonl(path):
+                if not isinstance(record, dict) or text_key not in record:
+                    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+                    raise DataPrepError(f"{where}: no {text_key!r} field (got {keys})")
+                if not isinstance(record[text_key], str):
+                    raise DataPrepError(f"{where}: {text_key!r} is {type(record[text_key]).__name__}, "
+                                        f"expected a string")
+                yield where, record[text_key]
         else:
             with open(path, "rb") as f:
                 yield path, f.read()

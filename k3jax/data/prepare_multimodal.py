@@ -117,21 +117,13 @@ def iter_records(files: Sequence[str], *, text_key: str = "text", images_key: st
     """(where, text, absolute image paths) of every JSONL line."""
     for path in files:
         base = os.path.dirname(os.path.abspath(path))
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}:{line_no}"
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise prep.DataPrepError(f"{where}: invalid JSON ({e})") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                    raise prep.DataPrepError(f"{where}: needs a string {text_key!r} field")
-                images = record.get(images_key, [])
-                if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
-                    raise prep.DataPrepError(f"{where}: {images_key!r} must be a list of image paths")
-                yield where, record[text_key], [p if os.path.isabs(p) else os.path.join(base, p) for p in images]
+        for where, record in prep.iter_jsonl(path):
+            if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+                raise prep.DataPrepError(f"{where}: needs a string {text_key!r} field")
+            images = record.get(images_key, [])
+            if not isinstance(images, list) or not all(isinstance(p, str) for p in images):
+                raise prep.DataPrepError(f"{where}: {images_key!r} must be a list of image paths")
+            yield where, record[text_key], [p if os.path.isabs(p) else os.path.join(base, p) for p in images]
 
 
 def document_ids(text: str, image_tokens: Sequence[int], tok: prep.TextTokenizer, placeholder_id: int, *,

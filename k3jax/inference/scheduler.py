@@ -501,15 +501,21 @@ class Scheduler:
             events.append(self._emit(slot, int(tok_n[i]), bool(done_n[i]), row))
         return events
 
-    def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
-        """Prefills `batch` (its pages already allocated) into `slots` in one call."""
-        n = sharded.round_up_batch(bucket(len(batch), 1), self.mesh)  # padding rows go to no slot, write nothing
+    def _padded_prompts(self, batch: list[Request], n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The prompts as int32 [n, T] ids (T a bucket, padded with pad_id) and their lengths [n] (1 for padding
+        rows)."""
         t = min(bucket(max(len(r.prompt_ids) for r in batch), MIN_PROMPT_BUCKET), self.max_len)
         ids = np.full((n, t), self.pad_id, np.int32)
         lens = np.ones((n,), np.int32)
         for i, r in enumerate(batch):
             ids[i, :len(r.prompt_ids)] = r.prompt_ids
             lens[i] = len(r.prompt_ids)
+        return ids, lens
+
+    def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
+        """Prefills `batch` (its pages already allocated) into `slots` in one call."""
+        n = sharded.round_up_batch(bucket(len(batch), 1), self.mesh)  # padding rows go to no slot, write nothing
+        ids, lens = self._padded_prompts(batch, n)
         new, slot_n = self._new_fields(batch, slots, n)
         with sharded.context(self.mesh):
             self.cache, self.state, tok_n, done_n, lps = admit_slots(

@@ -42,7 +42,7 @@ from k3jax.inference import sharded
 from k3jax.inference.cache import page_table_rows
 from k3jax.inference.drafts import Draft, MTPDraft
 from k3jax.inference.eagle3_draft import Eagle3Draft
-from k3jax.inference.engine import MIN_PROMPT_BUCKET, bucket
+from k3jax.inference.engine import bucket
 from k3jax.inference.scheduler import Request, Scheduler, TokenEvent
 from k3jax.inference.spec_slots import spec_admit_slots, spec_decode_slots
 from k3jax.model import K3Model
@@ -153,12 +153,7 @@ class SpeculativeScheduler(Scheduler):
     def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
         """`Scheduler._admit_batch` through `spec_admit_slots` (the draft observes the prompts)."""
         n = bucket(len(batch), 1)
-        t = min(bucket(max(len(r.prompt_ids) for r in batch), MIN_PROMPT_BUCKET), self.max_len)
-        ids = np.full((n, t), self.pad_id, np.int32)
-        lens = np.ones((n,), np.int32)
-        for i, r in enumerate(batch):
-            ids[i, :len(r.prompt_ids)] = r.prompt_ids
-            lens[i] = len(r.prompt_ids)
+        ids, lens = self._padded_prompts(batch, n)
         new, slot_n = self._new_fields(batch, slots, n)
         self.cache, self.state, self.draft_state, tok_n, done_n, lps = spec_admit_slots(
             self.params, self.draft_params, self.cache, self.state, self.draft_state, jnp.asarray(ids),

@@ -131,12 +131,9 @@ def plan_from_experts(experts_nk: jax.Array, num_experts: int) -> RoutePlan:
     sum, gave the same rows and the same k3_gpu decode speed: RESULTS.md, 2026-11-30.)"""
     n, k = experts_nk.shape
     flat_expert = experts_nk.reshape(-1)
-    order = jnp.argsort(flat_expert, stable=True)
-    rows_nk = jnp.zeros((n * k,), jnp.int32).at[order].set(
-        jnp.arange(n * k, dtype=jnp.int32), unique_indices=True).reshape(n, k)
-    order = order.astype(jnp.int32)
-    return RoutePlan(experts_nk, rows_nk, jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32),
-                     order // k, order)
+    order = jnp.argsort(flat_expert, stable=True).astype(jnp.int32)
+    return RoutePlan(experts_nk, inverse_permutation(order).reshape(n, k),
+                     jnp.bincount(flat_expert, length=num_experts).astype(jnp.int32), order // k, order)
 
 
 @jax.custom_vjp
