@@ -143,11 +143,12 @@ class _Params(nnx.Module):
                                                  eager_sharding=False))
 
 
-# A replicated stacked per-head projection (kv_b_proj [layers, kv_lora, heads, head_dim]: 4 x 8 = 32 blocks of
-# [40, 24]; 'heads' maps to 'model' (size 1), nothing to 'data'), a stacked FSDP dense weight ('embed' over 'data')
-# and an unstacked one (a single block: gathered, orthogonalised on every rank).
+# A replicated stacked per-head projection (kv_b_proj-shaped [layers, rows, heads, head_dim]: 4 x 8 = 32 blocks of
+# [40, 24]; its rows on a replicated logical axis, 'heads' on 'model' (size 1), nothing on 'data'; k3's own
+# kv_b_proj rows are FSDP'd now), a stacked FSDP dense weight ('embed' over 'data') and an unstacked one (a single
+# block: gathered, orthogonalised on every rank).
 DATA_MESH_SPECS = {
-    "kv_b_proj": ((4, 40, 8, 24), ("layers", "kv_lora", "heads", "head_dim")),
+    "kv_b_proj": ((4, 40, 8, 24), ("layers", "kv_a_out", "heads", "head_dim")),
     "up_proj": ((8, 64, 48), ("layers", "embed", "mlp")),
     "router": ((64, 8), ("embed", "experts_router")),
 }
@@ -176,7 +177,8 @@ def test_pure_data_mesh_splits_replicated_blocks_over_ranks_and_all_gathers_them
 def test_k3_expert_plan_keeps_experts_local_and_balances_blocks():
     """On K3's (1, 64, 1, 8) mesh the stacked expert weight [22, 896, 3584, 3072] (experts over 'expert', the
     expert width over 'model') is never moved over 'expert': one all_to_all over 'model' leaves each rank
-    ceil(22 * 14 / 8) = 39 of the 19712 blocks; a replicated per-head projection is split over 'expert'."""
+    ceil(22 * 14 / 8) = 39 of the 19712 blocks; q_b_proj (its q_lora rows FSDP'd over 'expert', heads over
+    'model') is exchanged by one all_to_all over 'expert' so each rank orthogonalises whole [1536, 192] blocks."""
     mesh_shape = dict(zip(MESH_AXES, (1, 64, 1, 8)))
     mesh = jax.sharding.AbstractMesh(tuple(mesh_shape.values()), MESH_AXES)
     w1 = ((22, 896, 3584, 3072), ("layers", "experts", "expert_latent", "expert_mlp"))
@@ -188,7 +190,7 @@ def test_k3_expert_plan_keeps_experts_local_and_balances_blocks():
     dn = opt_lib.muon_dimension_numbers("q_b_proj", q_b[1], q_b[0])
     spec, _ = resolve_spec(q_b[1], q_b[0], mesh)
     assert [(m.kind, m.axis, m.blocks) for m in opt_lib.ns_plan(q_b[0], dn, spec, mesh_shape)] == \
-        [("slice", "expert", 22 * 12)]
+        [("a2a", "expert", 22 * 12)]
 
 
 def test_no_mesh_or_distributed_off_is_the_single_device_computation():
