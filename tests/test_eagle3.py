@@ -149,6 +149,7 @@ def test_training_lowers_draft_loss_and_raises_acceptance(trained):
     assert after["accept_s3"] > before["accept_s3"]  # the chained steps improve too
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; the scheduler tests check speculative == plain with host and random drafts
 def test_greedy_speculative_with_trained_eagle3_equals_plain(trained):
     target, _, layer, _, _ = trained
     want = [r.tokens for r in Engine(target, max_len=64).generate(PROMPTS, [20, 9, 14], eos_id=-1)]

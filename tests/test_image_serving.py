@@ -103,6 +103,7 @@ def test_image_request_through_the_server_equals_the_multimodal_model(vlm, image
         assert body["usage"]["prompt_tokens"] == len(ids)
 
 
+@pytest.mark.slow  # ~16 s; the image request test checks the tokens by default
 def test_image_prompts_through_the_prefix_cache_match_only_the_same_image(vlm, tokenizer):
     """Prefix-cache keys hold the image's pixel digest: the same prompt with the same image resumes from the last
     boundary, with another image from none (its first block already holds a placeholder); every output equals the

@@ -92,7 +92,7 @@ def test_a_record_round_trips_through_array_record_and_grain(data):
         np.testing.assert_array_equal(got[key], want[key], err_msg=key)
 
 
-@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+@pytest.mark.parametrize("mode", ["bilinear", pytest.param("bicubic", marks=pytest.mark.slow)])  # ~20 s each
 def test_row_encoding_equals_the_packed_layout_tower(mode):
     """encode_rows (static shapes, per-patch arrays, merge-block order, padding) gives the tokens of
     VisionModel.encode (per-image static grids, checked against transformers in test_vision_tower.py)."""
@@ -188,6 +188,7 @@ def _tiny_vlm(seed=0):
     return cfg, model
 
 
+@pytest.mark.slow  # ~45 s on 2 cores; tests/test_convert_vision.py round-trips the tower's tensors by default
 def test_vision_language_checkpoint_round_trips_to_identical_logits(tmp_path):
     cfg, model = _tiny_vlm()
     path = save_vision_language_model(model, str(tmp_path / "vlm"))
