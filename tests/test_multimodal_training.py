@@ -154,6 +154,7 @@ def test_loss_masks_image_placeholder_positions(data):
     assert abs((nll * with_images).sum() / with_images.sum() - loss) > 1e-3  # the mask matters on this batch
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (two training compiles); the loss-mask test runs the multimodal trainer
 def test_frozen_tower_gets_no_update_and_a_trainable_one_changes(data):
     _, out = data
     batch = _batches(out)[1][0]

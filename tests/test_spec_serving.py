@@ -164,6 +164,7 @@ def test_server_with_speculation_answers_like_plain_and_reports_acceptance(model
     assert spec["mean_accepted_length"] == pytest.approx(1 + spec["accepted"] / spec["verify_steps"])
 
 
+@pytest.mark.slow  # ~15 s of serve.py subprocesses; serve.py's flag checking runs by default in tests/test_server.py
 def test_serve_cli_speculative_flag_errors(model):
     with pytest.raises(ValueError, match="unknown draft kind 'medusa'"):
         make_draft("medusa", 2, model, None, print)
