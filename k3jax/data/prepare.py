@@ -266,16 +266,16 @@ def prepare(inputs: str | Sequence[str], out: str, tokenizer: str = "byte", *, n
                            extra_metadata=dict(num_input_files=len(files)))
 
 
-def read_metadata(data_dir: str) -> dict:
-    """The metadata of a prepared directory, with a clear error when it is not one."""
+def read_metadata(data_dir: str, *, fmt: str = FORMAT, command: str = "python -m k3jax.data.prepare") -> dict:
+    """The metadata of a directory prepared by `command` (format `fmt`), with a clear error when it is not one."""
     path = os.path.join(data_dir, METADATA_FILE)
     if not os.path.exists(path):
         raise FileNotFoundError(f"{data_dir} is not a prepared data directory (no {METADATA_FILE}); create one "
-                                f"with `python -m k3jax.data.prepare --input GLOB --out {data_dir}`")
+                                f"with `{command} --input GLOB --out {data_dir}`")
     with open(path) as f:
         meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+    if meta.get("format") != fmt:
+        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {fmt!r} (data from `{command}`)")
     return meta
 
 

@@ -252,16 +252,7 @@ def prepare_multimodal(inputs: str | Sequence[str], out: str, tokenizer: str = "
 
 def read_metadata(data_dir: str) -> dict:
     """The metadata of a multimodal data directory, with a clear error when it is not one."""
-    path = os.path.join(data_dir, prep.METADATA_FILE)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{data_dir} is not a prepared data directory (no {prep.METADATA_FILE}); create "
-                                f"one with `python -m k3jax.data.prepare_multimodal --input GLOB --out {data_dir}`")
-    with open(path) as f:
-        meta = json.load(f)
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r} (multimodal data from "
-                         f"`python -m k3jax.data.prepare_multimodal`)")
-    return meta
+    return prep.read_metadata(data_dir, fmt=FORMAT, command="python -m k3jax.data.prepare_multimodal")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
