@@ -104,11 +104,12 @@ class RuntimeConfig:
     mla_decode_impl: Literal["auto", "xla", "pallas"] = "auto"
     mla_decode_splits: int = 0  # page ranges per sequence of that kernel (flash-decoding splits); 0 = auto
     # Training / prefill attention core (k3jax/ops/attention.py): "xla" (f32 scores and softmax, materialised),
-    # "cudnn" (GPU flash attention, bf16 operands, documents as a [B, 1, T, T] mask), "flash"
+    # "cudnn" (GPU flash attention, bf16 operands, documents in its packed layout), "flash"
     # (k3jax/ops/flash_attention.py: blockwise in plain JAX, segment ids, f32 statistics and output, no T x T array)
     # or "auto" (`training_attention_impl`: cudnn on a GPU with 16-bit compute, flash on a TPU, else xla).
     mla_attention_impl: Literal["auto", "xla", "cudnn", "flash"] = "auto"
     mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
+    mla_cudnn_max_segments: int = 64  # documents per row cuDNN's packed layout takes; rows with more: "flash"
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
     moe_impl: Literal["dropless", "dense"] = "dropless"
@@ -158,7 +159,7 @@ class RuntimeConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block"):
+        for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block", "mla_cudnn_max_segments"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.loss_vocab_chunks < 0:

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import configs
-from k3jax.ops.attention import causal_attention, training_attention_impl
+from k3jax.ops.attention import causal_attention, document_runs, training_attention_impl
 from k3jax.ops.linear import project_wide
 
 
@@ -45,9 +45,9 @@ def test_project_wide_bf16_keeps_f32_logits_and_rounds_only_the_cotangent():
     np.testing.assert_allclose(np.asarray(dw, np.float64), want_dw, rtol=2e-2, atol=5e-2)
 
 
-def test_cudnn_attention_names_a_misshapen_document_mask():
-    """Packed rows reach cuDNN as a [B, 1, T, T] mask built from segment ids of the rows' shape (its numerics are
-    checked on a GPU by benchmarks/attention_check.py)."""
+def test_cudnn_attention_names_misshapen_segment_ids():
+    """Packed rows reach cuDNN as document runs of segment ids of the rows' shape (its numerics are checked on a
+    GPU by benchmarks/attention_check.py)."""
     q = jnp.zeros((1, 4, 2, 16), jnp.bfloat16)
     with pytest.raises(ValueError, match=r"segment_ids must have shape \[B, T\] = \(1, 4\)"):
         causal_attention(q, q, q, scale=0.25, impl="cudnn", segment_ids_bt=jnp.ones((1, 5), jnp.int32))
@@ -60,3 +60,29 @@ def test_training_attention_auto_is_the_exact_xla_core_on_cpu_and_explicit_choic
     assert training_attention_impl("auto", jnp.bfloat16) == training_attention_impl("auto", jnp.float32) == "xla"
     for impl in ("xla", "cudnn", "flash"):
         assert training_attention_impl(impl, jnp.float32) == impl
+
+
+def _numpy_runs(seg, m):
+    offsets = np.full((seg.shape[0], m + 1), -1)
+    lengths = np.full((seg.shape[0], m), -1)
+    runs = np.zeros(seg.shape[0], int)
+    for b, row in enumerate(seg):
+        starts = [0] + [t for t in range(1, len(row)) if row[t] != row[t - 1]]
+        ends = starts[1:] + [len(row)]
+        runs[b] = len(starts)
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            if i < m:
+                offsets[b, i], lengths[b, i] = s, e - s
+    return offsets, lengths, runs
+
+
+def test_document_runs_give_cudnn_packed_offsets_and_lengths_like_numpy():
+    """Runs of equal ids (documents and a padding tail) become cuDNN's offsets [B, M+1] and lengths [B, M], -1 past
+    the last run; a row with more runs than M is counted (callers fall back) and its first M runs still listed."""
+    seg = np.array([[1, 1, 1, 2, 2, 3, 0, 0],
+                    [5, 5, 5, 5, 5, 5, 5, 5],
+                    [1, 2, 3, 4, 5, 6, 7, 8]], np.int32)
+    for m in (3, 4, 8):
+        got = [np.asarray(x) for x in document_runs(jnp.asarray(seg), m)]
+        for g, w in zip(got, _numpy_runs(seg, m)):
+            np.testing.assert_array_equal(g, w)

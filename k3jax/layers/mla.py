@@ -91,7 +91,8 @@ class MLA(nnx.Module):
         o_bthv = causal_attention(q_bthk, k_bthk, v_bthv, scale=cfg.qk_head_dim ** -0.5,
                                   impl=training_attention_impl(cfg.runtime.mla_attention_impl, dt),
                                   segment_ids_bt=segment_ids_bt,
-                                  block_q=cfg.runtime.mla_flash_block, block_k=cfg.runtime.mla_flash_block)  # f32
+                                  block_q=cfg.runtime.mla_flash_block, block_k=cfg.runtime.mla_flash_block,
+                                  max_segments=cfg.runtime.mla_cudnn_max_segments)  # f32
         return self._output(proj, o_bthv)
 
     def _output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:

@@ -3,9 +3,13 @@
 
 The XLA core materialises f32 scores (T x T per head). `impl="cudnn"` runs cuDNN's flash attention on a GPU
 (`jax._src.cudnn.fused_attention_stablehlo`: private, because the public `jax.nn.dot_product_attention` takes no
-value head dim unlike the key's, MLA's 192 vs 128). Packed documents reach it as a boolean [B, 1, T, T] same-document
-mask (cuDNN adds it as a bias beside its causal mask; bf16, 32 MB per 4K row, no per-head copy): cuDNN's own packed
-layout (segment offsets) gave wrong outputs in `benchmarks/attention_check.py` (benchmarks/RESULTS.md, 2026-12-03).
+value head dim unlike the key's, MLA's 192 vs 128). Packed documents reach it in cuDNN's own packed layout
+(per-row segment offsets and lengths, `document_runs`): no T x T mask, which cuDNN would add as a bf16 bias AND
+differentiate (a [B, 1, T, T] bias gradient per layer: 197 TFLOP/s at 32K against 526 unpacked, RESULTS.md
+2026-12-04). jax's packed path strides the value rows by the key's head dim, so the 128-wide values are zero-padded
+to 192 (`_cudnn_packed`; the extra columns of the output are sliced off; RESULTS.md 2026-12-03 recorded the wrong
+outputs without the padding). A row with more than `max_segments` documents takes the blockwise core instead
+(`lax.cond`, same result).
 `impl="flash"` (`k3jax/ops/flash_attention.py`) is blockwise attention in plain JAX with segment ids, f32
 statistics and output, and a recomputing backward: no T x T array, on any backend (slower than cuDNN on a GPU:
 RESULTS.md 2026-12-04).
@@ -22,7 +26,9 @@ from k3jax.ops import backend as backend_lib
 from k3jax.ops.flash_attention import DEFAULT_BLOCK, flash_causal_attention
 from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attention
 
-__all__ = ["causal_attention", "mla_decode_backend", "paged_latent_decode", "training_attention_impl"]
+DEFAULT_MAX_SEGMENTS = 64  # documents per packed row the cuDNN path takes (more: the blockwise core)
+
+__all__ = ["causal_attention", "document_runs", "mla_decode_backend", "paged_latent_decode", "training_attention_impl"]
 
 
 def training_attention_impl(impl: str, compute_dtype) -> str:
@@ -39,18 +45,32 @@ def training_attention_impl(impl: str, compute_dtype) -> str:
 
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,
                      impl: str = "xla", segment_ids_bt: jax.Array | None = None,
-                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK) -> jax.Array:
+                     block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
+                     max_segments: int = DEFAULT_MAX_SEGMENTS) -> jax.Array:
     """softmax(q kᵀ · scale + causal mask) v with f32 softmax; returns f32 [B, T, H, V].
 
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
     impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU (wider ones rounded to bf16),
-    flash attention (output rounded to the operands' dtype, then widened), documents as a [B, 1, T, T] mask.
+    flash attention (output rounded to the operands' dtype, then widened), documents in cuDNN's packed layout (up
+    to `max_segments` per row; rows with more take impl "flash").
     impl "flash": blockwise (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the
     operands' dtype before the value matmul.
     """
     if impl == "cudnn":
-        return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt)
+        if segment_ids_bt is None:
+            return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale)
+        _check_segments(segment_ids_bt, q_bthk.shape[:2])
+        offsets_bm, lengths_bm, count_b = document_runs(segment_ids_bt, max_segments)
+
+        def packed(q, k, v):
+            return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm)
+
+        def blockwise(q, k, v):
+            return flash_causal_attention(q, k, v, scale=scale, segment_ids_bt=segment_ids_bt, block_q=block_q,
+                                          block_k=block_k)
+
+        return jax.lax.cond(jnp.all(count_b <= max_segments), packed, blockwise, q_bthk, k_bthk, v_bthv)
     if impl == "flash":
         return flash_causal_attention(q_bthk, k_bthk, v_bthv, scale=scale, segment_ids_bt=segment_ids_bt,
                                       block_q=block_q, block_k=block_k)
@@ -68,20 +88,60 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     return jnp.einsum("bhqs,bshv->bqhv", probs, v_bthv.astype(probs.dtype))
 
 
-def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, segment_ids_bt):
-    mask_b1ts = None
-    if segment_ids_bt is not None:
-        b, t = q_bthk.shape[:2]
-        if segment_ids_bt.shape != (b, t):
-            raise ValueError(f"attention: segment_ids must have shape [B, T] = {(b, t)}, got {segment_ids_bt.shape}")
-        mask_b1ts = segment_ids_bt[:, None, :, None] == segment_ids_bt[:, None, None, :]
+def _check_segments(segment_ids_bt, bt):
+    if segment_ids_bt.shape != tuple(bt):
+        raise ValueError(f"attention: segment_ids must have shape [B, T] = {tuple(bt)}, got {segment_ids_bt.shape}")
+
+
+def document_runs(segment_ids_bt: jax.Array, max_segments: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Packed rows as cuDNN's ragged layout: (offsets int32 [B, M + 1], lengths int32 [B, M], runs int32 [B]).
+
+    A run is a maximal stretch of equal ids (a document, or the padding tail); offsets hold each run's first
+    position and lengths its size, -1 past the row's last run (cuDNN's convention); runs counts them. Rows with
+    more than M = `max_segments` runs are incomplete here: callers check `runs <= M`."""
+    b, t = segment_ids_bt.shape
+    start_bt = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1]], axis=1)
+    run_bt = jnp.cumsum(start_bt, axis=1, dtype=jnp.int32) - 1
+    runs_b = run_bt[:, -1] + 1
+    rows_b1 = jnp.arange(b)[:, None]
+    pos_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    offsets = jnp.full((b, max_segments + 1), -1, jnp.int32)
+    offsets = offsets.at[rows_b1, jnp.where(start_bt, run_bt, max_segments + 1)].set(pos_bt, mode="drop")
+    offsets = jnp.where(jnp.arange(max_segments + 1) < jnp.minimum(runs_b, max_segments)[:, None], offsets, -1)
+    lengths = jnp.zeros((b, max_segments), jnp.int32).at[rows_b1, run_bt].add(1, mode="drop")
+    lengths = jnp.where(jnp.arange(max_segments) < runs_b[:, None], lengths, -1)
+    return offsets, lengths, runs_b
+
+
+def _cudnn_dtype(x):
     # cuDNN runs 16-bit operands only: wider ones (e.g. MLA's f32 queries after the q LoRA norm) are rounded to bf16
-    dt = q_bthk.dtype if q_bthk.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+    return x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
+
+
+def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale):
+    dt = _cudnn_dtype(q_bthk)
     out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v_bthv.astype(dt),
-                                                mask=mask_b1ts,
                                                 scale=scale, qkv_layout="BTNH",
                                                 mask_type=cudnn_attention.MaskType.CAUSAL)
     return out.astype(wide(dt))
+
+
+def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm):
+    """Causal attention within each run of `offsets_bm` / `lengths_bm` (`document_runs`). The values are
+    zero-padded to the key's head dim: jax strides every packed operand by the query's row width."""
+    dt = _cudnn_dtype(q_bthk)
+    dk, dv = q_bthk.shape[-1], v_bthv.shape[-1]
+    v = v_bthv.astype(dt)
+    if dv < dk:
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv)))
+    elif dv > dk:
+        raise ValueError(f"cuDNN packed attention: value head dim {dv} wider than the key's {dk}")
+    out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v,
+                                                q_seqlen=lengths_bm, kv_seqlen=lengths_bm,
+                                                q_offsets=offsets_bm, kv_offsets=offsets_bm,
+                                                scale=scale, qkv_layout="BTNH",
+                                                mask_type=cudnn_attention.MaskType.CAUSAL)
+    return out[..., :dv].astype(wide(dt))
 
 
 def mla_decode_backend(cfg, num_pages: int, page_size: int) -> str | None:
