@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.train_throughput import dense_matmul_tflops
-from k3jax.ops.attention import causal_attention
+from k3jax.ops.attention import causal_attention, segment_attention
 
 QK, V = 192, 128  # K3's MLA head dims (nope 128 + rope 64; value 128)
 
@@ -61,7 +61,27 @@ def check(rng, impls, t, block) -> bool:
             ok &= err < 2e-2
             print(f"{impl} vs f32 xla ({rows} rows, T={t}), {name}: max |error| / max |reference| = {err:.2e}",
                   flush=True)
+    if "cudnn" in impls:  # the vision tower's bidirectional packed images (`segment_attention`)
+        ok &= check_bidirectional(rng, t)
     return ok
+
+
+def check_bidirectional(rng, t) -> bool:
+    h, d = 4, 128
+    q, k, v = (jnp.asarray(rng.normal(size=(1, t, h, d)), jnp.bfloat16) for _ in range(3))
+    seg = jnp.asarray(np.repeat([0, 1, 2, 3], [t // 2, t // 4, t // 8, t - t // 2 - t // 4 - t // 8])[None], jnp.int32)
+
+    def masked(q, k, v):  # f32 reference: block-diagonal mask, no causality
+        logits = jnp.einsum("bqhk,bshk->bhqs", q, k) * d ** -0.5
+        logits = jnp.where((seg[:, None, :, None] == seg[:, None, None, :]), logits, -jnp.inf)
+        return jnp.einsum("bhqs,bshk->bqhk", jax.nn.softmax(logits, axis=-1), v)
+
+    want = masked(*(x.astype(jnp.float32) for x in (q, k, v)))
+    got = jax.jit(lambda q, k, v: segment_attention(q, k, v, seg, scale=d ** -0.5, xla_core=masked))(q, k, v)
+    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    print(f"cudnn bidirectional segments vs f32 masked core (4 images, T={t}): max |error| / max |reference| = "
+          f"{err:.2e}", flush=True)
+    return err < 2e-2
 
 
 def timed(fn, *args, iters=5) -> float:

@@ -28,7 +28,8 @@ from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attent
 
 DEFAULT_MAX_SEGMENTS = 64  # documents per packed row the cuDNN path takes (more: the blockwise core)
 
-__all__ = ["causal_attention", "document_runs", "mla_decode_backend", "paged_latent_decode", "training_attention_impl"]
+__all__ = ["causal_attention", "document_runs", "segment_attention", "segment_attention_impl", "mla_decode_backend",
+           "paged_latent_decode", "training_attention_impl"]
 
 
 def training_attention_impl(impl: str, compute_dtype) -> str:
@@ -126,9 +127,9 @@ def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale):
     return out.astype(wide(dt))
 
 
-def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm):
-    """Causal attention within each run of `offsets_bm` / `lengths_bm` (`document_runs`). The values are
-    zero-padded to the key's head dim: jax strides every packed operand by the query's row width."""
+def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm, causal: bool = True):
+    """Attention within each run of `offsets_bm` / `lengths_bm` (`document_runs`), causal or bidirectional. The
+    values are zero-padded to the key's head dim: jax strides every packed operand by the query's row width."""
     dt = _cudnn_dtype(q_bthk)
     dk, dv = q_bthk.shape[-1], v_bthv.shape[-1]
     v = v_bthv.astype(dt)
@@ -136,12 +137,36 @@ def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm):
         v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, dk - dv)))
     elif dv > dk:
         raise ValueError(f"cuDNN packed attention: value head dim {dv} wider than the key's {dk}")
+    mask = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
     out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v,
                                                 q_seqlen=lengths_bm, kv_seqlen=lengths_bm,
                                                 q_offsets=offsets_bm, kv_offsets=offsets_bm,
-                                                scale=scale, qkv_layout="BTNH",
-                                                mask_type=cudnn_attention.MaskType.CAUSAL)
+                                                scale=scale, qkv_layout="BTNH", mask_type=mask)
     return out[..., :dv].astype(wide(dt))
+
+
+def segment_attention_impl(dtype) -> str:
+    """The backend of `segment_attention` for this trace: cuDNN on a GPU with 16-bit operands, else XLA."""
+    return "cudnn" if backend_lib.traced_accelerator() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
+
+
+def segment_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, segment_ids_bt: jax.Array, *,
+                      scale: float, xla_core, max_segments: int = DEFAULT_MAX_SEGMENTS) -> jax.Array:
+    """Bidirectional softmax attention within each run of equal `segment_ids_bt` (the vision tower's packed images);
+    returns f32 [B, T, H, V]. On a GPU with 16-bit operands cuDNN's packed layout (up to `max_segments` runs per
+    row); otherwise, and for rows with more runs, `xla_core(q, k, v)` (the caller's masked core)."""
+    _check_segments(segment_ids_bt, q_bthk.shape[:2])
+    if segment_attention_impl(q_bthk.dtype) != "cudnn":
+        return xla_core(q_bthk, k_bthk, v_bthv)
+    offsets_bm, lengths_bm, runs_b = document_runs(segment_ids_bt, max_segments)
+
+    def packed(q, k, v):
+        return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm, causal=False)
+
+    def fallback(q, k, v):
+        return xla_core(q, k, v).astype(jnp.float32)
+
+    return jax.lax.cond(jnp.all(runs_b <= max_segments), packed, fallback, q_bthk, k_bthk, v_bthv)
 
 
 def mla_decode_backend(cfg, num_pages: int, page_size: int) -> str | None:

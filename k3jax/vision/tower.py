@@ -20,6 +20,7 @@ from flax import nnx
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import upcast, wide
+from k3jax.ops.attention import segment_attention, segment_attention_impl
 from k3jax.vision.config import VisionConfig
 from k3jax.vision.packing import PackedLayout, interpolation_matrix, pack, time_embedding
 
@@ -92,9 +93,21 @@ def _masked_softmax_attention(q_nhk, k_nhk, v_nhk, seg_q_n, seg_k_n, scale):
 def packed_attention(q_nhk: jax.Array, k_nhk: jax.Array, v_nhk: jax.Array, segment_ids_n: jax.Array, *,
                      scale: float, block_q: int | None = ATTN_BLOCK_Q) -> jax.Array:
     """Bidirectional softmax attention within each segment (block-diagonal mask), f32 logits and softmax;
-    returns [N, H, K] in at least f32. A padding patch (one shared segment) sees only padding. Longer than
+    returns [N, H, K] in at least f32. A padding patch (one shared segment) sees only padding. On a GPU with
+    16-bit operands: cuDNN's packed layout (`k3jax.ops.attention.segment_attention`, images as runs; with the
+    masked XLA core below the tower took 3.7x transformers' time on one 1024 x 1024 image, RESULTS.md
+    2026-12-04). Otherwise, longer than
     `block_q`, the queries go in blocks of `block_q` against all keys (memory H x block_q x N, each block
     recomputed in the backward pass)."""
+    if segment_attention_impl(q_nhk.dtype) == "cudnn":
+        out = segment_attention(q_nhk[None], k_nhk[None], v_nhk[None], segment_ids_n[None], scale=scale,
+                                xla_core=lambda q, k, v: _xla_packed_attention(q[0], k[0], v[0], segment_ids_n,
+                                                                               scale, block_q)[None])
+        return out[0]
+    return _xla_packed_attention(q_nhk, k_nhk, v_nhk, segment_ids_n, scale, block_q)
+
+
+def _xla_packed_attention(q_nhk, k_nhk, v_nhk, segment_ids_n, scale, block_q):
     n = q_nhk.shape[0]
     if block_q is None or n <= block_q:
         return _masked_softmax_attention(q_nhk, k_nhk, v_nhk, segment_ids_n, segment_ids_n, scale)
