@@ -233,7 +233,7 @@ def _serve(log, mesh) -> None:
     run_server(server, _HOST.value, _PORT.value)
 
 
-def _check_speculative_flags(mesh) -> None:
+def _check_speculative_flags() -> None:
     """Flag errors of --speculative and friends, before any model is loaded."""
     if not _SPECULATIVE.value:
         if _DRAFT.value:
@@ -243,8 +243,6 @@ def _check_speculative_flags(mesh) -> None:
         raise ValueError(f"--num_draft_tokens must be >= 1, got {_NUM_DRAFT.value}")
     if _SPEC_MAX_BATCH.value < 0:
         raise ValueError(f"--speculative_max_batch must be >= 0, got {_SPEC_MAX_BATCH.value}")
-    if mesh is not None:
-        raise ValueError("--speculative with --mesh is not supported yet (speculative decoding runs on one device)")
     check_draft_kind(_SPECULATIVE.value)
     if _SPECULATIVE.value == "eagle3" and not _DRAFT.value:
         raise ValueError("--speculative=eagle3 needs --draft=PATH (a draft directory saved by its training)")
@@ -330,7 +328,7 @@ def main(argv):
         if not (_CHECKPOINT.value or _HF_DIR.value):
             configs.get_config(_CONFIG.value, list(_overrides()))  # fail fast on a bad config name / override
         mesh = mesh_from_spec(_MESH.value)
-        _check_speculative_flags(mesh)
+        _check_speculative_flags()
         if _PORT.value is not None:
             _serve(log, mesh)
             return
@@ -339,15 +337,14 @@ def main(argv):
                             max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
                             top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)
         engine = None
-        if mesh is not None:
+        if mesh is not None or _SPECULATIVE.value:
             validate(opts)  # flag and prompts-file errors before loading
             read_prompts(opts.prompts_file)
-            engine = Engine(_load_model(opts, mesh, log)[1], mesh=mesh)
-        elif _SPECULATIVE.value:
-            validate(opts)
-            read_prompts(opts.prompts_file)
             model = _load_model(opts, mesh, log)[1]
-            engine = SpeculativeEngine(model, _draft(model, log), max_len=opts.max_len)
+            if _SPECULATIVE.value:
+                engine = SpeculativeEngine(model, _draft(model, log), max_len=opts.max_len, mesh=mesh)
+            else:
+                engine = Engine(model, mesh=mesh)
         run_batch(opts, engine=engine)
     except (ValueError, ConfigError, NotImplementedError) as e:  # also non-finite weights (refused on load)
         print(f"serve.py: error: {e}", file=sys.stderr)

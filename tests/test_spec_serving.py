@@ -116,7 +116,7 @@ def test_speculation_switches_off_above_max_spec_batch(model, plain, draft):
                                                                                                    steps)
     with pytest.raises(ValueError, match="max_spec_batch must be >= 0"):
         SpeculativeScheduler(model, draft, max_spec_batch=-1, **SHAPE)
-    with pytest.raises(ValueError, match="not supported yet"):
+    with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
         SpeculativeScheduler(model, draft, mesh=object(), **SHAPE)
 
 

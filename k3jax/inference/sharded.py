@@ -33,6 +33,7 @@ import math
 from typing import Any
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from k3jax.layers.kda import KDAState
@@ -129,6 +130,42 @@ def batch_shardings(tree, mesh: Mesh):
     """Every leaf's axis 0 over the 'batch' rule (where it divides), the rest replicated."""
     return jax.tree.map(lambda x: NamedSharding(mesh, _spec((BATCH_RULE,) + (None,) * (x.ndim - 1), x.shape, mesh)),
                         tree)
+
+
+def slot_axis_shardings(tree, axes: tuple[int, ...], mesh: Mesh):
+    """A speculative draft's state (`k3jax.inference.drafts.Draft.slot_axes`): each leaf's slot axis over the
+    'batch' rule (where it divides), the rest replicated; SHARED leaves (-1: pools every slot reads through the
+    page table, like the MLA page pools) replicated."""
+    leaves, treedef = jax.tree.flatten(tree)
+    out = []
+    for x, a in zip(leaves, axes):
+        logical = (None,) * x.ndim if a < 0 else (None,) * a + (BATCH_RULE,) + (None,) * (x.ndim - a - 1)
+        out.append(NamedSharding(mesh, _spec(logical, x.shape, mesh)))
+    return jax.tree.unflatten(treedef, out)
+
+
+def constrain_slot_axes(tree, axes: tuple[int, ...], mesh: Mesh | None):
+    """Inside a jitted function: a draft state pinned to `slot_axis_shardings` (identity without a mesh)."""
+    if mesh is None or not jax.tree.leaves(tree):
+        return tree
+    return jax.lax.with_sharding_constraint(tree, slot_axis_shardings(tree, axes, mesh))
+
+
+def put_slot_axes(tree, axes: tuple[int, ...], mesh: Mesh | None):
+    """A draft state placed with `slot_axis_shardings`, every leaf its own buffer (unchanged without a mesh)."""
+    if mesh is None or not jax.tree.leaves(tree):
+        return tree
+    return jax.jit(lambda t: t, out_shardings=slot_axis_shardings(tree, axes, mesh))(tree)
+
+
+def place_draft_params(params: Any, mesh: Mesh | None) -> Any:
+    """A speculative draft's parameters on `mesh`: an nnx.State (the MTP / EAGLE-3 layer) by the serving rules like
+    the target's, any other pytree replicated (unchanged without a mesh)."""
+    if mesh is None or not jax.tree.leaves(params):
+        return params
+    if isinstance(params, nnx.State):
+        return place_params(params, mesh)
+    return jax.device_put(params, replicated(mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

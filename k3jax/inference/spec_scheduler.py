@@ -18,9 +18,13 @@ log-probabilities (the plain step computes them) and when `enabled` is False. Wh
 draft does not observe those tokens: an MTP draft then attends to stale rows for them and proposes worse tokens
 for the rest of that request (never wrong output: every token is the target's).
 
-Not yet: a device mesh (the draft state has no mesh layouts; `ValueError`). Requests admitted through the prefix
-cache or with images are prefilled by `Scheduler`'s own paths, which do not let the draft observe the prompt
-(weaker drafts for those requests, same output).
+On a device mesh (`mesh=`, as `Scheduler`'s) the draft's parameters are placed by the serving rules like the
+target's (`sharded.place_draft_params`), its per-slot state over the slots' batch axes and its shared page pools
+replicated (`sharded.slot_axis_shardings`); drafting, verification and rollback run under the mesh in the same
+jitted step, so the greedy tokens equal the one-device ones.
+
+Not yet: requests admitted through the prefix cache or with images are prefilled by `Scheduler`'s own paths, which
+do not let the draft observe the prompt (weaker drafts for those requests, same output).
 """
 
 from __future__ import annotations
@@ -110,9 +114,6 @@ class SpeculativeScheduler(Scheduler):
 
     def __init__(self, model: K3Model, draft: Draft, *, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
                  draft_name: str = "custom", **kwargs):
-        if kwargs.get("mesh") is not None:
-            raise ValueError("speculative decoding on a device mesh is not supported yet (drop --mesh or "
-                             "--speculative)")
         if max_spec_batch < 0:
             raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
         self.draft, self.draft_name = draft, draft_name
@@ -121,7 +122,8 @@ class SpeculativeScheduler(Scheduler):
         self.enabled = True
         self.counters = SpecCounters()
         self.draft_state = None
-        super().__init__(model, **kwargs)
+        super().__init__(model, **kwargs)  # reset() places the draft's state on the mesh
+        self.draft_params = sharded.place_draft_params(draft.params, self.mesh)
 
     def reset(self) -> list[TokenEvent]:
         events = super().reset()
@@ -131,7 +133,10 @@ class SpeculativeScheduler(Scheduler):
         if n_leaves != n_axes:
             raise ValueError(f"draft {type(self.draft).__name__}: slot_axes() names {n_axes} axes for a state of "
                              f"{n_leaves} leaves")
-        self.draft_state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # distinct buffers (donated)
+        if self.mesh is None:
+            self.draft_state = jax.tree.map(lambda x: jnp.array(x, copy=True), state)  # distinct buffers (donated)
+        else:
+            self.draft_state = sharded.put_slot_axes(state, self.draft.slot_axes(), self.mesh)
         return events
 
     @property
@@ -152,14 +157,15 @@ class SpeculativeScheduler(Scheduler):
 
     def _admit_batch(self, batch: list[Request], slots: list[int], pages: list[list[int]]) -> list[TokenEvent]:
         """`Scheduler._admit_batch` through `spec_admit_slots` (the draft observes the prompts)."""
-        n = bucket(len(batch), 1)
+        n = sharded.round_up_batch(bucket(len(batch), 1), self.mesh)  # padding rows go to no slot
         ids, lens = self._padded_prompts(batch, n)
         new, slot_n = self._new_fields(batch, slots, n)
-        self.cache, self.state, self.draft_state, tok_n, done_n, lps = spec_admit_slots(
-            self.params, self.draft_params, self.cache, self.state, self.draft_state, jnp.asarray(ids),
-            jnp.asarray(lens), jnp.asarray(slot_n), jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)), new,
-            spec=self.model_spec, draft=self.draft, layout=self.layout, max_len=self.max_len,
-            page_size=self.page_size, mesh=self._mesh)
+        with sharded.context(self.mesh):
+            self.cache, self.state, self.draft_state, tok_n, done_n, lps = spec_admit_slots(
+                self.params, self.draft_params, self.cache, self.state, self.draft_state, jnp.asarray(ids),
+                jnp.asarray(lens), jnp.asarray(slot_n), jnp.asarray(page_table_rows(pages, n, self.pages_per_seq)),
+                new, spec=self.model_spec, draft=self.draft, layout=self.layout, max_len=self.max_len,
+                page_size=self.page_size, mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n, lps)
 
     def _decode_running(self) -> list[TokenEvent]:

@@ -9,9 +9,10 @@ The emitted tokens are cut after an EOS (emitted, then the slot is done) and at 
 
 The draft's per-slot state rides beside the slots' cache: `Draft.slot_axes()` gives each state leaf's slot axis
 (SHARED: a pool shared by every slot, e.g. the MTP draft's latent pages); admission gathers the admitted slots'
-rows, observes the prompt and scatters them back. The draft sees the target's page table with free and finished
-slots' rows set to NO_PAGE, so a draft's own paged writes for them are dropped (their pages may already belong to
-another request).
+rows, observes the prompt and scatters them back. On a device mesh the slot axes sit over the 'batch' rule like the
+slots' cache and SHARED leaves are replicated like the MLA page pools (`sharded.slot_axis_shardings`). The draft
+sees the target's page table with free and finished slots' rows set to NO_PAGE, so a draft's own paged writes for
+them are dropped (their pages may already belong to another request).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from k3jax.inference import sharded
 from k3jax.inference.cache import SHARED
 from k3jax.inference.drafts import Draft, DraftContext
 from k3jax.inference.slot_steps import TRACE_COUNTS, SlotState, _install_impl, _pinned, merge_model
@@ -76,7 +78,7 @@ def spec_admit_slots(params, draft_params, cache, state: SlotState, dstate, ids_
     num_slots = state.done_s.shape[0]
     rows = gather_rows(dstate, axes, slot_n, num_slots)
     rows = draft.observe(draft_params, rows, model, feats_nt, next_nt, jnp.zeros((n,), jnp.int32), lens_n, table_np)
-    dstate = scatter_rows(dstate, rows, axes, slot_n)
+    dstate = sharded.constrain_slot_axes(scatter_rows(dstate, rows, axes, slot_n), axes, mesh.value)
     return (*_pinned(cache, state, mesh), dstate, tok_n, done_n, lps)
 
 
@@ -115,4 +117,5 @@ def spec_decode_slots(params, draft_params, cache, state: SlotState, dstate, *, 
     state = state._replace(last_s=jnp.where(n_emit_s > 0, last_emitted_s, state.last_s), done_s=done_s,
                            count_s=count_s)
     cache, state = _pinned(cache, state, mesh)
+    dstate = sharded.constrain_slot_axes(dstate, draft.slot_axes(), mesh.value)
     return cache, state, dstate, tokens_sj, n_emit_s, done_s, jnp.where(active_s, n_s, 0)

@@ -27,7 +27,7 @@ draw the bonus from p_k: every emitted token is distributed exactly as the targe
     results = engine.generate(prompts, 32, eos_id=257)
     engine.last_stats    # {"steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", ...}
 
-Not yet: the continuous-batching `Scheduler` / serve.py, a device mesh, the prefix cache.
+The continuous-batching form is `k3jax.inference.spec_scheduler.SpeculativeScheduler`.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.inference import sampling as sampling_lib
+from k3jax.inference import sharded
 from k3jax.inference.drafts import Draft, DraftContext, Proposal
 from k3jax.inference.engine import DecodeState, Engine, GenerationResult, SamplingParams
 from k3jax.layers.kda import KDAState
@@ -152,14 +153,14 @@ class SpeculativeEngine(Engine):
     """`Engine` whose `generate` decodes speculatively with `draft` (k = draft.num_tokens per step): one jitted
     prefill (+ the draft's `observe` over the prompt) and one jitted draft-verify-commit step (`trace_counts`
     "spec_prefill" / "spec_step"). Greedy output equals `Engine.generate`'s; sampled output has the same
-    distribution (not the same draws). Single device only."""
+    distribution (not the same draws). `mesh`: as `Engine`'s; the draft's parameters are placed like the target's
+    (`sharded.place_draft_params`) and its state pinned by its slot axes (`sharded.slot_axis_shardings`)."""
 
     def __init__(self, model: K3Model, draft: Draft, *, max_len: int | None = None, steps_per_sync: int = 4,
                  mesh=None):
-        if mesh is not None:
-            raise ValueError("speculative decoding on a device mesh is not supported yet")
-        super().__init__(model, max_len=max_len, steps_per_sync=steps_per_sync)
+        super().__init__(model, max_len=max_len, steps_per_sync=steps_per_sync, mesh=mesh)
         self.draft = draft
+        self.draft_params = sharded.place_draft_params(draft.params, self.mesh)
         self.last_stats: dict = {}
         self._spec_prefill = jax.jit(self._spec_prefill_impl, static_argnames=("greedy_only", "out_len"))
         self._spec_step = jax.jit(self._spec_step_impl, static_argnames=("greedy_only",), donate_argnums=(2, 3))
@@ -185,7 +186,14 @@ class SpeculativeEngine(Engine):
         dstate = self.draft.observe(draft_params, dstate, model, self.draft.target_features(h_btd, blocks), next_bt,
                                     jnp.zeros((b,), jnp.int32), lengths_b, cache.page_table)
         zeros = jnp.zeros((b,), jnp.int32)
-        return SpecState(DecodeState(tok, done, jnp.ones((b,), jnp.int32), out), dstate, zeros, zeros), cache
+        return self._pin(SpecState(DecodeState(tok, done, jnp.ones((b,), jnp.int32), out), dstate, zeros, zeros),
+                         cache)
+
+    def _pin(self, state: SpecState, cache: DecodeCache) -> tuple[SpecState, DecodeCache]:
+        """On a mesh: the step's outputs in their layouts (`k3jax.inference.sharded`), so the next step gets them."""
+        dstate = sharded.constrain_slot_axes(state.draft, self.draft.slot_axes(), self.mesh)
+        batch = sharded.constrain_batch((state.decode, state.steps_b, state.accepted_b), self.mesh)
+        return SpecState(batch[0], dstate, *batch[1:]), sharded.constrain_cache(cache, self.mesh)
 
     def _spec_step_impl(self, params, draft_params, cache: DecodeCache, state: SpecState, keys_b, sp, max_new_b,
                         eos_e, *, greedy_only):
@@ -220,7 +228,8 @@ class SpeculativeEngine(Engine):
         act = active.astype(jnp.int32)
         new = SpecState(DecodeState(last, done, count, out), dstate, state.steps_b + act,
                         state.accepted_b + act * v.num_accepted_b)
-        return v.cache, new
+        new, cache = self._pin(new, v.cache)
+        return cache, new
 
     def generate(self, prompts, max_new_tokens, sampling=SamplingParams(), eos_id=None, key=None,
                  pad_id=None) -> list[GenerationResult]:
@@ -230,14 +239,15 @@ class SpeculativeEngine(Engine):
         k = self.draft.num_tokens
         p = self._prepare(prompts, max_new_tokens, sampling, eos_id, key, pad_id, extra_positions=k)
         cache = self.init_cache(p.batch_size, p.max_len)
-        dparams = self.draft.params
-        state, cache = self._spec_prefill(self.params, dparams, p.ids_bt, p.lens_b, cache, p.keys_b, p.sp,
-                                          p.max_new_b, p.eos_e, greedy_only=p.greedy_only, out_len=p.out_len)
-        for i in range(max(p.max_new) - 1):  # at least one token per step
-            cache, state = self._spec_step(self.params, dparams, cache, state, p.keys_b, p.sp, p.max_new_b, p.eos_e,
-                                           greedy_only=p.greedy_only)
-            if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.decode.done_b)):
-                break
+        dparams = self.draft_params
+        with sharded.context(self.mesh):
+            state, cache = self._spec_prefill(self.params, dparams, p.ids_bt, p.lens_b, cache, p.keys_b, p.sp,
+                                              p.max_new_b, p.eos_e, greedy_only=p.greedy_only, out_len=p.out_len)
+            for i in range(max(p.max_new) - 1):  # at least one token per step
+                cache, state = self._spec_step(self.params, dparams, cache, state, p.keys_b, p.sp, p.max_new_b,
+                                               p.eos_e, greedy_only=p.greedy_only)
+                if (i + 1) % self.steps_per_sync == 0 and bool(jnp.all(state.decode.done_b)):
+                    break
         steps_b = np.asarray(state.steps_b)[:p.num_prompts].tolist()
         accepted_b = np.asarray(state.accepted_b)[:p.num_prompts].tolist()
         steps, accepted = sum(steps_b), sum(accepted_b)
