@@ -4,9 +4,17 @@ Batch mode:
 
     python serve.py --config=tiny --prompts_file=prompts.txt --max_new_tokens=64 --out=out.jsonl
 
-`--prompts_file`: `.jsonl` (objects with "prompt" text or "prompt_ids", optional "id") or plain text, one prompt per
-line. Output: one JSON object per prompt, in input order: index, [id], [prompt], completion, completion_ids,
-finish_reason, token counts.
+`--prompts_file`: `.jsonl` (objects with "prompt" text, "prompt_ids" or "messages", optional "id") or plain text,
+one prompt per line. Output: one JSON object per prompt, in input order: index, [id], [prompt], completion,
+completion_ids, finish_reason, token counts. "prompt" / "prompt_ids" are fed as they are (BOS added to text);
+"messages" is a chat conversation as /v1/chat/completions takes it, rendered by the chat template, and its image
+parts may name local image files (a path relative to the prompts file, a file:// URL, or a data: URL; a .npy of a
+uint8 [H, W, 3] array, or PNG/JPEG with Pillow), read with the --checkpoint / --hf_dir vision tower:
+
+    {"id": "cat", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}},
+                                                            {"type": "text", "text": "What is in this picture?"}]}]}
+
+A missing or unreadable image stops the run before anything is generated, naming the line and the file.
 
 Server mode (continuous batching over `--slots` decode slots; MLA latents in a pool of `--num_pages` pages of
 `--page_size` tokens per layer; see k3jax/inference/server.py and scheduler.py):
@@ -105,7 +113,9 @@ _MESH = flags.DEFINE_string("mesh", None, "data,expert,context,model sizes (e.g.
 _MAX_LEN = flags.DEFINE_integer("max_len", None, "Max tokens per sequence (prompt + generated); default: the "
                                 "config's max_position_embeddings in batch mode, 2048 in server mode.")
 # batch mode
-_PROMPTS = flags.DEFINE_string("prompts_file", None, "Batch mode: prompts, .jsonl or .txt (one prompt per line).")
+_PROMPTS = flags.DEFINE_string("prompts_file", None, "Batch mode: prompts, .jsonl (\"prompt\", \"prompt_ids\" or "
+                                "chat \"messages\" whose image parts may name local files) or .txt (one prompt per "
+                                "line).")
 _OUT = flags.DEFINE_string("out", None, "Batch mode: output JSONL path.")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Batch mode: tokens to generate per prompt (at most).")
 _TEMP = flags.DEFINE_float("temperature", 0.0, "Batch mode: sampling temperature; 0 = greedy.")
@@ -175,9 +185,9 @@ _SPEC_MAX_BATCH = flags.DEFINE_integer("speculative_max_batch", DEFAULT_MAX_SPEC
                                        "--speculative: a step with more running sequences than this decodes "
                                        "plainly (verifying k+1 tokens per sequence stops paying at large batches); "
                                        "0 = never speculate.")
-_VISION = flags.DEFINE_bool("vision", True, "Server mode: accept images in chat requests when --checkpoint / "
-                            "--hf_dir has a vision tower (--novision: serve the text model alone).")
-_PLACEHOLDER = flags.DEFINE_integer("image_placeholder_id", -1, "Server mode: the token id a prompt holds once per "
+_VISION = flags.DEFINE_bool("vision", True, "Accept images in chat requests (batch mode: chat records) when "
+                            "--checkpoint / --hf_dir has a vision tower (--novision: serve the text model alone).")
+_PLACEHOLDER = flags.DEFINE_integer("image_placeholder_id", -1, "The token id a prompt holds once per "
                                     "image token; -1 = automatic: <|media_pad|> (163605) where the vocabulary has it, "
                                     "else 259 (byte-tokenized tiny models).")
 
@@ -335,7 +345,8 @@ def main(argv):
         opts = BatchOptions(config=_CONFIG.value, overrides=_overrides(), checkpoint=_CHECKPOINT.value,
                             hf_dir=_HF_DIR.value, prompts_file=_PROMPTS.value or "", out=_OUT.value or "",
                             max_new_tokens=_MAX_NEW.value, temperature=_TEMP.value, top_k=_TOP_K.value,
-                            top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value)
+                            top_p=_TOP_P.value, seed=_SEED.value, batch_size=_BATCH.value, max_len=_MAX_LEN.value,
+                            vision=_VISION.value, image_placeholder_id=_PLACEHOLDER.value)
         engine = None
         if mesh is not None or _SPECULATIVE.value:
             validate(opts)  # flag and prompts-file errors before loading

@@ -13,6 +13,8 @@ from flax import nnx
 
 import configs
 from k3jax.data.text import ByteTokenizer
+from k3jax.inference.batch_chat import batch_vision, generate_chat, load_images, parse_chat_record, placeholder_id
+from k3jax.inference.chat import load_chat_template
 from k3jax.inference.engine import Engine, SamplingParams
 from k3jax.loading import load_checkpoint, load_hf, load_tokenizer
 from k3jax.model import K3Model
@@ -33,11 +35,14 @@ class BatchOptions:
     seed: int = 0
     batch_size: int = 16
     max_len: int | None = None  # cache capacity; None: the config's max_position_embeddings
+    vision: bool = True  # chat records may carry images when the weights have a vision tower
+    image_placeholder_id: int = -1  # -1: `image_slots.default_placeholder_id`
 
 
 def read_prompts(path: str) -> list[dict]:
-    """Prompts from `.jsonl` (one object per line: "prompt" text or "prompt_ids" list of ints, optional "id") or
-    any other extension as plain text (one prompt per non-empty line). Raises ValueError naming the line."""
+    """Prompts from `.jsonl` (one object per line: "prompt" text, "prompt_ids" list of ints or "messages", a chat
+    conversation whose image parts name local files (`batch_chat`); optional "id") or any other extension as plain
+    text (one prompt per non-empty line). Raises ValueError naming the line (and the image file)."""
     if not path:
         raise ValueError("--prompts_file is required")
     if not os.path.isfile(path):
@@ -53,9 +58,10 @@ def read_prompts(path: str) -> list[dict]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(obj, dict) or ("prompt" in obj) == ("prompt_ids" in obj):
-                raise ValueError(f"{path}:{n}: expected an object with exactly one of 'prompt' or 'prompt_ids'")
-            unknown = set(obj) - {"prompt", "prompt_ids", "id"}
+            if not isinstance(obj, dict) or sum(k in obj for k in ("prompt", "prompt_ids", "messages")) != 1:
+                raise ValueError(f"{path}:{n}: expected an object with exactly one of 'prompt', 'prompt_ids' or "
+                                 "'messages'")
+            unknown = set(obj) - {"prompt", "prompt_ids", "messages", "id"}
             if unknown:
                 raise ValueError(f"{path}:{n}: unknown field(s) {sorted(unknown)}")
             if "prompt" in obj and not isinstance(obj["prompt"], str):
@@ -63,6 +69,8 @@ def read_prompts(path: str) -> list[dict]:
             if "prompt_ids" in obj and not (isinstance(obj["prompt_ids"], list) and obj["prompt_ids"]
                                             and all(isinstance(i, int) for i in obj["prompt_ids"])):
                 raise ValueError(f"{path}:{n}: 'prompt_ids' must be a non-empty list of ints")
+            if "messages" in obj:
+                obj["messages"] = parse_chat_record(obj["messages"], f"{path}:{n}", os.path.dirname(path))
             obj["line"] = n
             items.append(obj)
     else:
@@ -114,9 +122,10 @@ def validate(opts: BatchOptions) -> SamplingParams:
 
 
 def run_batch(opts: BatchOptions, log: Callable[[str], None] = lambda m: print(m, file=sys.stderr, flush=True),
-              model=None, engine: Engine | None = None) -> list[dict]:
+              model=None, engine: Engine | None = None, vision=None) -> list[dict]:
     """Generates a completion for every prompt of `opts.prompts_file`, writes `opts.out` (JSONL, input order) and
-    returns the records. `model` / `engine`: an already-built model or engine to use instead of loading one."""
+    returns the records. `model` / `engine`: an already-built model or engine to use instead of loading one;
+    `vision`: the vision tower for chat records with images (default: the one in --checkpoint / --hf_dir)."""
     sp = validate(opts)
     items = read_prompts(opts.prompts_file)
     if engine is None:
@@ -124,37 +133,59 @@ def run_batch(opts: BatchOptions, log: Callable[[str], None] = lambda m: print(m
             cfg, model = load_model(opts, log)
         engine = Engine(model)
     cfg = engine.cfg
-    tok = make_tokenizer(cfg, opts.hf_dir or opts.checkpoint)
+    source = opts.hf_dir or opts.checkpoint
+    tok = make_tokenizer(cfg, source)
     max_len = opts.max_len or cfg.max_position_embeddings
-    encoded = []
-    for item in items:
-        ids = list(item["prompt_ids"]) if "prompt_ids" in item else tok.encode(item["prompt"], add_bos=True)
+    chat_items = [i for i, item in enumerate(items) if "messages" in item]
+    with_images = [i for i in chat_items if items[i]["messages"].images]
+    where = {i: f"{opts.prompts_file}:{item['line']}" for i, item in enumerate(items)}
+    vision = batch_vision(opts, bool(with_images), vision, where[with_images[0]] if with_images else "",
+                          engine.mesh)
+    chat = load_chat_template(tok, source) if chat_items else None
+    encoded, images = {}, {}
+    for i, item in enumerate(items):
+        if "messages" in item:
+            images[i] = load_images(item["messages"], vision.cfg, where[i]) if item["messages"].images else ()
+            try:
+                ids = chat.encode(item["messages"].messages,
+                                  [[placeholder_id(opts, cfg)] * im.num_tokens for im in images[i]])
+            except ValueError as e:
+                raise ValueError(f"{where[i]}: chat template: {e}") from None
+        else:
+            ids = list(item["prompt_ids"]) if "prompt_ids" in item else tok.encode(item["prompt"], add_bos=True)
         if min(ids) < 0 or max(ids) >= cfg.vocab_size:
-            raise ValueError(f"{opts.prompts_file}:{item['line']}: token ids must be in [0, {cfg.vocab_size})")
+            raise ValueError(f"{where[i]}: token ids must be in [0, {cfg.vocab_size})")
         if len(ids) + opts.max_new_tokens - 1 > max_len:
-            raise ValueError(f"{opts.prompts_file}:{item['line']}: prompt of {len(ids)} tokens + max_new_tokens "
+            raise ValueError(f"{where[i]}: prompt of {len(ids)} tokens + max_new_tokens "
                              f"{opts.max_new_tokens} exceeds the maximum length {max_len}")
-        encoded.append(ids)
+        encoded[i] = ids
 
     key = jax.random.key(opts.seed)
+    results: dict[int, tuple[list[int], str]] = {}
+    if chat_items:  # through the scheduler, as the server runs chat requests (images, turn-end ids)
+        eos = ([] if cfg.eos_token_id is None else [int(cfg.eos_token_id)]) + list(chat.stop_ids)
+        model = nnx.merge(engine.graphdef, engine.params)
+        results.update(generate_chat(model, [(i, encoded[i], images[i]) for i in chat_items], opts=opts,
+                                     sampling=sp, eos_ids=eos, vision=vision, mesh=engine.mesh, key=key, log=log))
     # Batches of similar length (sorted) keep padding and the number of prefill buckets small.
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
-    records: list[dict | None] = [None] * len(encoded)
+    order = sorted((i for i in encoded if i not in images), key=lambda i: len(encoded[i]))
     for start in range(0, len(order), opts.batch_size):
         idx = order[start:start + opts.batch_size]
-        results = engine.generate([encoded[i] for i in idx], opts.max_new_tokens, sp, cfg.eos_token_id,
-                                  jax.random.fold_in(key, start))
-        for i, r in zip(idx, results):
-            item = items[i]
-            rec = {"index": i}
-            if "id" in item:
-                rec["id"] = item["id"]
-            if "prompt" in item:
-                rec["prompt"] = item["prompt"]
-            rec.update(completion=tok.decode(r.tokens), completion_ids=r.tokens, finish_reason=r.finish_reason,
-                       prompt_tokens=r.prompt_length, completion_tokens=len(r.tokens))
-            records[i] = rec
+        out = engine.generate([encoded[i] for i in idx], opts.max_new_tokens, sp, cfg.eos_token_id,
+                              jax.random.fold_in(key, start))
+        results.update((i, (r.tokens, r.finish_reason)) for i, r in zip(idx, out))
         log(f"generated {min(start + opts.batch_size, len(order))}/{len(order)}")
+    records = []
+    for i, item in enumerate(items):
+        tokens, finish = results[i]
+        rec = {"index": i}
+        if "id" in item:
+            rec["id"] = item["id"]
+        if "prompt" in item:
+            rec["prompt"] = item["prompt"]
+        rec.update(completion=tok.decode(tokens), completion_ids=tokens, finish_reason=finish,
+                   prompt_tokens=len(encoded[i]), completion_tokens=len(tokens))
+        records.append(rec)
     with open(opts.out, "w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")

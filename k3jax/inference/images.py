@@ -6,6 +6,8 @@ Only `data:` URLs are accepted (the server never fetches anything): `data:applic
 `k3jax.vision.preprocess` (NaViT resize within a patch budget, normalise, patchify) into an `ImageInput`: the
 tower's patches, the grid, the number of merged image tokens (placeholders the prompt reserves for it) and a
 SHA-256 digest of the decoded pixels (shape and bytes: the same picture sent as PNG or .npy has the same digest).
+Batch mode reads image files (`load_image_file`: a `.npy` array by its magic bytes, anything else with Pillow) and
+decodes them the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ DATA_URL_ONLY = "image_url: only data: URLs are accepted (no network fetches)"
 NPY_MEDIA_TYPE = "application/x-npy"
 PILLOW_MEDIA_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif")
 MAX_IMAGE_PIXELS = 64 << 20  # decoded pixels per image (a decompression-bomb bound)
+NPY_MAGIC = b"\x93NUMPY"
 
 
 class ImageInput(NamedTuple):
@@ -59,43 +62,60 @@ def decode_data_url(url: str) -> np.ndarray:
     if media == NPY_MEDIA_TYPE:
         return _decode_npy(data)
     if media in PILLOW_MEDIA_TYPES:
-        return _decode_with_pillow(data, media)
+        return _decode_with_pillow(data, "image_url", media)
     raise ValueError(f"image_url: media type {media!r} is not supported (use {NPY_MEDIA_TYPE} or "
                      f"{', '.join(PILLOW_MEDIA_TYPES[:2])})")
 
 
-def _decode_npy(data: bytes) -> np.ndarray:
+def load_image_file(path: str) -> np.ndarray:
+    """An image file -> uint8 [H, W, 3] (grey: [H, W]): a NumPy `.npy` array (recognised by its magic bytes) or
+    any format Pillow reads. ValueError (reason only; the caller names the file) when it is missing or unreadable."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError("file not found") from None
+    except OSError as e:
+        raise ValueError(f"cannot read it ({e.strerror or type(e).__name__})") from None
+    if data.startswith(NPY_MAGIC):
+        return _decode_npy(data, "image file")
+    return _decode_with_pillow(data, "image file", "an image file",
+                               "or save the pixels as a .npy of a uint8 [H, W, 3] array")
+
+
+def _decode_npy(data: bytes, what: str = "image_url") -> np.ndarray:
     try:
         arr = np.load(io.BytesIO(data), allow_pickle=False)
     except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"image_url: not a valid .npy array ({e})") from None
+        raise ValueError(f"{what}: not a valid .npy array ({e})") from None
     if not isinstance(arr, np.ndarray) or arr.dtype != np.uint8 or not (
             arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] == 3)) or min(arr.shape[:2]) < 1:
-        raise ValueError(f"image_url: a .npy image must be uint8 [H, W, 3] or [H, W], got {getattr(arr, 'dtype', '?')}"
+        raise ValueError(f"{what}: a .npy image must be uint8 [H, W, 3] or [H, W], got {getattr(arr, 'dtype', '?')}"
                          f" {list(getattr(arr, 'shape', ()))}")
-    _check_size(arr.shape[0], arr.shape[1])
+    _check_size(arr.shape[0], arr.shape[1], what)
     return arr
 
 
-def _decode_with_pillow(data: bytes, media: str) -> np.ndarray:
+def _decode_with_pillow(data: bytes, what: str, media: str, instead: str = "") -> np.ndarray:
     try:
         from PIL import Image  # optional dependency: the [vision] extra
     except ImportError:
-        raise ValueError(f"image_url: decoding {media} needs Pillow, which is not installed (pip install "
-                         f"'k3jax[vision]'); or send the pixels as data:{NPY_MEDIA_TYPE};base64,...") from None
+        raise ValueError(f"{what}: decoding {media} needs Pillow, which is not installed (pip install "
+                         f"'k3jax[vision]'); {instead or f'or send the pixels as data:{NPY_MEDIA_TYPE};base64,...'}"
+                         ) from None
     try:
         with Image.open(io.BytesIO(data)) as im:
-            _check_size(im.height, im.width)
+            _check_size(im.height, im.width, what)
             return np.asarray(im.convert("RGB"), dtype=np.uint8)
     except ValueError:
         raise
     except Exception as e:  # noqa: BLE001 - Pillow raises many types for damaged data
-        raise ValueError(f"image_url: cannot decode the {media} image ({type(e).__name__})") from None
+        raise ValueError(f"{what}: cannot decode {media} ({type(e).__name__})") from None
 
 
-def _check_size(h: int, w: int) -> None:
+def _check_size(h: int, w: int, what: str = "image_url") -> None:
     if h * w > MAX_IMAGE_PIXELS:
-        raise ValueError(f"image_url: image of {h} x {w} pixels is over the limit of {MAX_IMAGE_PIXELS} pixels")
+        raise ValueError(f"{what}: image of {h} x {w} pixels is over the limit of {MAX_IMAGE_PIXELS} pixels")
 
 
 def pixel_digest(image: np.ndarray) -> str:
