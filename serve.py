@@ -266,9 +266,6 @@ def _scheduler_class(model, mesh, log):
     """`Scheduler`, or with --speculative a `SpeculativeScheduler` bound to its draft."""
     if not _SPECULATIVE.value:
         return Scheduler
-    if _PREFIX_BLOCK.value:
-        log("note: with the prefix cache on, the draft does not see the prompts of the requests it admits (weaker "
-            "drafts, same output); --prefix_block=0 lets it")
     return functools.partial(SpeculativeScheduler, draft=_draft(model, log), max_spec_batch=_SPEC_MAX_BATCH.value,
                              draft_name=_SPECULATIVE.value)
 

@@ -334,7 +334,13 @@ class K3Model(nnx.Module):
                                         valid_len_b: jax.Array | None = None
                                         ) -> tuple[jax.Array, DecodeCache, AttnResBlocks]:
         """`hidden_states_cached` and the AttnRes block outputs of the new tokens (see `hidden_states_and_blocks`)."""
-        (h, bank), cache = self._stack_cached(self.embed(input_ids_bt), cache, valid_len_b)
+        return self.hidden_states_cached_and_blocks_from_embeddings(self.embed(input_ids_bt), cache, valid_len_b)
+
+    def hidden_states_cached_and_blocks_from_embeddings(self, embeds_btd: jax.Array, cache: DecodeCache,
+                                                        valid_len_b: jax.Array | None = None
+                                                        ) -> tuple[jax.Array, DecodeCache, AttnResBlocks]:
+        """`hidden_states_cached_and_blocks` from input embeddings [B, T, D] instead of ids."""
+        (h, bank), cache = self._stack_cached(embeds_btd, cache, valid_len_b)
         return self._final(h, bank), cache, AttnResBlocks(bank, h)
 
     def _stack_cached(self, embeds_btd: jax.Array, cache: DecodeCache,

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from k3jax.inference import scheduler as scheduler_module
+from k3jax.inference import prefix_admit
 from k3jax.inference.prefix_cache import AUTO_FALLBACK_BYTES, DEFAULT_BLOCK, PrefixCache, PrefixEntry, entry_bytes
 from k3jax.inference.scheduler import Request, Scheduler
 from k3jax.inference.slot_steps import TRACE_COUNTS
@@ -218,13 +218,13 @@ LONG = [256] + [int(t) for t in np.random.RandomState(5).randint(0, 250, 140)]
 def _capture_prefill(monkeypatch) -> list:
     """Records (per-sequence leaves, last-token logits) of every prefix-cache prefill as it is installed."""
     captured = []
-    real = scheduler_module.install_slots
+    real = prefix_admit.install_slots
 
     def spy(cache, state, seq_n, logits_nv, *args, **kwargs):
         captured.append(jax.device_get((seq_n, logits_nv)))
         return real(cache, state, seq_n, logits_nv, *args, **kwargs)
 
-    monkeypatch.setattr(scheduler_module, "install_slots", spy)
+    monkeypatch.setattr(prefix_admit, "install_slots", spy)
     return captured
 
 

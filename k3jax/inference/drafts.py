@@ -10,8 +10,9 @@ deterministically, i.e. one-hot). Its methods run inside the engine's jitted ste
         next_ids_bt[b, t] is the token that followed position start_b + t (after prefill and after every verify)
     propose(params, state, ctx: DraftContext)         -> (Proposal, state)
     slot_axes()                                       -> per-leaf batch axis of the state (SHARED = -1: one
-        buffer for every sequence, e.g. paged caches), in `jax.tree.leaves` order; the continuous-batching
-        scheduler (`k3jax.inference.spec_scheduler`) uses it to admit sequences into slots
+        buffer for every sequence: a page pool [..., num_pages, page_size, C] addressed through the target's page
+        table), in `jax.tree.leaves` order; the continuous-batching scheduler (`k3jax.inference.spec_scheduler`)
+        uses it to admit sequences into slots and to copy a prefix-cache hit's partial page
 
 A draft with `uses_blocks = True` (`k3jax.inference.eagle3_draft.Eagle3Draft`) reads the target's AttnRes block
 outputs: the engine runs the target through `hidden_states_cached_and_blocks` and passes

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
-from typing import Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -45,11 +45,12 @@ class PrefixEntry(NamedTuple):
     state: DecodeCache  # batch 1 after the prefix; MLA page pools replaced by empty placeholders
     pages: tuple[int, ...]  # pool pages of positions [0, prefix length): ceil(length / page_size); the last may be
     # partial (its owner keeps writing the rows past the prefix; a hit copies it)
+    extra: Any = None  # device arrays a speculative draft keeps of the prefix's last position (else None)
 
 
 def entry_bytes(entry: PrefixEntry) -> int:
     """Device bytes of an entry's snapshot (global sizes: a sharded array counts whole)."""
-    return sum(int(x.nbytes) for x in jax.tree.leaves(entry.state))
+    return sum(int(x.nbytes) for x in jax.tree.leaves((entry.state, entry.extra)))
 
 
 def auto_max_bytes(devices: Sequence) -> int:

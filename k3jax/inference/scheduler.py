@@ -59,23 +59,16 @@ from flax import nnx
 from k3jax.inference import sharded
 from k3jax.inference.cache import CacheLayout, PageAllocator, page_table_rows, pages_for
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
-from k3jax.inference.image_slots import ImageEncoder, admit_with_images, count_placeholders, extend_chunk
+from k3jax.inference.image_slots import ImageEncoder, admit_with_images, count_placeholders
 from k3jax.inference.images import ImageInput
-from k3jax.inference.prefix_cache import (
-    DEFAULT_LONG_BLOCK,
-    DEFAULT_THRESHOLD,
-    PrefixCache,
-    PrefixEntry,
-    auto_max_bytes,
-)
+from k3jax.inference.prefix_admit import ChunkedAdmission
+from k3jax.inference.prefix_cache import DEFAULT_LONG_BLOCK, DEFAULT_THRESHOLD, PrefixCache, auto_max_bytes
 from k3jax.inference.slot_steps import (
     MAX_EOS_IDS,
     MAX_TOP_LOGPROBS,
     SlotState,
     admit_slots,
-    copy_page,
     decode_slots,
-    install_slots,
     intern_static,
 )
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, pages_per_sequence
@@ -124,7 +117,7 @@ class _Running:
     num_emitted: int = 0
 
 
-class Scheduler:
+class Scheduler(ChunkedAdmission):
     images: ImageEncoder | None = None  # the vision tower of image requests (`attach_vision`)
     """Continuous batching over `num_slots` decode slots of `max_len` tokens (prompt + generated) each.
 
@@ -134,12 +127,12 @@ class Scheduler:
     for the rest of the call). The jitted functions are module-level with the model's graphdef as a static
     argument, so schedulers of the same model and shapes share compilations (`slot_steps.TRACE_COUNTS` counts
     traces).
-    `prefix_block`: enables the prefix cache (`prefix_cache.PrefixCache`): prompts are then admitted one at a time,
-    prefilled in `prefix_block`-token chunks (a power of two >= 16); a snapshot is kept at every chunk end up to
-    `prefix_long_threshold` tokens and at multiples of `prefix_long_block` past it (None or 0: at every chunk end);
-    a hit shares the prefix's full latent pages. Snapshots take at most `prefix_bytes` bytes of device memory (None:
-    `prefix_cache.auto_max_bytes`, a share of the memory free once the decode cache is allocated) and, if set, at
-    most `prefix_capacity` entries; least recently used ones go first.
+    `prefix_block`: enables the prefix cache (`prefix_cache.PrefixCache`; `prefix_admit.ChunkedAdmission`): prompts
+    are then admitted one at a time, prefilled in `prefix_block`-token chunks (a power of two >= 16); a snapshot is
+    kept at every chunk end up to `prefix_long_threshold` tokens and at multiples of `prefix_long_block` past it
+    (None or 0: at every chunk end); a hit shares the prefix's full latent pages. Snapshots take at most
+    `prefix_bytes` bytes of device memory (None: `prefix_cache.auto_max_bytes`, a share of the memory free once the
+    decode cache is allocated) and, if set, at most `prefix_capacity` entries; least recently used ones go first.
     `page_size`: tokens per MLA latent page (default 64, capped at max_len; a multiple of the 64-token prefill chunk
     suits real models). `num_pages`: pages per MLA layer pool (default num_slots * ceil(max_len / page_size): every
     slot at full length; fewer pages hold less memory and make requests wait when their reservations do not fit).
@@ -547,64 +540,6 @@ class Scheduler:
             jnp.asarray(page_table_rows([pages], 1, self.pages_per_seq)), new, spec=self.model_spec,
             layout=self.layout, max_len=self.max_len, page_size=self.page_size,
             placeholder_id=self.images.placeholder_id, mesh=self._mesh)
-        return self._started([r], [slot], [pages], tok_n, done_n, lps)
-
-    def _admit_with_prefix(self, r: Request, slot: int) -> list[TokenEvent] | None:
-        """Prefill through the prefix cache: resume from the longest cached boundary (KDA states restored, full
-        latent pages shared, a partial last page copied), snapshot every new kept boundary. None: not enough free
-        pages (nothing changed; the request keeps waiting)."""
-        pc, ps, layout = self.prefix_cache, self.page_size, self.layout.value
-        ids = list(r.prompt_ids)
-        keys = pc.block_keys(self.images.key_ids(ids, r.images) if r.images else ids)  # images: by their pixels
-        pos, entry = pc.lookup(keys)
-        shared = list(entry.pages[:pos // ps]) if entry is not None else []
-        partial = entry.pages[pos // ps] if entry is not None and pos % ps else None
-        held = shared + ([partial] if partial is not None else [])
-        self.allocator.ref(held)  # before _allocate, which may evict the entry itself
-        own = self._allocate(self.pages_needed(r) - len(shared))
-        if own is None:
-            self.allocator.release(held)
-            return None
-        pages = shared + own
-        if partial is not None:  # the sharer writes the rest of this page: it gets its own copy
-            with sharded.context(self.mesh):
-                self._set_pools(copy_page(layout.split(self.cache)[1], jnp.int32(partial), jnp.int32(own[0]),
-                                           mesh=self._mesh))
-            self.page_copies += 1
-            self.allocator.release([partial])
-        pc.record(pos, len(ids))
-        tokens_md = self.images.encode(r.images) if r.images else None
-        chunk_images = dict(images=self.images, tokens_md=tokens_md, ids=ids)
-        start = entry.state if entry is not None else self._fresh1
-        table_1p = page_table_rows([pages], 1, self.pages_per_seq)
-        seq1 = layout.split(start._replace(page_table=jnp.asarray(table_1p)))[0]
-        end = pc.last_boundary(len(ids))
-        while pos < end:
-            chunk = np.asarray([ids[pos:pos + pc.block]], np.int32)
-            with sharded.context(self.mesh):
-                seq1, pools, _ = extend_chunk(self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk),
-                                              jnp.asarray([pc.block], jnp.int32), spec=self.model_spec,
-                                              layout=self.layout, mesh=self._mesh, start=pos, **chunk_images)
-            self._set_pools(pools)
-            pos += pc.block
-            if pc.keeps(pos):
-                entry_pages = tuple(pages[:-(-pos // ps)])
-                self.allocator.ref(entry_pages)
-                pc.store(keys[pos // pc.block - 1],
-                         PrefixEntry(layout.without_pools(layout.join(seq1, pools)), entry_pages))
-        rest = ids[pos:]
-        chunk = np.full((1, bucket(len(rest), MIN_PROMPT_BUCKET)), self.pad_id, np.int32)
-        chunk[0, :len(rest)] = rest
-        new, slot_n = self._new_fields([r], [slot], 1)
-        with sharded.context(self.mesh):
-            seq1, pools, logits_nv = extend_chunk(self.params, seq1, layout.split(self.cache)[1],
-                                                  jnp.asarray(chunk), jnp.asarray([len(rest)], jnp.int32),
-                                                  spec=self.model_spec, layout=self.layout, mesh=self._mesh,
-                                                  start=pos, **chunk_images)
-            self._set_pools(pools)
-            self.cache, self.state, tok_n, done_n, lps = install_slots(
-                self.cache, self.state, seq1, logits_nv, jnp.asarray(slot_n), new, layout=self.layout,
-                greedy_only=False, mesh=self._mesh)
         return self._started([r], [slot], [pages], tok_n, done_n, lps)
 
     def _decode_running(self) -> list[TokenEvent]:

@@ -23,8 +23,14 @@ target's (`sharded.place_draft_params`), its per-slot state over the slots' batc
 replicated (`sharded.slot_axis_shardings`); drafting, verification and rollback run under the mesh in the same
 jitted step, so the greedy tokens equal the one-device ones.
 
-Not yet: requests admitted through the prefix cache or with images are prefilled by `Scheduler`'s own paths, which
-do not let the draft observe the prompt (weaker drafts for those requests, same output).
+Requests admitted through the prefix cache (`prefix_admit.ChunkedAdmission`) or with images go through the chunked
+path, whose steps let the draft observe every chunk (`spec_slots.spec_extend` returns the target's features of the
+chunk, `spec_observe` writes the draft's rows). On a hit the rows of the cached prefix are the ones its first
+prompt's draft wrote (same tokens, same rows) but the row of the prefix's last position depends on the token after
+it: the snapshot keeps the target's features of that position (`PrefixEntry.extra`), the hit copies the page
+holding it (`prefix_private_tail`) and the draft rewrites the row with this prompt's next token. Image tokens enter
+the draft as the target's features of their positions; the draft's own next-token embedding of a placeholder is
+the placeholder id's (a weaker draft there, never a wrong output).
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ from k3jax.inference.cache import page_table_rows
 from k3jax.inference.drafts import Draft, MTPDraft
 from k3jax.inference.eagle3_draft import Eagle3Draft
 from k3jax.inference.engine import bucket
+from k3jax.inference.prefix_admit import PromptAdmission
 from k3jax.inference.scheduler import Request, Scheduler, TokenEvent
-from k3jax.inference.spec_slots import spec_admit_slots, spec_decode_slots
+from k3jax.inference.spec_slots import copy_draft_page, spec_admit_slots, spec_decode_slots, spec_extend, spec_observe
 from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 
@@ -167,6 +174,73 @@ class SpeculativeScheduler(Scheduler):
                 new, spec=self.model_spec, draft=self.draft, layout=self.layout, max_len=self.max_len,
                 page_size=self.page_size, mesh=self._mesh)
         return self._started(batch, slots, pages, tok_n, done_n, lps)
+
+    # ---------------------------------------------------------- chunked admission (prefix cache, images)
+
+    @property
+    def prefix_private_tail(self) -> int:
+        """A hit copies the page of the position before its boundary: the draft rewrites its row there (an MTP row
+        depends on the token after it, which the sharers need not have in common)."""
+        return 1 if self.draft.slot_axes() else 0
+
+    def _admit_images(self, r: Request, slot: int) -> list[TokenEvent] | None:
+        """Image requests without the prefix cache: the chunked path in one chunk, so the draft observes them."""
+        if not self.draft.slot_axes():
+            return super()._admit_images(r, slot)
+        return self._admit_with_prefix(r, slot)
+
+    def _copy_pool_page(self, src: int, dst: int) -> None:
+        super()._copy_pool_page(src, dst)
+        if self.draft.slot_axes():
+            with sharded.context(self.mesh):
+                self.draft_state = copy_draft_page(self.draft_state, jnp.int32(src), jnp.int32(dst),
+                                                   axes=self.draft.slot_axes(), mesh=self._mesh)
+
+    def _resume_prefix(self, adm: PromptAdmission, entry, pos: int) -> None:
+        """The draft's row of the hit's last cached position, from the target's features kept with the snapshot
+        and this prompt's next token (the rows before it are the cached prompt's own, identical)."""
+        if self.draft.slot_axes() and entry.extra is not None:
+            self._observe_prompt(adm, entry.extra, np.asarray([[adm.ids[pos]]], np.int32), None, pos - 1, 1)
+
+    def _extend_prompt(self, adm: PromptAdmission, seq1, chunk_1t: np.ndarray, length: int, pos: int):
+        """The chunk through `spec_extend`; the draft observes it now (its next tokens are the prompt's) or, for
+        the prompt's last chunk, after the first token is sampled (`_install_prompt`). A snapshot keeps the
+        features of the chunk's last position (`_resume_prefix`)."""
+        if not self.draft.slot_axes():
+            return super()._extend_prompt(adm, seq1, chunk_1t, length, pos)
+        layout = self.layout.value
+        rows_md = (None if adm.tokens_md is None
+                   else self.images.chunk_rows(adm.tokens_md, adm.ids, pos, chunk_1t.shape[1]))
+        with sharded.context(self.mesh):
+            seq1, pools, logits_nv, feats_1t = spec_extend(
+                self.params, seq1, layout.split(self.cache)[1], jnp.asarray(chunk_1t), rows_md,
+                jnp.asarray([length], jnp.int32), spec=self.model_spec, draft=self.draft, layout=self.layout,
+                placeholder_id=-1 if rows_md is None else self.images.placeholder_id, mesh=self._mesh)
+        self._set_pools(pools)
+        next_1t = np.zeros(chunk_1t.shape, np.int32)
+        next_1t[0, :len(adm.ids[pos + 1:pos + length + 1])] = adm.ids[pos + 1:pos + length + 1]
+        if pos + length < len(adm.ids):
+            self._observe_prompt(adm, feats_1t, next_1t, None, pos, length)
+        else:
+            adm.feats = (feats_1t, next_1t)
+        return seq1, logits_nv, feats_1t[:, length - 1:length]
+
+    def _install_prompt(self, adm: PromptAdmission, seq1, logits_nv, pos: int, length: int):
+        tok_n, done_n, lps = super()._install_prompt(adm, seq1, logits_nv, pos, length)
+        if adm.feats is not None:
+            self._observe_prompt(adm, *adm.feats, tok_n, pos, length)
+        return tok_n, done_n, lps
+
+    def _observe_prompt(self, adm: PromptAdmission, feats_1t, next_1t: np.ndarray, last_1, pos: int, length: int):
+        """`spec_observe` of positions pos..pos + length - 1 of the admitted prompt (last_1: the first sampled
+        token, the one after the prompt's end, or None)."""
+        last_1 = jnp.full((1,), -1, jnp.int32) if last_1 is None else last_1
+        with sharded.context(self.mesh):
+            self.draft_state = spec_observe(
+                self.params, self.draft_params, self.draft_state, feats_1t, jnp.asarray(next_1t), last_1,
+                jnp.asarray([pos], jnp.int32), jnp.asarray([length], jnp.int32), jnp.asarray([adm.slot], jnp.int32),
+                jnp.asarray(adm.table_1p), spec=self.model_spec, draft=self.draft, num_slots=self.num_slots,
+                mesh=self._mesh)
 
     def _decode_running(self) -> list[TokenEvent]:
         if not self.speculating:

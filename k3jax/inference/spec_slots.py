@@ -28,15 +28,18 @@ from k3jax.inference.drafts import Draft, DraftContext
 from k3jax.inference.slot_steps import TRACE_COUNTS, SlotState, _install_impl, _pinned, merge_model
 from k3jax.inference.speculative import accept, commit
 from k3jax.model import NO_PAGE, init_cache
+from k3jax.vision import merge_image_tokens
 
 
-def target_forward(model, draft: Draft, ids_bt, cache, valid_b):
+def target_forward(model, draft: Draft, ids_bt, cache, valid_b, embeds_btd=None):
     """(hidden states, new cache, what the draft observes of them): the final hidden states, or for a draft with
-    `uses_blocks` (EAGLE-3) its `target_features` of the AttnRes block outputs."""
+    `uses_blocks` (EAGLE-3) its `target_features` of the AttnRes block outputs. `embeds_btd`: the input embeddings
+    instead of ids_bt's (image tokens merged)."""
+    embeds_btd = model.embed(ids_bt) if embeds_btd is None else embeds_btd
     if getattr(draft, "uses_blocks", False):
-        h_btd, cache, blocks = model.hidden_states_cached_and_blocks(ids_bt, cache, valid_b)
+        h_btd, cache, blocks = model.hidden_states_cached_and_blocks_from_embeddings(embeds_btd, cache, valid_b)
         return h_btd, cache, draft.target_features(h_btd, blocks)
-    h_btd, cache = model.hidden_states_cached(ids_bt, cache, valid_b)
+    h_btd, cache = model.hidden_states_cached_from_embeddings(embeds_btd, cache, valid_b)
     return h_btd, cache, h_btd
 
 
@@ -80,6 +83,49 @@ def spec_admit_slots(params, draft_params, cache, state: SlotState, dstate, ids_
     rows = draft.observe(draft_params, rows, model, feats_nt, next_nt, jnp.zeros((n,), jnp.int32), lens_n, table_np)
     dstate = sharded.constrain_slot_axes(scatter_rows(dstate, rows, axes, slot_n), axes, mesh.value)
     return (*_pinned(cache, state, mesh), dstate, tok_n, done_n, lps)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "draft", "layout", "placeholder_id", "mesh"),
+                   donate_argnums=(2,))
+def spec_extend(params, seq_n, pools, ids_nt, rows_md, lens_n, *, spec, draft: Draft, layout, placeholder_id, mesh):
+    """`slot_steps.extend_sequences` (with image tokens when rows_md is not None: `image_slots.extend_with_images`)
+    that also returns what the draft observes of the chunk. Returns (seq_n, pools, last-token logits, features)."""
+    TRACE_COUNTS["spec_extend"] += 1
+    model = merge_model(spec, params)
+    layout = layout.value
+    embeds_ntd = model.embed(ids_nt)
+    if rows_md is not None:
+        embeds_ntd = merge_image_tokens(embeds_ntd, ids_nt, rows_md, placeholder_id=placeholder_id)
+    h_ntd, cache_n, feats_nt = target_forward(model, draft, ids_nt, layout.join(seq_n, pools), lens_n, embeds_ntd)
+    logits_nv = model.logits(jnp.take_along_axis(h_ntd, (lens_n - 1)[:, None, None], axis=1))[:, 0]
+    return (*layout.split(sharded.constrain_cache(cache_n, mesh.value)), logits_nv, feats_nt)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "draft", "num_slots", "mesh"), donate_argnums=(2,))
+def spec_observe(params, draft_params, dstate, feats_nt, next_nt, last_n, start_n, valid_n, slot_n, table_np, *,
+                 spec, draft: Draft, num_slots, mesh):
+    """The draft of slots slot_n observes positions start_n + t (t < valid_n) with the target's features feats_nt
+    and the tokens after them next_nt, whose entry at valid_n - 1 is replaced by last_n where last_n >= 0 (the
+    first token sampled after a prompt's end). Returns the draft state."""
+    TRACE_COUNTS["spec_observe"] += 1
+    model = merge_model(spec, params)
+    rows_n = jnp.arange(next_nt.shape[0])
+    end_n = jnp.maximum(valid_n - 1, 0)
+    next_nt = next_nt.at[rows_n, end_n].set(jnp.where(last_n >= 0, last_n, next_nt[rows_n, end_n]))
+    axes = draft.slot_axes()
+    rows = gather_rows(dstate, axes, slot_n, num_slots)
+    rows = draft.observe(draft_params, rows, model, feats_nt, next_nt, start_n, valid_n, table_np)
+    return sharded.constrain_slot_axes(scatter_rows(dstate, rows, axes, slot_n), axes, mesh.value)
+
+
+@functools.partial(jax.jit, static_argnames=("axes", "mesh"), donate_argnums=(0,))
+def copy_draft_page(dstate, src, dst, *, axes, mesh):
+    """The draft state with page dst of every SHARED leaf (a page pool [..., num_pages, page_size, C], like the
+    target's MLA pools) overwritten by page src."""
+    TRACE_COUNTS["copy_draft_page"] += 1
+    leaves, treedef = jax.tree.flatten(dstate)
+    leaves = [x.at[..., dst, :, :].set(x[..., src, :, :]) if a == SHARED else x for x, a in zip(leaves, axes)]
+    return sharded.constrain_slot_axes(jax.tree.unflatten(treedef, leaves), axes, mesh.value)
 
 
 @functools.partial(jax.jit, static_argnames=("spec", "draft", "greedy_only", "mesh"), donate_argnums=(2, 3, 4))
