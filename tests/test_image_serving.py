@@ -18,6 +18,8 @@ from k3jax.inference.chat import load_chat_template
 from k3jax.inference.images import DATA_URL_ONLY, decode_data_url, npy_data_url, prepare_image
 from k3jax.inference.openai_api import parse_chat
 from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.slot_steps import TRACE_COUNTS
+from k3jax.inference.warmup import image_plan, run_image_plan, warm_up, warm_up_image
 from k3jax.vision import K3VisionLanguageModel, VisionConfig
 from tests.test_inference_cache import tiny_model
 from tests.test_multimodal_model import TINY_VISION, _random_vision
@@ -167,3 +169,45 @@ def test_data_urls_decode_npy_and_refuse_other_schemes_and_types():
             decode_data_url(url)
     a, b = prepare_image(image, TINY_VISION_CFG), prepare_image(image.copy(), TINY_VISION_CFG)
     assert a.digest == b.digest != prepare_image(_image(4), TINY_VISION_CFG).digest
+
+
+def test_image_warm_up_compiles_the_tower_and_its_prefill(image_scheduler):
+    """Warm-up's image part (`image_plan` + `run_image_plan`, as `warm_up(every_bucket=False)` runs it): the tower
+    and the prefill of the warm-up image (1024 px halved until it fits: 16 px, 8 x 8 patches here); that request
+    then compiles nothing. The full plan puts the warm-up image in a prompt of every length bucket."""
+    logs: list[str] = []
+    run_image_plan(image_scheduler, image_plan(image_scheduler, every_bucket=False), logs.append)
+    image = warm_up_image(image_scheduler)
+    assert image.grid == (1, 8, 8) and image.num_tokens == 16
+    assert len(logs) == 1 and logs[0].startswith(
+        "warm-up 1/1: vision tower for a 8 x 8-patch image (16 tokens) and its prefill compiled")
+    traces = dict(TRACE_COUNTS)
+    image_scheduler.generate([Request("r", [PLACEHOLDER] * 16, 1, eos_ids=[], images=(image,))])  # decode: text's
+    assert dict(TRACE_COUNTS) == traces, "the warm-up image compiled a program after warm-up"
+    plan = image_plan(image_scheduler, every_bucket=True)
+    assert [(len(ids), im.num_tokens, ids.count(PLACEHOLDER)) for _, ids, im in plan] == [
+        (16, 16, 16), (16, 16, 16), (17, 16, 16), (33, 16, 16)]  # buckets 16, 32, 64 of max_len 64
+
+
+@pytest.mark.slow  # ~70 s: every prefill bucket, text and image; the test above checks the image part by default
+def test_warm_up_compiles_the_image_path(vlm, image_scheduler):
+    """After `warm_up` on a server with a vision tower, an image of the warm-up size compiles nothing in a prompt of
+    any length bucket (tower, image prefill, decode), and the image prefill of another size compiles only the tower
+    for its grid. The first request after warm-up gives the multimodal model's own tokens."""
+    text, vision, model = vlm
+    logs: list[str] = []
+    warm_up(image_scheduler, logs.append)
+    image = warm_up_image(image_scheduler)
+    assert image.grid == (1, 8, 8) and image.num_tokens == 16  # 1024 px halved to 16 px: 16 tokens < max_len 64
+    assert any("vision tower for a 8 x 8-patch image (16 tokens)" in m for m in logs)
+    assert sum("image prefill of" in m for m in logs) == 3  # prompt buckets 16, 32, 64
+    traces = dict(TRACE_COUNTS)
+    requests = [Request(f"r{n}", [1] * n + [PLACEHOLDER] * 16, 3, eos_ids=[], images=(image,)) for n in (0, 5, 30)]
+    got = image_scheduler.generate(requests)
+    assert dict(TRACE_COUNTS) == traces, "an image request compiled a program after warm-up"
+    assert got["r5"][0] == direct_greedy(model, [1] * 5 + [PLACEHOLDER] * 16, np.zeros((16, 16, 3), np.uint8), 3)
+    other = prepare_image(_image(5), vision.cfg)  # another grid: only the tower compiles
+    image_scheduler.generate([Request("o", [1] * 3 + [PLACEHOLDER] * other.num_tokens, 2, eos_ids=[],
+                                      images=(other,))])
+    assert {k: v - traces.get(k, 0) for k, v in TRACE_COUNTS.items() if v != traces.get(k, 0)} == {
+        "vision_encode": 1}
