@@ -179,8 +179,9 @@ _SPECULATIVE = flags.DEFINE_enum("speculative", None, list(DRAFT_KINDS), "Decode
                                  "mtp (the model's MTP layer) or eagle3; greedy output is unchanged, sampled output "
                                  "keeps the model's distribution (docs/serving.md#speculative-decoding).")
 _NUM_DRAFT = flags.DEFINE_integer("num_draft_tokens", 3, "With --speculative: tokens drafted per step (>= 1).")
-_DRAFT = flags.DEFINE_string("draft", None, "With --speculative: the draft's weights, an HF directory (mtp: the "
-                             "DeepSeek-style model.layers.{N}.* MTP tensors); default: --hf_dir; neither: random.")
+_DRAFT = flags.DEFINE_string("draft", None, "With --speculative: the draft's weights (mtp: an HF directory with the "
+                             "DeepSeek-style model.layers.{N}.* MTP tensors, or a k3jax checkpoint with an MTP "
+                             "layer); default: --hf_dir / --checkpoint; none given: random.")
 _SPEC_MAX_BATCH = flags.DEFINE_integer("speculative_max_batch", DEFAULT_MAX_SPEC_BATCH, "Server mode with "
                                        "--speculative: a step with more running sequences than this decodes "
                                        "plainly (verifying k+1 tokens per sequence stops paying at large batches); "
@@ -259,7 +260,8 @@ def _check_speculative_flags() -> None:
 
 
 def _draft(model, log):
-    return make_draft(_SPECULATIVE.value, _NUM_DRAFT.value, model, _DRAFT.value or _HF_DIR.value, log, _SEED.value)
+    path = _DRAFT.value or _HF_DIR.value or _CHECKPOINT.value
+    return make_draft(_SPECULATIVE.value, _NUM_DRAFT.value, model, path, log, _SEED.value)
 
 
 def _scheduler_class(model, mesh, log):

@@ -34,9 +34,7 @@ from k3jax.config import ConfigError, ModelConfig, RuntimeConfig
 from k3jax.convert.checkpoint import (
     NonFiniteError,
     abstract_model,
-    checkpoint_values,
     convert_item,
-    hf_values,
     make_plan,
     open_hf,
     read_manifest,
@@ -44,6 +42,7 @@ from k3jax.convert.checkpoint import (
 )
 from k3jax.convert.checkpoint import save_checkpoint as _save_converted
 from k3jax.convert.safetensors_io import CheckpointError
+from k3jax.convert.values import checkpoint_values, hf_values
 from k3jax.convert.vision_load import load_vision_checkpoint
 from k3jax.data.tokenizer import load_tokenizer as _load_tokenizer
 from k3jax.ops.gmm import MXFP4Experts
@@ -298,14 +297,16 @@ def _host_quantizer():
     return jax.jit(lambda w: tuple(MXFP4Experts.quantize(w)))
 
 
-def save_checkpoint(model, out: str, overwrite: bool = False) -> str:
-    """Writes `model` as a k3jax Orbax checkpoint (convertible to HF with `python -m k3jax.convert --to_hf`)."""
+def save_checkpoint(model, out: str, overwrite: bool = False, mtp=None) -> str:
+    """Writes `model` as a k3jax Orbax checkpoint (convertible to HF with `python -m k3jax.convert --to_hf`);
+    `mtp` (a `k3jax.mtp.MTPLayer`, e.g. the one train.py trains): also its `mtp` item (`--to_hf` writes it under
+    DeepSeek-style names; `serve.py --speculative=mtp` drafts with it)."""
     if model.cfg.runtime.expert_weights != "bf16":
         raise ConfigError(f"save_checkpoint writes parameter (bf16/f32) experts; this model holds them as "
                           f"{model.cfg.runtime.expert_weights!r} (inference-only). Keep MXFP4 experts in a "
                           f"checkpoint by converting the HF release with `python -m k3jax.convert --experts mxfp4`")
 
-    return _save_converted(model, out, overwrite=overwrite)
+    return _save_converted(model, out, overwrite=overwrite, mtp=mtp)
 
 
 def load_vision_language_model(path: str, dtype=None, overrides=(), mesh=None, expert_weights: str | None = None,

@@ -32,7 +32,7 @@ import os
 import re
 import shutil
 from collections import OrderedDict
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 from flax import nnx
@@ -43,6 +43,7 @@ from k3jax.config import ConfigError, ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert.hf_config import check_config, config_from_hf, is_k3_format
 from k3jax.convert.hf_names import _to_ours, param_entries
+from k3jax.convert.mtp_names import MTP_ITEM, export_mtp_hf_weights, hf_mtp_tensors, mtp_prefix
 from k3jax.convert.safetensors_io import (
     DTYPES,
     CheckpointError,
@@ -307,7 +308,8 @@ def open_hf(hf_dir: str, *, config: ModelConfig | str | None = None, dtype: str 
                     a_log_infos.append(info)
                 continue
             _check(info, want, bad, cfg)
-    unexpected = sorted(k for k in tensors if k not in used and not k.startswith(IGNORED_PREFIXES))
+    known = IGNORED_PREFIXES + (prefix + mtp_prefix(cfg),)  # the MTP layer: its own item (hf_to_orbax)
+    unexpected = sorted(k for k in tensors if k not in used and not k.startswith(known))
     problems = []
     if missing:
         problems.append(f"{len(missing)} missing tensor(s): {_few(missing)}")
@@ -400,6 +402,14 @@ def _save_item(path: str, arrays: dict[str, np.ndarray]) -> None:
     ocp.PyTreeCheckpointer().save(path, dict(arrays))
 
 
+def _save_mtp(tmp: str, arrays: dict[str, np.ndarray]) -> dict | None:
+    """The MTP layer's HF-named arrays as the `mtp` item; its manifest entry (None, nothing written, without)."""
+    if not arrays:
+        return None
+    _save_item(os.path.join(tmp, "params", MTP_ITEM), arrays)
+    return {"arrays": _item_meta(arrays), "hash": item_hash(arrays)}
+
+
 def restore_item(path: str, expected_hash: str | None = None) -> dict[str, np.ndarray]:
     """One checkpoint item (`OUT/params/<item>`) as host arrays, keyed by local parameter name; checked against
     `expected_hash` (the manifest's, `item_hash`) when given."""
@@ -455,12 +465,14 @@ def hf_to_orbax(hf_dir: str, out: str, *, config: ModelConfig | str | None = Non
             vision = {"config": vision_src.cfg.to_dict(), "arrays": _item_meta(arrays), "hash": item_hash(arrays)}
             if log:
                 log(f"{VISION_ITEM}: {len(arrays)} tensors")
+        mtp = _save_mtp(tmp, {k: read_tensor(v) for k, v in hf_mtp_tensors(index_directory(hf_dir), src.plan.cfg,
+                                                                             src.prefix).items()})
         with open(os.path.join(tmp, "hf_config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
         _copy_tokenizer(hf_dir, os.path.join(tmp, "tokenizer"))
         _write_meta(tmp, src.plan.cfg, items, hashes, kept, {
             "prefix": src.prefix, "a_log_shape": list(src.a_log_shape) if src.a_log_shape else None,
-            "source_experts": src.experts, "dropped_vision_tensors": len(dropped), "vision": vision})
+            "source_experts": src.experts, "dropped_vision_tensors": len(dropped), "vision": vision, "mtp": mtp})
     return atomic.out
 
 
@@ -482,10 +494,11 @@ def _write_meta(tmp: str, cfg: ModelConfig, items, hashes, experts: str, hf: dic
 
 
 def save_checkpoint(model, out: str, *, overwrite: bool = False, vision=None,
-                    placeholder_id: int | None = None) -> str:
+                    placeholder_id: int | None = None, mtp=None) -> str:
     """Writes a live K3Model as a k3jax Orbax checkpoint (same layout as `hf_to_orbax`, one item at a time).
     `vision` (a `VisionModel`): also its `vision` item, described by manifest["hf"]["vision"], with the image
-    placeholder id as manifest["hf"]["media_placeholder_token_id"]."""
+    placeholder id as manifest["hf"]["media_placeholder_token_id"]. `mtp` (a `k3jax.mtp.MTPLayer`): also its
+    `mtp` item (`mtp_names.MTP_ITEM`), described by manifest["hf"]["mtp"]."""
     cfg = model.cfg
     plan = make_plan(cfg)
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(model, nnx.Variable))}
@@ -506,6 +519,7 @@ def save_checkpoint(model, out: str, *, overwrite: bool = False, vision=None,
             _save_item(os.path.join(tmp, "params", VISION_ITEM), arrays)
             hf.update(vision={"config": vision.cfg.to_dict(), "arrays": _item_meta(arrays),
                               "hash": item_hash(arrays)}, media_placeholder_token_id=placeholder_id)
+        hf["mtp"] = _save_mtp(tmp, export_mtp_hf_weights(mtp) if mtp is not None else {})
         _write_meta(tmp, cfg, items, hashes, "dense", hf)
     return os.path.abspath(out)
 
@@ -555,48 +569,3 @@ def _decode_stack(packed: np.ndarray, scale: np.ndarray, dtype) -> np.ndarray:
     for e in range(e_count):
         res[e] = mxfp4.decode(packed[e], scale[e], dtype).T
     return res
-
-
-def checkpoint_values(ckpt: str, dtype: str | None = None,
-                      adjust: Callable[[ModelConfig], ModelConfig] | None = None) -> tuple[Plan, Iterator]:
-    """The plan of a checkpoint and an iterator of `(slot, value)` over every per-layer tensor, one item (layer)
-    in host memory at a time; MXFP4 items decoded. `adjust` may change runtime config fields (e.g. scan_layers)
-    before the parameter tree is planned."""
-    manifest, cfg = read_manifest(ckpt)
-    dtype = dtype_from_flag(dtype)
-    if dtype is not None:
-        cfg = cfg.replace(param_dtype=dtype, dtype=dtype)
-    if adjust is not None:
-        cfg = adjust(cfg)
-    plan = make_plan(cfg)
-    if set(plan.items) != set(manifest["items"]):
-        raise CheckpointError(f"{ckpt}: items {sorted(set(manifest['items']) ^ set(plan.items))[:5]} do not fit "
-                              f"its config.json")
-
-    def values():
-        for name, slots in plan.items.items():
-            item = restore_item(os.path.join(ckpt, "params", name), manifest.get("hashes", {}).get(name))
-            for slot in slots:
-                if slot.local + ".packed" in item:
-                    value = _decode_stack(item[slot.local + ".packed"], item[slot.local + ".scale"], slot.dtype)
-                else:
-                    value = item[slot.local]
-                if tuple(value.shape) != tuple(slot.shape):
-                    raise CheckpointError(f"{ckpt}: {name}/{slot.local} has shape {list(value.shape)}; expected "
-                                          f"{list(slot.shape)}")
-                yield slot, value
-            del item
-
-    return plan, values()
-
-
-def hf_values(src: Source) -> Iterator:
-    """`(slot, value)` over every per-layer tensor of an opened HF directory, one layer in memory at a time."""
-    for slots in src.plan.items.values():
-        item = convert_item(src, slots, "bf16")
-        for slot in slots:
-            yield slot, item.pop(slot.local)
-        del item
-
-
-# ------------------------------------------------------------------------------------------------ ours -> HF

@@ -10,6 +10,10 @@
 DeepSeek-V3 projects cat([enorm(Emb(t_{i+1})), hnorm(h_i)]) (embedding FIRST); `MTPLayer` concatenates [h; emb], so
 `eh_proj`'s two input halves swap on the way out and back. The block's tensors use the main model's tables and
 layout changes (`hf_names`). Loading ignores the shared copies (the MTP layer uses the target's).
+
+In a k3jax checkpoint the layer is the item `params/mtp` (MTP_ITEM: these HF-named arrays in HF layout, without the
+shared copies; described by manifest["hf"]["mtp"]); `--to_hf` writes it back under these names (after the release
+prefix of K3-format checkpoints) and conversion from HF keeps it (`hf_mtp_tensors`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from flax import nnx
 
 from k3jax.convert.hf_names import _DENSE_TABLE, _LAYER_TABLE, _MOE_TABLE, MissingTensorError, _to_hf, _to_ours
 from k3jax.mtp import MTPLayer
+
+MTP_ITEM = "mtp"  # the checkpoint item holding the MTP layer
+SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek's copies of the shared tensors
 
 _MTP_TABLE = {
     "hidden_norm.weight": ("hnorm.weight", "vector"),
@@ -105,3 +112,23 @@ def load_mtp_hf_weights(mtp: MTPLayer, weights: Mapping[str, np.ndarray] | Calla
         var = flat[path]
         var.set_value(arr.astype(var.get_value().dtype))
     nnx.update(mtp, state)
+
+
+def hf_mtp_tensors(tensors: Mapping, cfg, prefix: str = "") -> dict:
+    """The MTP layer's entries of an HF tensor index ({name: info}) under `prefix` (the release prefix), keyed by
+    their names without it; the shared copies are left out (the MTP layer uses the target's)."""
+    start = prefix + mtp_prefix(cfg)
+    return {k[len(prefix):]: v for k, v in tensors.items()
+            if k.startswith(start) and k[len(start):] not in SHARED_COPIES}
+
+
+def mtp_hf_dtypes(cfg) -> dict[str, np.dtype]:
+    """{HF name: dtype} of an MTP layer built with `cfg` (its param_dtype, except the tensors a model keeps in f32)."""
+    mtp = nnx.eval_shape(lambda: MTPLayer(cfg, rngs=nnx.Rngs(0)))
+    flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(nnx.state(mtp, nnx.Variable))}
+    out = {}
+    for path, name, kind, _ in mtp_entries(mtp):
+        dtype = np.dtype(flat[path].get_value().dtype)
+        for e in range(cfg.num_experts) if kind == "experts" else (None,):
+            out[name if e is None else name.format(e=e)] = dtype
+    return out

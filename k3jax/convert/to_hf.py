@@ -1,5 +1,7 @@
 """k3jax Orbax checkpoint -> HF safetensors (`python -m k3jax.convert --to_hf`): release names and dtypes, MXFP4
-experts packed or dense, the vision part written back bit-exactly, one item in memory at a time, atomic output.
+experts packed or dense, the vision part written back bit-exactly, the MTP layer (a checkpoint's `mtp` item) under
+DeepSeek-style `model.layers.{num_hidden_layers}.*` names (`k3jax.convert.mtp_names`; its experts dense, without
+DeepSeek's copies of the embedding and head), one item in memory at a time, atomic output.
 The HF -> Orbax direction and the checkpoint layout are in `k3jax.convert.checkpoint`."""
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from k3jax.convert.checkpoint import (
 )
 from k3jax.convert.hf_config import config_to_hf
 from k3jax.convert.hf_names import _to_hf
+from k3jax.convert.mtp_names import MTP_ITEM, mtp_hf_dtypes
 from k3jax.convert.safetensors_io import DTYPES, plan_shards, write_shard
 from k3jax.convert.vision import VISION_ITEM, text_only_hf_config, vision_item_to_release
 from k3jax.ops import mx_quant
@@ -101,6 +104,15 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             else:
                 entries.append((slot.hf_name, dt, hf_shape(slot), name, (slot.local, None, slot.kind)))
 
+    mtp = hf.get("mtp")
+    if mtp:  # the MTP layer's HF-named arrays, in the dtypes a model of the output dtype holds
+        mtp_dtypes = mtp_hf_dtypes(cfg.replace(param_dtype=out_dtype)) if out_dtype else {}
+        for name, (dt, shape) in mtp["arrays"].items():
+            dt = str(mtp_dtypes.get(name, dt))
+            dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
+            entries.append((name, dt, tuple(shape), MTP_ITEM, (name, None, "mtp")))
+    hashes = dict(manifest.get("hashes", {}), **({MTP_ITEM: mtp["hash"]} if mtp else {}))
+
     vision = hf.get("vision")
     vision_arrays = {} if not vision else vision_item_to_release(
         restore_item(os.path.join(ckpt, "params", VISION_ITEM), vision.get("hash")),
@@ -116,8 +128,7 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         hf_name, dt, shape, item_name, (key, e, how) = by_name[full_name]
         if cache["name"] != item_name:
             cache["item"], cache["name"] = None, None
-            cache["item"] = restore_item(os.path.join(ckpt, "params", item_name),
-                                         manifest.get("hashes", {}).get(item_name))
+            cache["item"] = restore_item(os.path.join(ckpt, "params", item_name), hashes.get(item_name))
             cache["name"] = item_name
         item = cache["item"]
         if how in ("packed", "scale"):  # MXFP4 of the stored values, before any cast: the QAT forward's codes
@@ -131,6 +142,8 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
         if how == "raw":
             return arr[e]
         arr = arr.astype(dt) if arr.dtype != dt else arr
+        if how == "mtp":  # stored in HF layout
+            return arr
         if how == "expert":
             return np.ascontiguousarray(arr[e].T)
         if how == "a_log":

@@ -45,8 +45,7 @@ import numpy as np
 from flax import nnx
 
 from k3jax.convert.hf_names import MissingTensorError
-from k3jax.convert.mtp_names import load_mtp_hf_weights
-from k3jax.convert.safetensors_io import index_directory, read_tensor
+from k3jax.convert.mtp_load import load_mtp_weights
 from k3jax.eagle3 import load_eagle3
 from k3jax.inference import sharded
 from k3jax.inference.cache import page_table_rows
@@ -71,9 +70,10 @@ def check_draft_kind(kind: str) -> None:
 def make_draft(kind: str, num_tokens: int, model: K3Model, path: str | None, log: Callable[[str], None],
                seed: int = 0) -> Draft:
     """The serving draft `kind` ("mtp" or "eagle3") proposing `num_tokens` per step, for `model`.
-    mtp: the MTP layer with the weights of the HF directory `path` (DeepSeek-style `model.layers.{N}.*` names,
-    `k3jax.convert.mtp_names`); no path: randomly initialised (a warning: near-zero acceptance, output still
-    exact). eagle3: the draft saved in `path` (`k3jax.eagle3.save_eagle3`, trained for this target)."""
+    mtp: the MTP layer with the weights of `path`: a k3jax checkpoint's `mtp` item or an HF directory's
+    DeepSeek-style `model.layers.{N}.*` tensors (`k3jax.convert.mtp_load`); no path: randomly initialised (a
+    warning: near-zero acceptance, output still exact). eagle3: the draft saved in `path`
+    (`k3jax.eagle3.save_eagle3`, trained for this target)."""
     check_draft_kind(kind)
     if kind == "eagle3":
         if path is None:
@@ -83,22 +83,14 @@ def make_draft(kind: str, num_tokens: int, model: K3Model, path: str | None, log
         return draft
     mtp = MTPLayer(model.cfg, rngs=nnx.Rngs(seed))
     if path is None:
-        log("WARNING: --speculative=mtp without --draft or --hf_dir: the MTP draft is RANDOMLY INITIALISED "
-            "(drafts are rarely accepted; the output is still exactly the model's)")
+        log("WARNING: --speculative=mtp without --draft, --hf_dir or --checkpoint: the MTP draft is RANDOMLY "
+            "INITIALISED (drafts are rarely accepted; the output is still exactly the model's)")
     else:
         if not os.path.isdir(path):
-            raise ValueError(f"draft {path!r} is not a directory (expected an HF directory with the MTP layer's "
-                             "safetensors)")
-        index = index_directory(path)
-
-        def get(name):
-            if name not in index:
-                raise MissingTensorError(f"{path}: no MTP tensor {name!r} (DeepSeek-style MTP names, "
-                                         "model.layers.{num_hidden_layers}.*)")
-            return read_tensor(index[name])
-
+            raise ValueError(f"draft {path!r} is not a directory (expected a k3jax checkpoint with an MTP layer or "
+                             "an HF directory with the MTP layer's safetensors)")
         try:
-            load_mtp_hf_weights(mtp, get)
+            load_mtp_weights(mtp, path)
         except MissingTensorError as e:
             raise ValueError(e.args[0]) from None
         log(f"MTP draft loaded from {path}")
