@@ -86,6 +86,23 @@ def test_image_and_text_logits_float64_match_numpy_reference(x64, variant):
     assert np.abs(text_only - want).max() > 1e-3 * np.abs(want).max()
 
 
+def test_video_chunks_float64_match_numpy_reference_pooling(x64):
+    """Video chunks of 4, 3 and 2 frames packed with an image through the K3 tower in float64 against the NumPy
+    reference (time sinusoid per frame, attention across a chunk's frames, each merged block averaged over them);
+    the frames matter (pooling one frame differs)."""
+    vcfg = VisionConfig(**TINY_VISION, text_hidden_size=24, init_pos_emb_time=4)
+    vision, w = _random_vision(vcfg, jnp.float64, seed=2)
+    grids = [(4, 2, 4), (1, 4, 2), (3, 2, 2), (2, 4, 4)]
+    n = sum(t * h * wd for t, h, wd in grids)
+    pixels = np.random.RandomState(3).uniform(-1, 1, (n, 3, 2, 2))
+    got = np.asarray(nnx.jit(lambda m, p: m.encode(p, grids))(vision, jnp.asarray(pixels)))
+    want = vref.encode(w, vcfg, pixels, grids)
+    assert got.shape == want.shape == (2 + 2 + 1 + 4, 24)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-10 * np.abs(want).max())
+    first = vref.encode(w, vcfg, pixels[:8], [(1, 2, 4)])  # the first frame alone
+    assert np.abs(first - want[:2]).max() > 1e-3 * np.abs(want).max()
+
+
 def test_chunked_cached_prefill_with_images_equals_full_forward_and_counts_are_checked(x64):
     cfg = configs.get_config("tiny", TEXT + ["param_dtype=float64", "dtype=float64"])
     placeholder = cfg.vocab_size - 1

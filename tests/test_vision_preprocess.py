@@ -16,7 +16,16 @@ import math
 import numpy as np
 import pytest
 
-from k3jax.vision.preprocess import navit_size, preprocess_frames, preprocess_images
+from k3jax.inference.images import prepare_video
+from k3jax.vision import VisionConfig
+from k3jax.vision.preprocess import (
+    VIDEO_FRAMES_PER_CHUNK,
+    VIDEO_MAX_PATCHES,
+    navit_size,
+    preprocess_frames,
+    preprocess_images,
+    preprocess_video,
+)
 
 torch = pytest.importorskip("torch")
 BUDGET = dict(max_patches=64, max_size_per_side=12)
@@ -120,3 +129,36 @@ def test_video_chunk_stacks_frames_frame_major():
         preprocess_frames([frames[0], frames[1][:50]], **BUDGET)
     with pytest.raises(ValueError, match=r"expected an RGB image \[H, W, 3\]"):
         preprocess_frames(np.zeros((10, 10, 4), np.uint8))
+
+
+def _video_processor_defaults() -> dict:
+    """Class-level settings of transformers' `Kimi_K25VideoProcessor`, read from the installed source (its module
+    imports torchvision, so it is parsed rather than imported)."""
+    spec = importlib.util.find_spec("transformers.models.kimi_k25.video_processing_kimi_k25")
+    tree = ast.parse(open(spec.origin).read())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Kimi_K25VideoProcessor")
+    return {t.id: ast.literal_eval(n.value) for n in cls.body if isinstance(n, ast.Assign)
+            for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)}
+
+
+def test_video_splits_into_chunks_of_four_frames_at_one_size():
+    """Frames 0-3 and 4-5 of a 6-frame video: grids (4, h, w) and (2, h, w), each chunk exactly the frames'
+    `preprocess_frames`; the chunk length and per-frame budget are transformers' video processor's defaults."""
+    defaults = _video_processor_defaults()
+    assert (defaults["temporal_patch_size"], defaults["max_patches"]) == (VIDEO_FRAMES_PER_CHUNK, VIDEO_MAX_PATCHES)
+    frames = _images([(60, 90)] * 6, seed=5)
+    chunks = preprocess_video(frames, **BUDGET)
+    assert [g[0] for _, g in chunks] == [4, 2] and chunks[0][1][1:] == chunks[1][1][1:]
+    for (pixels, grid), part in zip(chunks, (frames[:4], frames[4:])):
+        want, want_grid = preprocess_frames(part, **BUDGET)
+        assert grid == want_grid
+        np.testing.assert_array_equal(pixels, want)
+    assert [g for _, g in preprocess_video(frames[:5], frames_per_chunk=2, **BUDGET)] == [
+        (2, *chunks[0][1][1:]), (2, *chunks[0][1][1:]), (1, *chunks[0][1][1:])]
+    with pytest.raises(ValueError, match="at least one frame"):
+        preprocess_video([], **BUDGET)
+
+    cfg = VisionConfig(patch_size=14, init_pos_emb_time=4, text_hidden_size=8)
+    inputs = prepare_video(frames, cfg, max_patches=64, max_size_per_side=12)
+    assert [(im.grid, im.num_tokens) for im in inputs] == [(g, g[1] * g[2] // 4) for _, g in chunks]
+    assert inputs[0].digest != prepare_video(frames[1:], cfg, max_patches=64, max_size_per_side=12)[0].digest

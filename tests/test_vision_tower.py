@@ -22,6 +22,7 @@ from k3jax.convert.vision import (
 from k3jax.vision import VisionConfig, VisionModel, pack, split_images
 from k3jax.vision.merge import merge_image_tokens
 from k3jax.vision.packing import interpolation_matrix
+from k3jax.vision.preprocess import preprocess_video
 from k3jax.vision.tower import packed_attention
 
 torch = pytest.importorskip("torch")
@@ -127,6 +128,23 @@ def test_video_chunk_packed_with_an_image_matches_transformers_k25():
     pixels = _inputs(grids, seed=4)
     got = np.asarray(_ours(_k25_config(), _release_names_from_hf(hf)).encode(jnp.asarray(pixels), grids))
     np.testing.assert_allclose(got, _hf_features(hf, pixels, grids), rtol=2e-5, atol=2e-5)
+
+
+def test_video_as_frames_matches_transformers_k25_video_features():
+    """A 6-frame video preprocessed as frames (`preprocess_video`: chunks of 4 and 2 frames) through our tower and
+    transformers' `get_video_features`: the full time table (t = 4), a shorter chunk, pooling over each chunk."""
+    frames = [np.random.default_rng(10 + i).integers(0, 256, (50, 80, 3)).astype(np.uint8) for i in range(6)]
+    chunks = preprocess_video(frames, max_patches=64, max_size_per_side=12)
+    grids = [g for _, g in chunks]
+    assert grids == [(4, 4, 6), (2, 4, 6)]
+    pixels = np.concatenate([p for p, _ in chunks], axis=0)
+    hf = _hf_model(seed=8)
+    got = np.asarray(_ours(_k25_config(), _release_names_from_hf(hf)).encode(jnp.asarray(pixels), grids))
+    with torch.no_grad():
+        want = torch.cat(hf.model.get_video_features(torch.from_numpy(pixels), torch.tensor(grids)).pooler_output,
+                         dim=0).numpy()
+    assert got.shape == want.shape == (2 * 6, HF_TEXT["hidden_size"])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_saved_transformers_checkpoint_loads_by_release_names(tmp_path):

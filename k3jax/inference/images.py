@@ -21,7 +21,13 @@ from typing import NamedTuple
 import numpy as np
 
 from k3jax.vision import VisionConfig
-from k3jax.vision.preprocess import K3_MAX_PATCHES, K3_MAX_SIZE_PER_SIDE, preprocess_frames
+from k3jax.vision.preprocess import (
+    K3_MAX_PATCHES,
+    K3_MAX_SIZE_PER_SIDE,
+    VIDEO_MAX_PATCHES,
+    preprocess_frames,
+    preprocess_video,
+)
 
 DATA_URL_ONLY = "image_url: only data: URLs are accepted (no network fetches)"
 NPY_MEDIA_TYPE = "application/x-npy"
@@ -134,6 +140,24 @@ def prepare_image(image: np.ndarray, cfg: VisionConfig, *, max_patches: int = K3
                                      max_patches=max_patches, max_size_per_side=max_size_per_side)
     t, h, w = grid
     return ImageInput(pixels, (int(t), int(h), int(w)), int(h * w // (kh * kw)), pixel_digest(image))
+
+
+def prepare_video(frames, cfg: VisionConfig, *, max_patches: int = VIDEO_MAX_PATCHES,
+                  max_size_per_side: int = K3_MAX_SIZE_PER_SIDE) -> tuple[ImageInput, ...]:
+    """A video's sampled frames -> one `ImageInput` per chunk of `cfg.init_pos_emb_time` frames (grid (t, h, w),
+    h*w/4 tokens: its frames pooled; digest over the chunk's frames). Not reachable from the API yet."""
+    kh, kw = cfg.merge_kernel_size
+    if kh != kw:
+        raise ValueError(f"vision_config.merge_kernel_size {cfg.merge_kernel_size}: serving needs a square merge")
+    frames = [np.asarray(f) for f in frames]
+    chunks = preprocess_video(frames, frames_per_chunk=cfg.init_pos_emb_time, patch_size=cfg.patch_size,
+                              merge_size=kh, max_patches=max_patches, max_size_per_side=max_size_per_side)
+    out, start = [], 0
+    for pixels, (t, h, w) in chunks:
+        digest = hashlib.sha256("".join(pixel_digest(f) for f in frames[start:start + t]).encode()).hexdigest()
+        out.append(ImageInput(pixels, (int(t), int(h), int(w)), int(h * w // (kh * kw)), digest))
+        start += t
+    return tuple(out)
 
 
 def load_image_url(url: str, cfg: VisionConfig) -> ImageInput:

@@ -9,6 +9,10 @@ that processor's `navit_resize` and resize kernel, exactly for uint8 images):
 3. pad bottom/right with 0, normalise (x - 127.5) / 127.5 in float32 (mean = std = 0.5 after /255).
 4. patchify to [gh * gw, 3, p, p] in raster order; grid (1, gh, gw).
 K3 defaults (reading, docs/spec.md): 65536 patches, 512 patches per side. Video chunks: frames of one size -> t > 1.
+Video (`preprocess_video`): its (already sampled) frames split into chunks of `VIDEO_FRAMES_PER_CHUNK` consecutive
+frames, the last one shorter, each chunk one grid (t, gh, gw) at the frames' common NaViT size, as transformers'
+`Kimi_K25VideoProcessor` does (temporal_patch_size 4, per-frame budget 4096 patches; read, not run: it needs
+torchvision). The tower turns a chunk into gh*gw/4 tokens, averaging each merged block over its frames.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ IMAGE_MEAN = (0.5, 0.5, 0.5)
 IMAGE_STD = (0.5, 0.5, 0.5)
 K3_MAX_PATCHES = 65536
 K3_MAX_SIZE_PER_SIDE = 512
+VIDEO_FRAMES_PER_CHUNK = 4  # Kimi_K25VideoProcessor.temporal_patch_size (= vision_config.init_pos_emb_time)
+VIDEO_MAX_PATCHES = 4096  # Kimi_K25VideoProcessor.max_patches: the per-frame budget of video frames
 
 
 def navit_size(height: int, width: int, *, patch_size: int = 14, merge_size: int = 2,
@@ -132,6 +138,19 @@ def preprocess_frames(frames, *, patch_size: int = 14, merge_size: int = 2, max_
         f = np.pad(f, ((0, 0), (0, ph - rh), (0, pw - rw)))
         out.append(normalize(f))
     return patchify(np.stack(out), patch_size)
+
+
+def preprocess_video(frames, *, frames_per_chunk: int = VIDEO_FRAMES_PER_CHUNK, max_patches: int = VIDEO_MAX_PATCHES,
+                     **kw) -> list[tuple[np.ndarray, tuple[int, int, int]]]:
+    """A video's frames (equal-size [H, W, 3] arrays, sampled already) -> one (patches, grid (t, gh, gw)) per chunk
+    of `frames_per_chunk` consecutive frames (the last may be shorter), all at one NaViT size."""
+    frames = [np.asarray(f) for f in frames]
+    if not frames:
+        raise ValueError("a video needs at least one frame")
+    if frames_per_chunk < 1:
+        raise ValueError(f"frames_per_chunk must be >= 1, got {frames_per_chunk}")
+    return [preprocess_frames(frames[i:i + frames_per_chunk], max_patches=max_patches, **kw)
+            for i in range(0, len(frames), frames_per_chunk)]
 
 
 def preprocess_images(images, **kw) -> tuple[np.ndarray, list[tuple[int, int, int]]]:

@@ -1,6 +1,7 @@
 """Float64 NumPy reference of the MoonViT tower + projector (docs/spec.md, "Vision tower"), written from the spec
 on release-named weights, independently of k3jax/vision: images one at a time (no packing, no mask), position grids
-resampled point by point, the rotary applied pair by pair. Still images only (t = 1).
+resampled point by point, the rotary applied pair by pair. A video chunk (t > 1 frames) adds each frame's time
+sinusoid, attends across all its frames and averages each merged block over the frames, loop by loop.
 
 `encode(w, cfg, pixels_nchw, grids)` -> image tokens [M, text_hidden] float64, images in order.
 """
@@ -91,7 +92,16 @@ def _softmax(x):
     return e / e.sum(axis=-1, keepdims=True)
 
 
-def _one_image(w, cfg, pixels_nchw, h, wd):
+def _time_sinusoid(frame: int, dim: int) -> np.ndarray:
+    """Frame f: [sin(f w_0), ..., sin(f w_{D/2-1}), cos(f w_0), ...], w_j = 10000^(-2j/D)."""
+    out = np.zeros(dim)
+    for j in range(dim // 2):
+        ang = frame * 10000.0 ** (-2.0 * j / dim)
+        out[j], out[dim // 2 + j] = math.sin(ang), math.cos(ang)
+    return out
+
+
+def _one_image(w, cfg, pixels_nchw, t, h, wd):
     tw, pm = "vision_tower.", "mm_projector."
     eps = cfg.tower_norm_eps
     conv = _f64(w[tw + "patch_embed.proj.weight"])  # [D, 3, p, p]
@@ -99,8 +109,11 @@ def _one_image(w, cfg, pixels_nchw, h, wd):
     if tw + "patch_embed.proj.bias" in w:
         x = x + _f64(w[tw + "patch_embed.proj.bias"])
     pos = _resample(_f64(w[tw + "patch_embed.pos_emb.weight"]), h, wd, cfg.pos_emb_interpolation_mode)
-    x = x + pos.reshape(h * wd, -1)
-    rows_n, cols_n = np.repeat(np.arange(h), wd).astype(np.float64), np.tile(np.arange(wd), h).astype(np.float64)
+    d = x.shape[1]
+    for f in range(t):  # frame-major: frame f holds patches [f*h*w, (f+1)*h*w)
+        x[f * h * wd:(f + 1) * h * wd] += pos.reshape(h * wd, d) + (_time_sinusoid(f, d) if t > 1 else 0.0)
+    rows_n = np.tile(np.repeat(np.arange(h), wd), t).astype(np.float64)  # every frame: the same spatial angles
+    cols_n = np.tile(np.tile(np.arange(wd), h), t).astype(np.float64)
     heads, k = cfg.vt_num_attention_heads, cfg.head_dim
     for layer in range(cfg.vt_num_hidden_layers):
         p = f"{tw}encoder.blocks.{layer}."
@@ -112,9 +125,19 @@ def _one_image(w, cfg, pixels_nchw, h, wd):
         x = x + _linear(w, p + "mlp.fc1", _gelu_tanh(_linear(w, p + "mlp.fc0", _norm(w, p + "norm1", x, cfg, eps))))
     x = _norm(w, tw + "encoder.final_layernorm", x, cfg, eps)
     kh, kw = cfg.merge_kernel_size
-    grid = x.reshape(h, wd, -1)
-    merged = np.stack([np.stack([grid[i + a, j + b] for a in range(kh) for b in range(kw)])
-                       for i in range(0, h, kh) for j in range(0, wd, kw)])  # [M, kh*kw, D]
+    grid = x.reshape(t, h, wd, -1)
+    merged = []  # [M, kh*kw, D]: block (i, j), its patches row-major, each averaged over the frames
+    for i in range(0, h, kh):
+        for j in range(0, wd, kw):
+            block = []
+            for a in range(kh):
+                for b in range(kw):
+                    total = np.zeros(grid.shape[-1])
+                    for f in range(t):
+                        total += grid[f, i + a, j + b]
+                    block.append(total / t)
+            merged.append(np.stack(block))
+    merged = np.stack(merged)
     if cfg.mm_projector_type == "patchmerger":
         merged = _norm(w, pm + "pre_norm", merged, cfg, cfg.projector_ln_eps)
     y = _linear(w, pm + "proj.2", _gelu_erf(_linear(w, pm + "proj.0", merged.reshape(merged.shape[0], -1))))
@@ -125,10 +148,9 @@ def _one_image(w, cfg, pixels_nchw, h, wd):
 
 
 def encode(w, cfg, pixels_nchw, grids) -> np.ndarray:
-    """Image tokens [sum h*w/(kh*kw), text_hidden] float64 of still images (grids (1, h, w)), in order."""
+    """Image tokens [sum h*w/(kh*kw), text_hidden] float64 of images and video chunks (grids (t, h, w)), in order."""
     out, start = [], 0
     for t, h, wd in grids:
-        assert t == 1, "the reference covers still images"
-        out.append(_one_image(w, cfg, np.asarray(pixels_nchw)[start:start + h * wd], h, wd))
-        start += h * wd
+        out.append(_one_image(w, cfg, np.asarray(pixels_nchw)[start:start + t * h * wd], t, h, wd))
+        start += t * h * wd
     return np.concatenate(out, axis=0)
