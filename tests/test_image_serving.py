@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from k3jax.inference.chat import load_chat_template
-from k3jax.inference.images import DATA_URL_ONLY, decode_data_url, npy_data_url, prepare_image
+from k3jax.inference.images import DATA_URL_ONLY, decode_data_url, npy_data_url, prepare_image, prepare_video
 from k3jax.inference.openai_api import parse_chat
 from k3jax.inference.scheduler import Request, Scheduler
 from k3jax.inference.slot_steps import TRACE_COUNTS
@@ -57,20 +57,22 @@ def image_scheduler(vlm):
 
 
 @functools.lru_cache(maxsize=None)
-def _full_forward(model: K3VisionLanguageModel, grid: tuple[int, int, int]):
-    layout = model.layout([grid])
+def _full_forward(model: K3VisionLanguageModel, grids: tuple[tuple[int, int, int], ...]):
+    layout = model.layout(list(grids))
     return nnx.jit(lambda m, i, p: m(i, p, layout))
 
 
-def direct_greedy(model: K3VisionLanguageModel, ids: list[int], image: np.ndarray, n: int) -> list[int]:
-    """The multimodal model's greedy continuation by full forwards (no cache), the independent reference."""
-    im = prepare_image(image, model.vision.cfg)
-    full = _full_forward(model, im.grid)
+def direct_greedy(model: K3VisionLanguageModel, ids: list[int], image, n: int) -> list[int]:
+    """The multimodal model's greedy continuation by full forwards (no cache), the independent reference. `image`:
+    a uint8 picture, or preprocessed `ImageInput`s (video chunks)."""
+    inputs = (prepare_image(image, model.vision.cfg),) if isinstance(image, np.ndarray) else tuple(image)
+    full = _full_forward(model, tuple(im.grid for im in inputs))
+    pixels = jnp.asarray(np.concatenate([im.pixels for im in inputs], axis=0))
     seq = list(ids)
     for _ in range(n):
         row = np.zeros((1, MAX_LEN), np.int32)  # causal: positions after len-1 do not change its logits
         row[0, :len(seq)] = seq
-        logits = np.asarray(full(model, jnp.asarray(row), jnp.asarray(im.pixels)))[0, len(seq) - 1]
+        logits = np.asarray(full(model, jnp.asarray(row), pixels))[0, len(seq) - 1]
         seq.append(int(np.argmax(logits)))
     return seq[len(ids):]
 
@@ -211,3 +213,19 @@ def test_warm_up_compiles_the_image_path(vlm, image_scheduler):
                                       images=(other,))])
     assert {k: v - traces.get(k, 0) for k, v in TRACE_COUNTS.items() if v != traces.get(k, 0)} == {
         "vision_encode": 1}
+
+
+@pytest.mark.slow  # ~35 s; video chunks are checked against transformers and the float64 reference by default
+def test_video_chunks_through_the_scheduler_equal_the_multimodal_model(vlm, image_scheduler):
+    """A 6-frame video as two chunks (`prepare_video`: 4 + 2 frames, 4 tokens each) in one request: the scheduler's
+    tokens equal the multimodal model's full forwards over the packed chunks."""
+    _, vision, model = vlm
+    frames = [np.random.RandomState(20 + i).randint(0, 256, (8, 8, 3)).astype(np.uint8) for i in range(6)]
+    chunks = prepare_video(frames, vision.cfg)
+    assert [(c.grid, c.num_tokens) for c in chunks] == [((4, 4, 4), 4), ((2, 4, 4), 4)]
+    ids = [1, 2] + [PLACEHOLDER] * 4 + [3] + [PLACEHOLDER] * 4 + [4, 5]
+    want = direct_greedy(model, ids, chunks, N_NEW)
+    got = image_scheduler.generate([Request("v", ids, N_NEW, eos_ids=[], images=chunks)])["v"][0]
+    assert got == want
+    assert want != direct_greedy(model, ids, prepare_video(frames[:4] + frames[5:] + frames[4:5], vision.cfg),
+                                 N_NEW)  # frame order within a chunk matters (time sinusoid)
