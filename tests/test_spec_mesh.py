@@ -21,7 +21,7 @@ from k3jax.inference.spec_scheduler import SpeculativeScheduler
 from k3jax.inference.speculative import SpeculativeEngine
 from k3jax.mtp import MTPLayer
 from sharding.mesh import make_mesh
-from tests.test_inference_sharded import PROMPTS, _axes, assert_cache_layout, tiny
+from tests.test_inference_sharded import PROMPTS, _axes, _serve, assert_cache_layout, tiny
 from tests.test_spec_serving import oracle
 
 SHAPE = dict(num_slots=4, max_len=32)
@@ -89,3 +89,19 @@ def test_speculative_engine_on_mesh_equals_one_device_plain():
     draft = MTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), 2)
     out = SpeculativeEngine(model, draft, mesh=mesh_222()).generate(PROMPTS, MAX_TOKENS, eos_id=-1)
     assert [r.tokens for r in out] == [want[i][0] for i in range(len(PROMPTS))]
+
+
+@pytest.mark.slow
+def test_serve_cli_speculative_batch_mode_on_mesh_equals_one_device_plain(tmp_path):
+    """`serve.py --prompts_file --mesh=2,2,1,2 --speculative=mtp` (default chunked KDA prefill) writes what the
+    one-device plain run writes."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fib(n):\nimport os\nhello\n")
+    outs = []
+    for flags in ((), ("--mesh=2,2,1,2", "--speculative=mtp", "--num_draft_tokens=2")):
+        path = tmp_path / f"o{len(outs)}.jsonl"
+        r = _serve("--config=tiny", f"--prompts_file={prompts}", f"--out={path}", "--max_new_tokens=6",
+                   "--max_len=64", *flags, timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+        outs.append(path.read_text())
+    assert outs[0] == outs[1] and len(outs[0].splitlines()) == 3
