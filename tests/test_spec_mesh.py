@@ -82,6 +82,21 @@ def test_mtp_and_eagle3_drafts_on_mesh_equal_one_device_plain(kind):
 
 
 @pytest.mark.slow
+def test_speculative_scheduler_with_prefix_cache_on_mesh_equals_one_device_plain():
+    """An MTP draft observing prefix-cache chunks on the mesh (a hit: the boundary page copied in the target's and
+    the draft's pools, the draft's row rewritten): the one-device plain tokens."""
+    model = tiny()
+    prefix = [256] + list(range(30, 45))  # one 16-token block
+    reqs = [Request(i, prefix + tail, 6, eos_ids=[]) for i, tail in enumerate(([1, 2], [3]))]
+    want = Scheduler(model, **SHAPE).generate(reqs, arrival_steps=[0, 1])
+    draft = MTPDraft(MTPLayer(model.cfg, rngs=nnx.Rngs(1)), 2)
+    sched = SpeculativeScheduler(model, draft, mesh=mesh_222(), prefix_block=16, page_size=8, **SHAPE)
+    assert sched.generate(reqs, arrival_steps=[0, 1]) == want
+    assert sched.prefix_cache.hits == 1 and sched.page_copies == 1
+    _check_layouts(sched, mesh_222(), ("data", "expert"))
+
+
+@pytest.mark.slow
 def test_speculative_engine_on_mesh_equals_one_device_plain():
     """Batch mode (`serve.py --prompts_file --mesh --speculative`): `SpeculativeEngine(mesh=)`."""
     model = tiny()

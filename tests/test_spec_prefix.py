@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from k3jax.eagle3 import Eagle3Layer
 from k3jax.inference.drafts import MTPDraft
+from k3jax.inference.eagle3_draft import Eagle3Draft
 from k3jax.inference.images import prepare_image
 from k3jax.inference.scheduler import Request, Scheduler
 from k3jax.inference.spec_scheduler import SpeculativeScheduler
@@ -45,6 +47,17 @@ def draft_rows(sched, rid, n: int) -> np.ndarray:
 
 
 def test_draft_rows_after_a_prefix_hit_equal_a_cold_admission_and_tokens_equal_plain(model, draft):
+    check_prefix_hit(model, draft)
+
+
+@pytest.mark.slow
+def test_eagle3_draft_rows_after_a_prefix_hit_equal_a_cold_admission_on_k3_layout():
+    """The same with an EAGLE-3 draft on `tiny` (AttnRes block features through `spec_extend`)."""
+    model = tiny_model("tiny")
+    check_prefix_hit(model, Eagle3Draft(Eagle3Layer(model.cfg, rngs=nnx.Rngs(1)), 2))
+
+
+def check_prefix_hit(model, draft):
     sched = SpeculativeScheduler(model, draft, prefix_block=16, **SHAPE)
     sched.add(Request("a", A, 10, eos_ids=[]))
     events = sched.step()  # a: a miss, the snapshot at 16 kept
