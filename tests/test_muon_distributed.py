@@ -155,18 +155,20 @@ DATA_MESH_SPECS = {
 
 
 def test_pure_data_mesh_splits_replicated_blocks_over_ranks_and_all_gathers_them():
-    """Under (8, 1, 1, 1) the replicated kv_b_proj's 32 blocks are split 4 per rank (its NS matmuls are batched
-    over 4 blocks, never 32) and the orthogonalised blocks are all-gathered ([32, 40, 24]); the FSDP weight's
-    8 layers are exchanged by an all_to_all so each rank orthogonalises one whole [64, 48] layer; the single-block
-    router is all-gathered. The update equals the single-device one."""
+    """Under (8, 1, 1, 1) the replicated kv_b_proj's 4 stacked layers of 8 blocks go one layer per step, its 8
+    blocks split 1 per rank (NS matmuls batched over 1 block, never 8 or 32) and all-gathered ([8, 40, 24]) before
+    the next layer; the FSDP weight's 8 layers (one block each) go in one step, exchanged by an all_to_all so each
+    rank orthogonalises one whole [64, 48] layer; the single-block router is all-gathered. The update equals the
+    single-device one."""
     harness = _UpdateHarness(lambda: _Params(DATA_MESH_SPECS))
     want, _ = harness.update(None)
     got, hlo = harness.update((8, 1, 1, 1))
     for key in DATA_MESH_SPECS:
         np.testing.assert_allclose(got[key], want[key], rtol=2e-5, atol=2e-6 * np.abs(want[key]).max())
-    assert (32, 40, 24) in _collectives(hlo, "all-gather")
+    assert (8, 40, 24) in _collectives(hlo, "all-gather")
+    assert (32, 40, 24) not in _collectives(hlo, "all-gather")  # never the whole leaf at once
     kv_dots = [s for s in _dot_shapes(hlo) if s[-2:] in ((24, 24), (24, 40))]  # NS on the wide [24, 40] side
-    assert kv_dots and {math.prod(s[:-2]) for s in kv_dots} == {4}
+    assert kv_dots and {math.prod(s[:-2]) for s in kv_dots} == {1}
     # all_to_all pieces: one layer's [64 / 8 embed rows, 48] to each of the 8 ranks (there and back)
     assert set(_collectives(hlo, "all-to-all")) == {(1, 8, 48)}
     up_dots = [s for s in _dot_shapes(hlo) if s[-2:] in ((48, 48), (48, 64))]

@@ -347,8 +347,12 @@ def distributed_orthogonalize(x: jax.Array, dim_nums: MuonDimensionNumbers, spec
     different blocks, and no rank gathers blocks it does not orthogonalise (a rank's experts stay local). The
     result has `x`'s dtype and layout `spec`; each block's result is the single-device one.
 
-    Memory: a rank's blocks go through Newton–Schulz in chunks of at most one stacked layer's local blocks (with a
-    scan-stacking axis in `map_axes`, like `orthogonalize_blocks`), one chunk after another (`lax.map`)."""
+    Memory: with a scan-stacking axis in `map_axes`, the leaf goes a few stacked layers at a time (`lax.map`)
+    through the whole exchange — moves in, Newton–Schulz, moves out — so only those layers' moved blocks and
+    temporaries are live besides the result (moving the whole leaf first kept ~2x every Muon leaf live: 21 GB per
+    chip of the `k3` step on v5p-1024, benchmarks/RESULTS.md 2026-12-04). A step takes as many layers as it needs
+    for every rank of the exchange to get a block (a stacked dense weight with one block per layer and 1,024 ranks
+    still goes whole: no rank repeats another's Newton–Schulz). Without a mapped axis, all local blocks at once."""
     shape = tuple(x.shape)
     n = len(shape)
     red = tuple(a % n for a in _as_tuple(dim_nums.reduction_axis))
@@ -359,21 +363,35 @@ def distributed_orthogonalize(x: jax.Array, dim_nums: MuonDimensionNumbers, spec
     inverse = tuple(sorted(range(n), key=lambda i: perm[i]))
     spec = tuple(spec) + (None,) * (n - len(tuple(spec)))
     mesh_shape = dict(mesh.shape)
-    moves = ns_plan(shape, dim_nums, spec, mesh_shape)
     local = [shape[i] // _ways(spec[i], mesh_shape) for i in range(n)]
-    blocks = math.prod(local[i] for i in mapped + batch)
-    chunk = math.prod(local[i] for i in batch) if mapped else blocks  # one stacked layer's local blocks
+    layers = math.prod(local[i] for i in mapped)  # local stacked layers (1 without a mapped axis)
+    blocks = math.prod(local[i] for i in batch)  # local blocks per layer
+    ranks = math.prod(m.size for m in ns_plan(shape, dim_nums, spec, mesh_shape) if m.kind != "gather")
+    per_step = min(layers, -(-ranks // blocks))  # layers per step
+    steps = -(-layers // per_step)
+    # one step's leaf: the mapped dims replaced by `per_step` local layers (their mesh axes already applied)
+    first = mapped[0] if mapped else None
+    step_shape = tuple(per_step if i == first else 1 if i in mapped else shape[i] for i in range(n))
+    step_spec = tuple(None if i in mapped else spec[i] for i in range(n))
+    moves = ns_plan(step_shape, dim_nums, step_spec, mesh_shape)
     fan_in = math.prod(shape[i] for i in red)
+
+    def one_step(y):  # [per_step * blocks, *matrix dims]
+        for m in moves:
+            y = _move_in(y, m)
+        z = jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs))(y.reshape(y.shape[0], fan_in, -1))
+        y = z.astype(x.dtype).reshape(y.shape)
+        for m in reversed(moves):
+            y = _move_out(y, m)
+        return y
 
     def body(x_local):
         xt = jnp.transpose(x_local, perm)
         lead, mat = xt.shape[:len(mapped + batch)], xt.shape[len(mapped + batch):]
-        y = xt.reshape((blocks,) + mat)
-        for m in moves:
-            y = _move_in(y, m)
-        y = _ns_in_chunks(y.reshape(y.shape[0], fan_in, -1), chunk, ns_kwargs).astype(x.dtype).reshape(y.shape)
-        for m in reversed(moves):
-            y = _move_out(y, m)
+        y = _pad_blocks(xt.reshape((layers, blocks) + mat), steps * per_step)  # zero layers: NS maps 0 to 0
+        y = y.reshape((steps, per_step * blocks) + mat)
+        y = jax.lax.map(one_step, y) if steps > 1 else one_step(y[0])[None]
+        y = y.reshape((steps * per_step, blocks) + mat)[:layers]
         return jnp.transpose(y.reshape(lead + mat), inverse)
 
     pspec = jax.sharding.PartitionSpec(*spec)
@@ -405,20 +423,6 @@ def _pad_blocks(y: jax.Array, count: int) -> jax.Array:
     if count == y.shape[0]:
         return y
     return jnp.pad(y, [(0, count - y.shape[0])] + [(0, 0)] * (y.ndim - 1))
-
-
-def _ns_in_chunks(blocks_bmn: jax.Array, chunk: int, ns_kwargs) -> jax.Array:
-    """Newton–Schulz on every [m, n] block of [blocks, m, n], `chunk` blocks at a time (vmap inside, lax.map over
-    chunks; the last chunk padded with zero blocks)."""
-    count = blocks_bmn.shape[0]
-    one_chunk = jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs))
-    chunk = max(1, min(chunk, count))
-    if chunk == count:
-        return one_chunk(blocks_bmn)
-    steps = -(-count // chunk)
-    y = _pad_blocks(blocks_bmn, steps * chunk).reshape((steps, chunk) + blocks_bmn.shape[1:])
-    y = jax.lax.map(one_chunk, y)
-    return y.reshape((steps * chunk,) + y.shape[2:])[:count]
 
 
 def ns_mesh():
