@@ -51,7 +51,9 @@ extra; `data:application/x-npy;base64,...` needs nothing); other URLs get 400 (n
 
 Speculative decoding (`--speculative=mtp|eagle3 --num_draft_tokens=K [--draft=PATH]`): the draft proposes K tokens
 per step, the model verifies them in one forward; greedy output is unchanged. It switches itself off while more than
-`--speculative_max_batch` (32) sequences run; /health reports acceptance (docs/serving.md#speculative-decoding).
+`--speculative_max_batch` (32) sequences run and while too few drafted tokens are accepted to pay
+(`--speculative_min_accepted`, re-probed every `--speculative_probe_every` plain steps); /health reports acceptance
+(docs/serving.md#speculative-decoding).
 
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
 are loaded straight into their shardings (`--hf_dir` / `--checkpoint`), the decode caches are sharded (sequences
@@ -80,6 +82,7 @@ from k3jax.inference.server import K3Server, ServerOptions, run_server
 from k3jax.inference.sharded import mesh_from_spec
 from k3jax.inference.spec_scheduler import (
     DEFAULT_MAX_SPEC_BATCH,
+    DEFAULT_PROBE_EVERY,
     DRAFT_KINDS,
     SpeculativeScheduler,
     check_draft_kind,
@@ -186,6 +189,13 @@ _SPEC_MAX_BATCH = flags.DEFINE_integer("speculative_max_batch", DEFAULT_MAX_SPEC
                                        "--speculative: a step with more running sequences than this decodes "
                                        "plainly (verifying k+1 tokens per sequence stops paying at large batches); "
                                        "0 = never speculate.")
+_SPEC_MIN_ACCEPTED = flags.DEFINE_float("speculative_min_accepted", None, "Server mode with --speculative: decode "
+                                        "plainly while the running mean of drafted tokens accepted per verification "
+                                        "is below this (default: 0.4 x --num_draft_tokens, the break-even of a "
+                                        "verification costing ~1 + 0.4 k plain steps); 0 = never switch off.")
+_SPEC_PROBE_EVERY = flags.DEFINE_integer("speculative_probe_every", DEFAULT_PROBE_EVERY, "Server mode with "
+                                         "--speculative: after this many plain steps switched off by low acceptance, "
+                                         "try speculating again.")
 _VISION = flags.DEFINE_bool("vision", True, "Accept images in chat requests (batch mode: chat records) when "
                             "--checkpoint / --hf_dir has a vision tower (--novision: serve the text model alone).")
 _PLACEHOLDER = flags.DEFINE_integer("image_placeholder_id", -1, "The token id a prompt holds once per "
@@ -254,6 +264,8 @@ def _check_speculative_flags() -> None:
         raise ValueError(f"--num_draft_tokens must be >= 1, got {_NUM_DRAFT.value}")
     if _SPEC_MAX_BATCH.value < 0:
         raise ValueError(f"--speculative_max_batch must be >= 0, got {_SPEC_MAX_BATCH.value}")
+    if _SPEC_PROBE_EVERY.value < 1:
+        raise ValueError(f"--speculative_probe_every must be >= 1, got {_SPEC_PROBE_EVERY.value}")
     check_draft_kind(_SPECULATIVE.value)
     if _SPECULATIVE.value == "eagle3" and not _DRAFT.value:
         raise ValueError("--speculative=eagle3 needs --draft=PATH (a draft directory saved by its training)")
@@ -269,6 +281,7 @@ def _scheduler_class(model, mesh, log):
     if not _SPECULATIVE.value:
         return Scheduler
     return functools.partial(SpeculativeScheduler, draft=_draft(model, log), max_spec_batch=_SPEC_MAX_BATCH.value,
+                             min_accepted_per_step=_SPEC_MIN_ACCEPTED.value, probe_every=_SPEC_PROBE_EVERY.value,
                              draft_name=_SPECULATIVE.value)
 
 

@@ -1,7 +1,7 @@
 """Speculative decoding in the continuous-batching scheduler and the server: greedy tokens equal the plain
 scheduler's for requests arriving at different steps, accepting different counts per step and finishing at
-different times (max_tokens, EOS); speculation switches itself off above `max_spec_batch` running sequences;
-`/health` reports the counters; serve.py's flag errors."""
+different times (max_tokens, EOS); speculation switches itself off above `max_spec_batch` running sequences and
+while the accepted drafts do not pay (re-probing later); `/health` reports the counters; serve.py's flag errors."""
 
 from __future__ import annotations
 
@@ -118,6 +118,71 @@ def test_speculation_switches_off_above_max_spec_batch(model, plain, draft):
         SpeculativeScheduler(model, draft, max_spec_batch=-1, **SHAPE)
     with pytest.raises(ValueError, match="must be a jax.sharding.Mesh"):
         SpeculativeScheduler(model, draft, mesh=object(), **SHAPE)
+
+
+def _random_draft(last_b, out_bn, g):
+    return np.random.RandomState(int(g.sum())).randint(0, 300, (len(last_b), K))
+
+
+def _spied(sched, on_step=None) -> list[bool]:
+    """Records, per decode step, whether it ran speculatively (`on_step(sched)` first, when given)."""
+    flags, orig = [], sched._decode_running
+
+    def spy():
+        if on_step is not None:
+            on_step(sched)
+        flags.append(sched.speculating)
+        return orig()
+
+    sched._decode_running = spy
+    return flags
+
+
+LONG = [Request(i, p, 30, eos_ids=[]) for i, p in enumerate(PROMPTS[:2])]
+
+
+def test_low_acceptance_switches_speculation_off_after_the_window_and_reprobes_with_tokens_equal_plain(model,
+                                                                                                         draft):
+    want = Scheduler(model, **SHAPE).generate(LONG)
+    draft.fn = _random_draft  # ~nothing accepted: below the default break-even of 0.4·k = 1.2
+    sched = SpeculativeScheduler(model, draft, spec_window=4, probe_every=8, **SHAPE)
+    flags = _spied(sched)
+    assert sched.generate(LONG) == want
+    pattern = ([True] * 4 + [False] * 8) * 3
+    assert flags == pattern[:len(flags)] and len(flags) > 16  # window, off, probe, off, ...
+    stats = sched.speculative_stats()
+    assert stats["min_accepted_per_step"] == pytest.approx(0.4 * K) and stats["accepted_per_step_ewma"] < 1.2
+    assert stats["spec_off_low_acceptance"] == flags.count(False) == stats["plain_steps"]
+    assert stats["spec_steps"] == flags.count(True) and stats["probes"] >= 1
+
+    # the same draft with the rule off (min_accepted_per_step=0) speculates throughout, still exact
+    sched = SpeculativeScheduler(model, draft, spec_window=4, probe_every=8, min_accepted_per_step=0, **SHAPE)
+    flags = _spied(sched)
+    assert sched.generate(LONG) == want and all(flags)
+    with pytest.raises(ValueError, match="spec_window must be >= 1"):
+        SpeculativeScheduler(model, draft, spec_window=0, **SHAPE)
+
+
+def test_a_draft_that_gets_good_is_used_again_after_a_probe_and_an_oracle_keeps_speculating(model, draft):
+    want = Scheduler(model, **SHAPE).generate(LONG)
+    good = oracle([want[r.request_id][0] for r in LONG], [None, None])
+    draft.fn = good
+    sched = SpeculativeScheduler(model, draft, spec_window=4, probe_every=8, **SHAPE)
+    flags = _spied(sched)
+    assert sched.generate(LONG) == want and all(flags) and len(flags) > 4
+    assert sched.speculative_stats()["accepted_per_step_ewma"] > 1.2
+
+    def improve(s):  # random until the rule switches speculation off, then the oracle
+        if s.gate.off:
+            draft.fn = good
+
+    draft.fn = _random_draft
+    sched = SpeculativeScheduler(model, draft, spec_window=4, probe_every=8, **SHAPE)
+    flags = _spied(sched, improve)
+    assert sched.generate(LONG) == want
+    assert flags[:12] == [True] * 4 + [False] * 8 and all(flags[12:]) and len(flags) > 16
+    stats = sched.speculative_stats()
+    assert stats["probes"] == 1 and not stats["off_low_acceptance"] and stats["accepted_per_step_ewma"] > 1.2
 
 
 @pytest.mark.slow

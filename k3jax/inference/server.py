@@ -13,7 +13,9 @@ k3jax/inference/access.py) answers 401 (API key), 403 (Origin), 415 (Content-Typ
 `pages: {size, total, free}`, and `prefix_cache`: `{enabled: false}` or `PrefixCache.stats()`: block, long_block,
 long_threshold, entries, capacity, bytes_used, bytes_limit, hits, misses, tokens_saved); with speculative decoding
 `speculative`: draft, num_draft_tokens, max_spec_batch, speculating (whether the next step would), verify_steps,
-drafted, accepted, acceptance_rate, mean_accepted_length (tokens per verification), spec_steps and plain_steps).
+drafted, accepted, acceptance_rate, mean_accepted_length (tokens per verification), spec_steps, plain_steps and
+the acceptance rule's min_accepted_per_step, accepted_per_step_ewma, off_low_acceptance, spec_off_low_acceptance,
+probes).
 A request whose client closes the connection (streaming or not; found within `DISCONNECT_POLL_S` while it waits
 for tokens) is cancelled in the engine at once: its queue entry, slot and pages are freed; the log line says 499.
 Shutdown (SIGINT / SIGTERM under `run_server`, or `cleanup()` of a `K3Runner`): drain first, while every

@@ -14,7 +14,13 @@ Speculation switches itself off for a step (the plain `decode_slots` runs instea
 `max_spec_batch` slots are running: at large batches decode is compute-bound and verifying k+1 tokens per slot
 costs about k+1 plain steps, so drafting no longer pays (the issue's target: never slower than plain at batch 64;
 the default, 32, is a guess to be tuned by the benchmark). It is also off while a running request asks for
-log-probabilities (the plain step computes them) and when `enabled` is False. While a slot decodes plainly its
+log-probabilities (the plain step computes them) and when `enabled` is False.
+
+It also switches itself off by measurement (`AcceptanceGate`): an exponentially weighted mean of the drafted tokens
+accepted per verification, over the first `spec_window` speculative steps and on, is compared with the break-even
+`min_accepted_per_step` (default: the cost model `VERIFY_COST_PER_DRAFT`·k); below it every step decodes plainly
+(`spec_off_low_acceptance` counts them) and after `probe_every` plain steps speculation is probed again for another
+window (the mean starts afresh), so a draft that gets good again is used again. While a slot decodes plainly its
 draft does not observe those tokens: an MTP draft then attends to stale rows for them and proposes worse tokens
 for the rest of that request (never wrong output: every token is the target's).
 
@@ -59,6 +65,14 @@ from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 
 DEFAULT_MAX_SPEC_BATCH = 32
+VERIFY_COST_PER_DRAFT = 0.4
+"""Cost model of the acceptance rule: a speculative step (draft k tokens, verify k + 1 in one forward) costs about
+1 + VERIFY_COST_PER_DRAFT·k plain decode steps at small batch (one H200, 2026-12-04: `k3_gpu` with k = 3 and
+nothing accepted ran at 0.45× plain at batch 1, 2.2 plain steps ≈ 1 + 0.4·3; larger batches cost more per
+drafted token, which `max_spec_batch` covers). It emits 1 + a tokens (a: drafted tokens accepted), so it pays when
+a > VERIFY_COST_PER_DRAFT·k: 1.2 accepted of 3."""
+DEFAULT_SPEC_WINDOW = 16
+DEFAULT_PROBE_EVERY = 256
 DRAFT_KINDS = ("mtp", "eagle3")
 
 
@@ -103,21 +117,71 @@ class SpecCounters:
     drafted: int = 0  # drafted tokens in those
     accepted: int = 0  # drafted tokens accepted
     spec_steps: int = 0  # scheduler steps decoded speculatively
-    plain_steps: int = 0  # scheduler steps decoded plainly (batch above max_spec_batch, logprobs, or disabled)
+    plain_steps: int = 0  # scheduler steps decoded plainly (batch above max_spec_batch, logprobs, low acceptance
+    #                       or disabled)
+    off_low_acceptance: int = 0  # of those, steps decoded plainly because the acceptance did not pay
+
+
+@dataclasses.dataclass
+class AcceptanceGate:
+    """Speculation on or off by measurement: `observe` takes each speculative step's mean accepted drafted tokens
+    per verification into an exponentially weighted mean (span `window`: alpha = 2 / (window + 1)); after `window`
+    such steps since speculation (re)started, a mean below `min_accepted` switches it off; `plain_step` counts the
+    plain steps while off and after `probe_every` of them switches it on again with a fresh mean (a probe of
+    `window` steps). `min_accepted` <= 0: never off."""
+    min_accepted: float
+    window: int = DEFAULT_SPEC_WINDOW
+    probe_every: int = DEFAULT_PROBE_EVERY
+    mean: float | None = None  # the weighted mean since speculation (re)started
+    spec_steps: int = 0  # speculative steps since speculation (re)started
+    plain_steps: int = 0  # plain steps since it switched off
+    off: bool = False
+    probes: int = 0  # times speculation was switched on again after being off
+
+    def __post_init__(self):
+        if self.window < 1:
+            raise ValueError(f"spec_window must be >= 1, got {self.window}")
+        if self.probe_every < 1:
+            raise ValueError(f"probe_every must be >= 1, got {self.probe_every}")
+
+    def observe(self, accepted_per_verify: float) -> None:
+        alpha = 2.0 / (self.window + 1)
+        self.mean = accepted_per_verify if self.mean is None else (
+            (1 - alpha) * self.mean + alpha * accepted_per_verify)
+        self.spec_steps += 1
+        if self.spec_steps >= self.window and self.mean < self.min_accepted:
+            self.off, self.plain_steps = True, 0
+
+    def plain_step(self) -> None:
+        if not self.off:
+            return
+        self.plain_steps += 1
+        if self.plain_steps >= self.probe_every:
+            self.off, self.mean, self.spec_steps = False, None, 0
+            self.probes += 1
+
+    def reset(self) -> None:
+        self.mean, self.spec_steps, self.plain_steps, self.off, self.probes = None, 0, 0, False, 0
 
 
 class SpeculativeScheduler(Scheduler):
     """`Scheduler` + `draft` (k = draft.num_tokens tokens per step); `max_spec_batch`: most running slots that
-    still decode speculatively (more: plain decoding for that step). Other arguments as `Scheduler`'s
-    (`decode_steps` applies to the plain steps only; a speculative step is one verification)."""
+    still decode speculatively (more: plain decoding for that step); `min_accepted_per_step`, `spec_window`,
+    `probe_every`: the acceptance rule's (`AcceptanceGate`; None: `VERIFY_COST_PER_DRAFT`·k; 0: never off). Other
+    arguments as `Scheduler`'s (`decode_steps` applies to the plain steps only; a speculative step is one
+    verification)."""
 
     def __init__(self, model: K3Model, draft: Draft, *, max_spec_batch: int = DEFAULT_MAX_SPEC_BATCH,
-                 draft_name: str = "custom", **kwargs):
+                 min_accepted_per_step: float | None = None, spec_window: int = DEFAULT_SPEC_WINDOW,
+                 probe_every: int = DEFAULT_PROBE_EVERY, draft_name: str = "custom", **kwargs):
         if max_spec_batch < 0:
             raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
+        if min_accepted_per_step is None:
+            min_accepted_per_step = VERIFY_COST_PER_DRAFT * draft.num_tokens
         self.draft, self.draft_name = draft, draft_name
         self.draft_params = draft.params
         self.max_spec_batch = max_spec_batch
+        self.gate = AcceptanceGate(float(min_accepted_per_step), spec_window, probe_every)
         self.enabled = True
         self.counters = SpecCounters()
         self.draft_state = None
@@ -142,13 +206,15 @@ class SpeculativeScheduler(Scheduler):
     def speculating(self) -> bool:
         """Whether the next decode step would run speculatively (by the running slots as they are now)."""
         running = [s.request for s in self._slots if s is not None]
-        return (self.enabled and len(running) <= self.max_spec_batch
+        return (self.enabled and not self.gate.off and len(running) <= self.max_spec_batch
                 and not any(r.logprobs is not None for r in running))
 
     def speculative_stats(self) -> dict:
-        c = self.counters
+        c, g = self.counters, self.gate
         return {"draft": self.draft_name, "num_draft_tokens": self.draft.num_tokens,
                 "max_spec_batch": self.max_spec_batch, "speculating": self.speculating,
+                "min_accepted_per_step": g.min_accepted, "accepted_per_step_ewma": g.mean,
+                "off_low_acceptance": g.off, "spec_off_low_acceptance": c.off_low_acceptance, "probes": g.probes,
                 "verify_steps": c.verify_steps, "drafted": c.drafted, "accepted": c.accepted,
                 "acceptance_rate": c.accepted / max(c.drafted, 1),
                 "mean_accepted_length": (c.accepted + c.verify_steps) / max(c.verify_steps, 1),
@@ -237,6 +303,8 @@ class SpeculativeScheduler(Scheduler):
     def _decode_running(self) -> list[TokenEvent]:
         if not self.speculating:
             self.counters.plain_steps += 1
+            self.counters.off_low_acceptance += self.gate.off
+            self.gate.plain_step()
             return super()._decode_running()
         running = [s.request for s in self._slots if s is not None]
         greedy_only = all(r.sampling.temperature == 0 for r in running)
@@ -247,14 +315,17 @@ class SpeculativeScheduler(Scheduler):
         tok_sj, n_emit_s, done_s, acc_s = jax.device_get((tok_sj, n_emit_s, done_s, acc_s))
         c, k = self.counters, self.draft.num_tokens
         c.spec_steps += 1
-        events = []
+        events, accepted = [], []
         for slot in np.flatnonzero(n_emit_s):
             if self._slots[slot] is None:
                 continue
             c.verify_steps += 1
             c.drafted += k
             c.accepted += int(acc_s[slot])
+            accepted.append(int(acc_s[slot]))
             n = int(n_emit_s[slot])
             for j in range(n):
                 events.append(self._emit(int(slot), int(tok_sj[slot, j]), bool(done_s[slot]) and j == n - 1))
+        if accepted:
+            self.gate.observe(float(np.mean(accepted)))
         return events

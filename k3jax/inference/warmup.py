@@ -137,6 +137,7 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
             log(f"warm-up: plain {what} decode step (speculation off) compiled ({time.monotonic() - t:.1f}s)")
         scheduler.enabled = True
         scheduler.counters = SpecCounters()
+        scheduler.gate.reset()
     if pc is not None:
         pc.clear()
         pc.reset_stats()
