@@ -12,6 +12,21 @@ Time: median of `--iters` calls after `--warmup` (ours: jitted, blocked until re
 `torch.cuda.synchronize`), in `--dtype` (bf16 default). transformers' attention: `--hf_attn` (sdpa default).
 
   python benchmarks/vision_bench.py [--dtype bf16|f32] [--iters 20] [--image 1024]
+
+`--ttft`: an image chat request end to end through the serving `Scheduler` (issue 31's second target): `--config`
+text model with random weights (`benchmarks.decode_bench.build_params`; k3_gpu: bf16) and a random vision tower of
+`--vision_config` (default `k3`, `tiny` for `--config=tiny`; `--vision_dtype` f32 default, as serve.py loads it)
+attached as serve.py attaches it, the prefix cache as serve.py sets it up (`--prefix_block=512`; 0 = off), one slot,
+the serving XLA flags. The request: a synthetic uint8 `--image` x `--image` picture (what `/v1/chat/completions`
+holds after decoding a data URL) in a prompt of 8 text ids, the image's placeholders, `--text_tokens` - 8 text ids.
+Time to first token = `prepare_image` (resize, normalise, patchify) + `Scheduler.generate` of max_tokens 1 (tower,
+image-token prefill, the first sampled token on the host); median of `--runs`, each with a new image and the prefix
+cache emptied, after one warm-up request of the same shapes (its time: compile_image_s). Beside it: the tower alone and
+the preprocessing alone (medians; tower_share = tower / ttft) and a text-only prompt of the same length (its own
+warm-up: compile_text_s). peak_gib: the device's peak_bytes_in_use over the process (None on CPU). One JSON line:
+
+  python -m benchmarks.vision_bench --ttft --config=k3_gpu
+  python -m benchmarks.vision_bench --ttft --config=tiny --image=64 --runs=2   # CPU smoke run
 """
 
 from __future__ import annotations
@@ -26,8 +41,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import configs
+from benchmarks.decode_bench import build_params
 from benchmarks.timing import median_ms
 from k3jax.convert.vision import export_vision_weights, load_vision_weights
+from k3jax.inference.image_slots import default_placeholder_id
+from k3jax.inference.images import prepare_image
+from k3jax.inference.scheduler import Request, Scheduler
+from k3jax.inference.xla_flags import apply_serving_flags
 from k3jax.vision import VisionConfig, VisionModel, pack
 from k3jax.vision.preprocess import preprocess_images
 
@@ -151,6 +172,74 @@ def bench_k3(pixels, grids, dtype, iters):
             "finite": bool(np.isfinite(np.asarray(out.astype(jnp.float32))).all())}
 
 
+def _peak_gib() -> float | None:
+    stats = jax.devices()[0].memory_stats()
+    return None if not stats or "peak_bytes_in_use" not in stats else round(stats["peak_bytes_in_use"] / 2**30, 2)
+
+
+def _wall(fn) -> tuple[object, float]:
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return out, time.perf_counter() - t0
+
+
+def image_ttft(config: str, overrides=(), *, vision_config: str | None = None, vision_dtype: str = "f32",
+               image: int = 1024, text_tokens: int = 64, runs: int = 5, prefix_block: int = 512,
+               page_size: int = 64) -> dict:
+    """Time to first token of an image chat request and of a text-only one of the same length (module docstring)."""
+    cfg = configs.get_config(config, list(overrides))
+    vname = vision_config or ("tiny" if config == "tiny" else "k3")
+    vcfg = VisionConfig(**{**configs.get_vision_config(vname), "text_hidden_size": cfg.hidden_size})
+    jdt = {"bf16": jnp.bfloat16, "f32": jnp.float32}[vision_dtype]
+    spec, leaves, _ = build_params(cfg)
+    graphdef, treedef = spec.value
+    model = nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))
+    vision = VisionModel(vcfg, dtype=jdt, param_dtype=jdt, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    pictures = [rng.integers(0, 256, (image, image, 3), dtype=np.uint8) for _ in range(runs + 1)]
+    m = prepare_image(pictures[0], vcfg).num_tokens
+    n = m + text_tokens
+    sched = Scheduler(model, num_slots=1, max_len=n + 64, prefix_block=prefix_block or None, page_size=page_size)
+    ph = default_placeholder_id(cfg)
+    sched.attach_vision(vision, ph)
+    low = min(1000, cfg.vocab_size // 4)
+
+    def ids(k: int) -> list[int]:
+        return [int(t) + (int(t) >= ph) for t in rng.integers(low, cfg.vocab_size - low - 1, k)]
+
+    def first_token(name, prompt, picture=None):
+        if sched.prefix_cache is not None:
+            sched.prefix_cache.clear()
+
+        def call():
+            images = () if picture is None else (prepare_image(picture, vcfg),)
+            return sched.generate([Request(name, prompt, 1, eos_ids=[], images=images)])[name][0]
+
+        tokens, s = _wall(call)
+        assert len(tokens) == 1, tokens
+        return s
+
+    head = min(8, text_tokens)
+    image_prompt = lambda: ids(head) + [ph] * m + ids(text_tokens - head)  # noqa: E731
+    compile_image_s = first_token("warmup-image", image_prompt(), pictures[0])
+    image_s = [first_token(f"image-{i}", image_prompt(), pictures[i + 1]) for i in range(runs)]
+    compile_text_s = first_token("warmup-text", ids(n))
+    text_s = [first_token(f"text-{i}", ids(n)) for i in range(runs)]
+    inputs = [prepare_image(p, vcfg) for p in pictures]
+    tower_s = [_wall(lambda: sched.images.encode((im,)))[1] for im in inputs[1:]]
+    prep_s = [_wall(lambda: prepare_image(p, vcfg))[1] for p in pictures[1:]]
+    ttft, text = statistics.median(image_s), statistics.median(text_s)
+    tower, prep = statistics.median(tower_s), statistics.median(prep_s)
+    return {"mode": "ttft", "config": config, "vision_config": vname, "vision_dtype": vision_dtype,
+            "device": jax.devices()[0].device_kind, "image": image, "grid": list(inputs[0].grid), "image_tokens": m,
+            "prompt_tokens": n, "prefix_block": prefix_block, "runs": runs,
+            "compile_image_s": round(compile_image_s, 1), "compile_text_s": round(compile_text_s, 1),
+            "ttft_image_ms": round(ttft * 1e3, 2), "ttft_text_ms": round(text * 1e3, 2),
+            "image_over_text": round(ttft / text, 3), "tower_ms": round(tower * 1e3, 2),
+            "preprocess_ms": round(prep * 1e3, 2), "tower_share": round(tower / ttft, 3),
+            "ttft_image_runs_ms": [round(t * 1e3, 2) for t in image_s], "peak_gib": _peak_gib()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f32"])
@@ -159,7 +248,23 @@ def main():
     p.add_argument("--image", type=int, default=1024)
     p.add_argument("--hf_attn", default="sdpa")
     p.add_argument("--towers", default="k25,k3")
+    p.add_argument("--ttft", action="store_true", help="image request time to first token through the Scheduler")
+    p.add_argument("--config", default="k3_gpu", help="--ttft: the text model config")
+    p.add_argument("--set", action="append", default=[], help="--ttft: config override key=value (repeatable)")
+    p.add_argument("--vision_config", default=None, help="--ttft: configs/vision.py name (default k3; tiny: tiny)")
+    p.add_argument("--vision_dtype", default="f32", choices=["bf16", "f32"])
+    p.add_argument("--text_tokens", type=int, default=64, help="--ttft: prompt tokens besides the image's")
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--prefix_block", type=int, default=512)
+    p.add_argument("--page_size", type=int, default=64)
     args = p.parse_args()
+    if args.ttft:
+        apply_serving_flags()
+        row = image_ttft(args.config, args.set, vision_config=args.vision_config, vision_dtype=args.vision_dtype,
+                         image=args.image, text_tokens=args.text_tokens, runs=args.runs,
+                         prefix_block=args.prefix_block, page_size=args.page_size)
+        print(json.dumps(row), flush=True)
+        return
     image = np.random.default_rng(0).integers(0, 256, (args.image, args.image, 3), dtype=np.uint8)
     pixels, grids = preprocess_images([image])
     print(json.dumps({"device": str(jax.devices()[0]), "image": args.image, "grids": grids}), flush=True)
