@@ -177,7 +177,7 @@ class SpeculativeScheduler(Scheduler):
         if max_spec_batch < 0:
             raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
         if min_accepted_per_step is None:
-            min_accepted_per_step = VERIFY_COST_PER_DRAFT * draft.num_tokens
+            min_accepted_per_step = round(VERIFY_COST_PER_DRAFT * draft.num_tokens, 6)
         self.draft, self.draft_name = draft, draft_name
         self.draft_params = draft.params
         self.max_spec_batch = max_spec_batch
