@@ -24,11 +24,12 @@ Runtime on one H200 (estimate; k3_gpu's small train steps take ~0.1-0.5 s, the d
 compile ~60-120 s, 300 steps 30-150 s, saving and loading the ~8 GB f32 checkpoint ~30-60 s; draft compile + 300
 steps ~60 s; decoding 3 batches × 2 schedulers, each compiled by two untimed calls, ~150-250 s: 6-10 minutes in
 all, more than one 600 s call holds. So run it as two calls on the same (warm) machine, the first training and
-saving the target (--target_only stops there), the second loading it:
+saving the target (--target_only stops there; workdir/ is git-ignored, so it stays between calls), the second
+loading it:
 
     python benchmarks/eagle3_bench.py --config=k3_gpu --set scan_layers=False --target_train_steps=300 \
-        --save_target=/tmp/eagle3_target --target_only --out_dir=$OUT
-    python benchmarks/eagle3_bench.py --config=k3_gpu --set scan_layers=False --init_from=/tmp/eagle3_target \
+        --save_target=workdir/eagle3_target --target_only --out_dir=$OUT
+    python benchmarks/eagle3_bench.py --config=k3_gpu --set scan_layers=False --init_from=workdir/eagle3_target \
         --train_steps=300 --batches=1,16,64 --out_dir=$OUT
 """
 
