@@ -5,7 +5,7 @@ The XLA core materialises f32 scores (T x T per head). `impl="cudnn"` runs cuDNN
 (`jax._src.cudnn.fused_attention_stablehlo`: private, because the public `jax.nn.dot_product_attention` takes no
 value head dim unlike the key's, MLA's 192 vs 128). Packed documents reach it in cuDNN's own packed layout
 (per-row segment offsets and lengths, `document_runs`): no T x T mask, which cuDNN would add as a bf16 bias AND
-differentiate (a [B, 1, T, T] bias gradient per layer: 197 TFLOP/s at 32K against 526 unpacked, RESULTS.md
+differentiate (a [B, 1, T, T] bias gradient per layer: 197 TFLOP/s at 32K; packed 481, unpacked 539; RESULTS.md
 2026-12-04). jax's packed path strides the value rows by the key's head dim, so the 128-wide values are zero-padded
 to 192 (`_cudnn_packed`; the extra columns of the output are sliced off; RESULTS.md 2026-12-03 recorded the wrong
 outputs without the padding). A row with more than `max_segments` documents takes the blockwise core instead
