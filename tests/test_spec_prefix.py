@@ -83,6 +83,7 @@ def check_prefix_hit(model, draft):
     assert sched.speculative_stats()["verify_steps"] > 0
 
 
+@pytest.mark.slow  # ~46 s; the prefix-hit test above checks the draft's observed rows in the default suite
 def test_image_request_is_observed_by_the_draft_and_decodes_like_plain(vlm):  # noqa: F811
     """An image request without the prefix cache goes through the chunked path in one chunk: the draft's rows of
     the prompt equal those written chunk by chunk through the prefix cache; tokens equal the plain scheduler's."""
