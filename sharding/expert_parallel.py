@@ -23,10 +23,9 @@ Modes (the config field `moe_expert_parallel`):
 Model axis: the expert widths M are split over 'model' when divisible (w1/w3 on M, w2 on its M rows); each model rank
 dispatches the same tokens and computes its M slice, and the combined [tokens, L] output is summed over 'model'
 (psum). Otherwise the weights are replicated over 'model' inside (gathered on entry). The latent L dim (FSDP over
-'data' in the rules) enters split and is all-gathered inside the body (`_latent_fsdp_axis`). MXFP4 experts
-(`k3jax.ops.gmm.MXFP4Experts`, stored [E, out, in]) get their own specs (`expert_weight_specs`): w1/w3 packed
-[E, M, L/2] + scales [E, M, L/32] split on dim 1, w2 packed [E, L, M/2] + scales [E, L, M/32] on dim 2; M is split
-only when each rank's slice is whole 32-column scale groups
+'data' in the rules) is gathered on entry. MXFP4 experts (`k3jax.ops.gmm.MXFP4Experts`, stored [E, out, in]) get
+their own specs (`expert_weight_specs`): w1/w3 packed [E, M, L/2] + scales [E, M, L/32] split on dim 1, w2 packed
+[E, L, M/2] + scales [E, L, M/32] on dim 2; M is split only when each rank's slice is whole 32-column scale groups
 (M divisible by 32 * model).
 
 Statistics (per MoE layer and step, f32 [4]): max and mean over expert ranks of the routed rows each rank is sent
@@ -60,7 +59,6 @@ EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", "expert")  # the rules' 'batch'
 SEQ_AXIS = "context"  # the rules' 'seq'
 MODEL_AXIS = "model"
-FSDP_AXIS = "data"  # the rules' `expert_latent`
 STATS_FIELDS = ("rank_load_max", "rank_load_mean", "dropped_rows", "routed_rows")
 _MODE_PATTERN = re.compile(r"^(auto|dropless|off|capacity)(?::([0-9]*\.?[0-9]+(?:e[-+]?[0-9]+)?))?$")
 
@@ -285,15 +283,8 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     token_axes = batch_axes + tuple(a for a in (SEQ_AXIS,) if a in mesh.axis_names)
     tokens = P(batch_axes, SEQ_AXIS if SEQ_AXIS in mesh.axis_names else None, None)
     w13_spec, w2_spec, split_m = expert_weight_specs(w1_elm, w2_eml, mesh)
-    fsdp = _latent_fsdp_axis(w1_elm, mesh)
-    if fsdp:  # the latent dim enters split as the rules store it and is gathered inside, per layer (see below)
-        w13_spec = P(w13_spec[0], fsdp, w13_spec[2])
-        w2_spec = P(w2_spec[0], w2_spec[1], fsdp)
 
     def body(z_btl, weights_btk, experts_btk, w1, w3, w2):
-        if fsdp:
-            w1, w3 = (jax.lax.all_gather(w, fsdp, axis=1, tiled=True) for w in (w1, w3))
-            w2 = jax.lax.all_gather(w2, fsdp, axis=2, tiled=True)
         bl, tl, l = z_btl.shape
         k = experts_btk.shape[-1]
         z_nl = z_btl.reshape(bl * tl, l)
@@ -323,18 +314,6 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
         in_specs=(tokens, tokens, tokens, w13_spec, w13_spec, w2_spec),
         out_specs=(tokens, P()), check_vma=False)
     return fn(z_btl, weights_btk, experts_btk.astype(jnp.int32), w1_elm, w3_elm, w2_eml)
-
-
-def _latent_fsdp_axis(w1_elm, mesh) -> str | None:
-    """'data' when the experts' latent dim L is FSDP-split over it (the rules' `expert_latent`) and the weights are
-    arrays: the `shard_map` then takes L split and all-gathers it inside, so the gathered bf16 weights are a
-    per-layer temporary of the body and their gradient is reduce-scattered there (`psum_scatter`, the gather's
-    transpose). Gathered on entry instead (GSPMD, outside the body), the TPU compile of `k3` kept one layer's
-    gathered weights per scanned layer alive (~0.8 GB per layer on v5p-1024; benchmarks/RESULTS.md, 2026-12-04)."""
-    data = _axis(mesh, FSDP_AXIS) if FSDP_AXIS in mesh.axis_names else 1
-    if isinstance(w1_elm, MXFP4Experts) or data <= 1 or w1_elm.shape[1] % data:
-        return None
-    return FSDP_AXIS
 
 
 def expert_weight_specs(w1_elm, w2_eml, mesh) -> tuple:

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -340,15 +340,12 @@ def ns_plan(shape: Sequence[int], dim_nums: MuonDimensionNumbers, spec: Sequence
     return moves
 
 
-def distributed_orthogonalize(x: jax.Array | tuple[jax.Array, ...], dim_nums: MuonDimensionNumbers,
-                              spec: Sequence[Any], mesh, map_axes: Sequence[int] = (), *,
-                              combine: Callable[..., jax.Array] | None = None, **ns_kwargs) -> jax.Array:
+def distributed_orthogonalize(x: jax.Array, dim_nums: MuonDimensionNumbers, spec: Sequence[Any], mesh,
+                              map_axes: Sequence[int] = (), **ns_kwargs) -> jax.Array:
     """`orthogonalize_blocks` of a leaf sharded by `spec` on `mesh`, inside `jax.shard_map`: each rank
     orthogonalises only its own blocks (`ns_plan`), so no Newton–Schulz work is repeated across ranks that own
     different blocks, and no rank gathers blocks it does not orthogonalise (a rank's experts stay local). The
-    result has `x`'s dtype and layout `spec`; each block's result is the single-device one. `x` may be a tuple of
-    same-shape leaves that `combine(*slices)` (elementwise) turns into the matrix to orthogonalise, one step's
-    slices at a time: Muon's Nesterov mix of momentum and gradient is then never formed for a whole leaf.
+    result has `x`'s dtype and layout `spec`; each block's result is the single-device one.
 
     Memory: with a scan-stacking axis in `map_axes`, the leaf goes a few stacked layers at a time (`lax.map`)
     through the whole exchange — moves in, Newton–Schulz, moves out — so only those layers' moved blocks and
@@ -356,10 +353,7 @@ def distributed_orthogonalize(x: jax.Array | tuple[jax.Array, ...], dim_nums: Mu
     chip of the `k3` step on v5p-1024, benchmarks/RESULTS.md 2026-12-04). A step takes as many layers as it needs
     for every rank of the exchange to get a block (a stacked dense weight with one block per layer and 1,024 ranks
     still goes whole: no rank repeats another's Newton–Schulz). Without a mapped axis, all local blocks at once."""
-    xs = x if isinstance(x, tuple) else (x,)
-    combine = combine or (lambda y: y)
-    out_dtype = jax.eval_shape(combine, *xs).dtype
-    shape = tuple(xs[0].shape)
+    shape = tuple(x.shape)
     n = len(shape)
     red = tuple(a % n for a in _as_tuple(dim_nums.reduction_axis))
     out = tuple(a % n for a in _as_tuple(dim_nums.output_axis))
@@ -382,31 +376,26 @@ def distributed_orthogonalize(x: jax.Array | tuple[jax.Array, ...], dim_nums: Mu
     moves = ns_plan(step_shape, dim_nums, step_spec, mesh_shape)
     fan_in = math.prod(shape[i] for i in red)
 
-    def one_step(slices):  # each [per_step * blocks, *matrix dims]
-        y = combine(*slices)
+    def one_step(y):  # [per_step * blocks, *matrix dims]
         for m in moves:
             y = _move_in(y, m)
         z = jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs))(y.reshape(y.shape[0], fan_in, -1))
-        y = z.astype(out_dtype).reshape(y.shape)
+        y = z.astype(x.dtype).reshape(y.shape)
         for m in reversed(moves):
             y = _move_out(y, m)
         return y
 
-    def body(*x_locals):
-        lead = mat = None
-        ys = []
-        for x_local in x_locals:
-            xt = jnp.transpose(x_local, perm)
-            lead, mat = xt.shape[:len(mapped + batch)], xt.shape[len(mapped + batch):]
-            y = _pad_blocks(xt.reshape((layers, blocks) + mat), steps * per_step)  # zero layers: NS maps 0 to 0
-            ys.append(y.reshape((steps, per_step * blocks) + mat))
-        ys = tuple(ys)
-        y = jax.lax.map(one_step, ys) if steps > 1 else one_step(tuple(v[0] for v in ys))[None]
+    def body(x_local):
+        xt = jnp.transpose(x_local, perm)
+        lead, mat = xt.shape[:len(mapped + batch)], xt.shape[len(mapped + batch):]
+        y = _pad_blocks(xt.reshape((layers, blocks) + mat), steps * per_step)  # zero layers: NS maps 0 to 0
+        y = y.reshape((steps, per_step * blocks) + mat)
+        y = jax.lax.map(one_step, y) if steps > 1 else one_step(y[0])[None]
         y = y.reshape((steps * per_step, blocks) + mat)[:layers]
         return jnp.transpose(y.reshape(lead + mat), inverse)
 
     pspec = jax.sharding.PartitionSpec(*spec)
-    return jax.shard_map(body, mesh=mesh, in_specs=(pspec,) * len(xs), out_specs=pspec, check_vma=False)(*xs)
+    return jax.shard_map(body, mesh=mesh, in_specs=pspec, out_specs=pspec, check_vma=False)(x)
 
 
 def _move_in(y: jax.Array, m: NSMove) -> jax.Array:
@@ -474,35 +463,28 @@ def scale_by_blockwise_muon(lookup, *, ns_coeffs=NS_COEFFS, ns_steps: int = NS_S
         del params
         mu = optax.tree.update_moment(updates, state.mu, beta, 1)
         count = optax.safe_int32_increment(state.count)
-        # Nesterov: mu_hat = beta * mu / (1 - beta^(count+1)) + (1 - beta) * g / (1 - beta^count); the plain
-        # momentum: mu / (1 - beta^count). Coefficients as optax's bias_correction computes them.
         if nesterov:
-            c_mu = beta / (1 - beta ** optax.safe_int32_increment(count))
-            c_g = (1 - beta) / (1 - beta ** count)
+            mu_hat = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g,
+                                  optax.tree.bias_correction(mu, beta, optax.safe_int32_increment(count)),
+                                  optax.tree.bias_correction(updates, beta, count))
         else:
-            c_mu, c_g = 1 / (1 - beta ** count), 0.0
-
-        def mix(m, g):
-            m_hat = c_mu.astype(m.dtype) * m
-            return m_hat if not nesterov else m_hat + c_g.astype(g.dtype) * g
+            mu_hat = optax.tree.bias_correction(mu, beta, count)
 
         mesh = ns_mesh() if distributed else None
         ns_kwargs = {"ns_coeffs": tuple(ns_coeffs), "ns_steps": ns_steps, "eps": eps, "ns_dtype": ns_dtype}
 
-        def direction(path, m, g):
+        def direction(path, x):
             row = lookup(path)
             stacking = tuple(i for i, a in enumerate(row.axes) if a in STACKING_AXES)
-            spec = None if mesh is None else resolve_spec(row.axes, m.shape, mesh, path=row.path)[0]
+            spec = None if mesh is None else resolve_spec(row.axes, x.shape, mesh, path=row.path)[0]
             if spec is None or not (any(e is not None for e in spec)
-                                    or ns_plan(m.shape, row.dimension_numbers, spec, dict(mesh.shape))):
-                x = mix(m, g)
+                                    or ns_plan(x.shape, row.dimension_numbers, spec, dict(mesh.shape))):
                 y = orthogonalize_blocks(x, row.dimension_numbers, stacking, **ns_kwargs)
-            else:  # the mix formed per exchange step inside (never a whole-leaf temporary)
-                y = distributed_orthogonalize((m, g), row.dimension_numbers, spec, mesh, stacking, combine=mix,
-                                              **ns_kwargs)
-            return (y * row.update_scale).astype(jnp.result_type(m, g) if nesterov else m.dtype)
+            else:
+                y = distributed_orthogonalize(x, row.dimension_numbers, spec, mesh, stacking, **ns_kwargs)
+            return (y * row.update_scale).astype(x.dtype)
 
-        updates = jax.tree_util.tree_map_with_path(direction, mu, updates)
+        updates = jax.tree_util.tree_map_with_path(direction, mu_hat)
         return updates, BlockwiseMuonState(count, optax.tree.cast(mu, mu_dtype))
 
     return optax.GradientTransformation(init_fn, update_fn)
