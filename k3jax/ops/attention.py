@@ -61,17 +61,11 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     if impl == "cudnn":
         if segment_ids_bt is None:
             return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale)
-        _check_segments(segment_ids_bt, q_bthk.shape[:2])
-        offsets_bm, lengths_bm, count_b = document_runs(segment_ids_bt, max_segments)
-
-        def packed(q, k, v):
-            return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm)
-
         def blockwise(q, k, v):
             return flash_causal_attention(q, k, v, scale=scale, segment_ids_bt=segment_ids_bt, block_q=block_q,
                                           block_k=block_k)
 
-        return jax.lax.cond(jnp.all(count_b <= max_segments), packed, blockwise, q_bthk, k_bthk, v_bthv)
+        return _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, True, blockwise)
     if impl == "flash":
         return flash_causal_attention(q_bthk, k_bthk, v_bthv, scale=scale, segment_ids_bt=segment_ids_bt,
                                       block_q=block_q, block_k=block_k)
@@ -145,6 +139,18 @@ def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm, causal:
     return out[..., :dv].astype(wide(dt))
 
 
+def _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, causal, fallback):
+    """cuDNN's packed layout over the rows' document runs, or `fallback(q, k, v)` (f32) when a row has more than
+    `max_segments` runs (`lax.cond`: both compiled, one runs)."""
+    _check_segments(segment_ids_bt, q_bthk.shape[:2])
+    offsets_bm, lengths_bm, runs_b = document_runs(segment_ids_bt, max_segments)
+
+    def packed(q, k, v):
+        return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm, causal=causal)
+
+    return jax.lax.cond(jnp.all(runs_b <= max_segments), packed, fallback, q_bthk, k_bthk, v_bthv)
+
+
 def segment_attention_impl(dtype) -> str:
     """The backend of `segment_attention` for this trace: cuDNN on a GPU with 16-bit operands, else XLA."""
     return "cudnn" if backend_lib.traced_accelerator() == "gpu" and jnp.dtype(dtype).itemsize == 2 else "xla"
@@ -158,15 +164,8 @@ def segment_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, s
     _check_segments(segment_ids_bt, q_bthk.shape[:2])
     if segment_attention_impl(q_bthk.dtype) != "cudnn":
         return xla_core(q_bthk, k_bthk, v_bthv)
-    offsets_bm, lengths_bm, runs_b = document_runs(segment_ids_bt, max_segments)
-
-    def packed(q, k, v):
-        return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm, causal=False)
-
-    def fallback(q, k, v):
-        return xla_core(q, k, v).astype(jnp.float32)
-
-    return jax.lax.cond(jnp.all(runs_b <= max_segments), packed, fallback, q_bthk, k_bthk, v_bthv)
+    return _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, False,
+                            lambda q, k, v: xla_core(q, k, v).astype(jnp.float32))
 
 
 def mla_decode_backend(cfg, num_pages: int, page_size: int) -> str | None:
