@@ -516,17 +516,24 @@ def test_qat_loses_less_to_mxfp4_than_post_training_quantization_on_one_moe_laye
 
 
 @pytest.mark.slow
-def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_single_device():
-    """The whole model: a two-layer `tiny` (KDA + MoE, MLA) with MXFP4/MXFP8 QAT, next-token loss and every
+@pytest.mark.parametrize("act_qat", ["none", "mxfp8"])
+def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_single_device(act_qat):
+    """The whole model: a two-layer `tiny` (KDA + MoE, MLA) with MXFP4 expert weights, next-token loss and every
     parameter's gradient under mesh (2,4,1,1) with the EP path equal one device's (routing pinned by a
-    well-separated selection bias, as tests/test_expert_parallel.py does, so both meshes route alike)."""
+    well-separated selection bias, as tests/test_expert_parallel.py does, so both meshes route alike).
+
+    With MXFP8 activations too the loss still agrees to 1e-5, but elementwise gradient equality cannot hold: the
+    layers before the experts sum in another order under the mesh, and an expert input that lands within an f32
+    ulp of an FP8 rounding boundary flips to the neighbouring FP8 value (a 6-12% step of that element). So that case
+    bounds each gradient's relative error norm instead; the elementwise EP equality of the MXFP8 path, with expert
+    inputs identical on both sides, is test_qat_under_expert_parallelism_matches_single_device_loss_and_gradients."""
     from k3jax.layers.params import RouterBias
     from sharding.mesh import make_mesh
     from sharding.shard import shard_batch
     from tests.helpers import make_sharded_loss_and_grad, shard_model
 
     cfg = configs.get_config("tiny", WIDTHS + ["num_hidden_layers=2", "full_attn_layers=(2,)", "kda_impl=recurrent",
-                                               "expert_qat=mxfp4", "expert_act_qat=mxfp8"])
+                                               "expert_qat=mxfp4", f"expert_act_qat={act_qat}"])
     ids = np.random.RandomState(0).randint(0, cfg.vocab_size, (8, 17)).astype(np.int32)
 
     def run(mesh):
@@ -547,5 +554,9 @@ def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_si
     assert ran_ep and abs(loss - want_loss) <= 1e-5 * abs(want_loss), (loss, want_loss)
     assert got.keys() == want.keys()
     for key, g in got.items():
-        np.testing.assert_allclose(g, want[key], rtol=1e-3, atol=2e-4 * (float(np.abs(want[key]).max()) or 1.0),
-                                   err_msg=key)
+        if act_qat == "none":
+            np.testing.assert_allclose(g, want[key], rtol=1e-3, atol=2e-4 * (float(np.abs(want[key]).max()) or 1.0),
+                                       err_msg=key)
+        else:  # measured worst 1.4e-3 (the routed w2 on 2026-12-04)
+            err = np.linalg.norm(g - want[key]) / (np.linalg.norm(want[key]) or 1.0)
+            assert err <= 1e-2, (key, err)
