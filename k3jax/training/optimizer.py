@@ -269,9 +269,10 @@ def orthogonalize_blocks(x: jax.Array, dim_nums: MuonDimensionNumbers, map_axes:
     """Newton–Schulz on every [fan_in, fan_out] block of `x` (batch axes: all but the reduction / output axes).
 
     Blocks along `map_axes` (the scan-stacking 'layers' axis) are processed one slice after another with
-    `jax.lax.map`, the rest at once with `vmap`: a stacked expert weight [layers, E, L, M] keeps only one layer's
+    `map_in_place`, the rest at once with `vmap`: a stacked expert weight [layers, E, L, M] keeps only one layer's
     Newton–Schulz temporaries live instead of all layers' (at K3 scale the difference between fitting and ~0.6 TB
-    of temporaries per chip). The result is identical to orthogonalising each block on its own.
+    of temporaries per chip), and each layer's result overwrites its input. The result is identical to
+    orthogonalising each block on its own.
     """
     n = x.ndim
     red = tuple(a % n for a in _as_tuple(dim_nums.reduction_axis))
@@ -282,9 +283,8 @@ def orthogonalize_blocks(x: jax.Array, dim_nums: MuonDimensionNumbers, map_axes:
     xt = jnp.transpose(x, perm)
     sizes = [math.prod(x.shape[a] for a in grp) for grp in (mapped, batch, red, out)]
     blocks = xt.reshape(sizes)
-    one_slice = jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs))
-    y = jax.lax.map(one_slice, blocks) if sizes[0] > 1 else one_slice(blocks[0])[None]
-    y = y.reshape(xt.shape).astype(x.dtype)
+    y = map_in_place(jax.vmap(lambda blk: newton_schulz(blk, **ns_kwargs)), blocks)
+    y = y.reshape(xt.shape)
     inverse = sorted(range(n), key=lambda i: perm[i])
     return jnp.transpose(y, tuple(inverse))
 
@@ -390,12 +390,25 @@ def distributed_orthogonalize(x: jax.Array, dim_nums: MuonDimensionNumbers, spec
         lead, mat = xt.shape[:len(mapped + batch)], xt.shape[len(mapped + batch):]
         y = _pad_blocks(xt.reshape((layers, blocks) + mat), steps * per_step)  # zero layers: NS maps 0 to 0
         y = y.reshape((steps, per_step * blocks) + mat)
-        y = jax.lax.map(one_step, y) if steps > 1 else one_step(y[0])[None]
+        y = map_in_place(one_step, y)
         y = y.reshape((steps * per_step, blocks) + mat)[:layers]
         return jnp.transpose(y.reshape(lead + mat), inverse)
 
     pspec = jax.sharding.PartitionSpec(*spec)
     return jax.shard_map(body, mesh=mesh, in_specs=pspec, out_specs=pspec, check_vma=False)(x)
+
+
+def map_in_place(fn, y: jax.Array) -> jax.Array:
+    """`fn` on each `y[s]` in turn, each result (cast to y's dtype) written over `y[s]`: a loop whose carry is `y`
+    and whose body updates one slice, so XLA updates the buffer in place (`jax.lax.map` would write a second
+    stacked buffer beside its input: one more f32 copy of every Muon leaf, live until the parameter update)."""
+    if y.shape[0] == 1:
+        return fn(y[0]).astype(y.dtype)[None]
+
+    def body(s, y):
+        return jax.lax.dynamic_update_index_in_dim(y, fn(y[s]).astype(y.dtype), s, 0)
+
+    return jax.lax.fori_loop(0, y.shape[0], body, y)
 
 
 def _move_in(y: jax.Array, m: NSMove) -> jax.Array:
