@@ -195,6 +195,7 @@ class ScannedUnits(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, group: LayerGroup, *, rngs: nnx.Rngs):
         self.group = group
+        self.block_size = cfg.attn_res_block_size
         self.remat = cfg.runtime.remat
         # "dots": the unit's backward reuses the forward's matmul outputs instead of recomputing them
         self.remat_policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
@@ -224,9 +225,18 @@ class ScannedUnits(nnx.Module):
             carry = unit(carry, start, segment_ids_bt)
             return carry, nnx.state(unit, params.RoutingStats)
 
-        if self.remat:
-            body = jax.checkpoint(body, policy=self.remat_policy)
-        carry, new_stats = jax.lax.scan(body, carry, (weights, stats, starts))
+        if self.remat and self.remat_policy is None and carry[1].shape[0] > 0:
+            def run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt):
+                unit = nnx.merge(graphdef, unit_weights, unit_stats)
+                carry = unit(carry, start, segment_ids_bt)
+                return carry, nnx.state(unit, params.RoutingStats)
+
+            carry, new_stats = scan_units_rebuilding_bank(run_unit, self.block_size, weights, stats, starts, carry,
+                                                          segment_ids_bt)
+        else:
+            if self.remat:
+                body = jax.checkpoint(body, policy=self.remat_policy)
+            carry, new_stats = jax.lax.scan(body, carry, (weights, stats, starts))
         nnx.update(self.units, new_stats)
         return carry
 
@@ -241,6 +251,62 @@ class ScannedUnits(nnx.Module):
             return unit.forward_cached(carry, start, unit_states, start_b, valid_b, page_table_bp)
 
         return run(carry, self.units, starts, states)
+
+
+def scan_units_rebuilding_bank(run_unit, block_size: int, weights, stats, starts_u: jax.Array, carry: Carry,
+                               segment_ids_bt: jax.Array | None) -> tuple[Carry, object]:
+    """The scan of `ScannedUnits` under full rematerialisation, differentiated without saving the AttnRes bank
+    per unit.
+
+    `run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt) -> (carry, new_stats)` is one unit. A
+    rematerialised scan saves each unit's input carry for its backward: the residual stream h [B, T, D] and the
+    bank [N, B, T, D], N times larger, although a unit adds at most one bank row (K3: [22, 8, 1, 4096, 7168] bf16,
+    10.3 GB per chip at 4,096 tokens per chip). A bank row is written once, at its block's first layer, and never
+    changed, so the bank a unit started from is the scan's output bank with the rows it had not yet filled taken
+    from the scan's input bank. This custom VJP saves h per unit and the two banks once, rebuilds each unit's input
+    bank in the backward scan, and recomputes the unit there (its own layer checkpoints apply): the gradients are
+    those of the rematerialised scan."""
+
+    def forward(weights, stats, starts_u, carry, segment_ids_bt):
+        def body(carry, xs):
+            unit_weights, unit_stats, start = xs
+            new_carry, new_stats = run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt)
+            return new_carry, (new_stats, carry[0])
+
+        carry_out, (new_stats, h_in_ubtd) = jax.lax.scan(body, carry, (weights, stats, starts_u))
+        return carry_out, new_stats, h_in_ubtd
+
+    @jax.custom_vjp
+    def scan(weights, stats, starts_u, carry, segment_ids_bt):
+        carry_out, new_stats, _ = forward(weights, stats, starts_u, carry, segment_ids_bt)
+        return carry_out, new_stats
+
+    def scan_fwd(weights, stats, starts_u, carry, segment_ids_bt):
+        carry_out, new_stats, h_in_ubtd = forward(weights, stats, starts_u, carry, segment_ids_bt)
+        saved = (weights, stats, starts_u, h_in_ubtd, carry[1], carry_out[1], segment_ids_bt)
+        return (carry_out, new_stats), saved
+
+    def scan_bwd(saved, cotangents):
+        weights, stats, starts_u, h_in_ubtd, bank_in_nbtd, bank_out_nbtd, segment_ids_bt = saved
+        (dh_btd, dbank_nbtd), _ = cotangents
+        rows_n = jnp.arange(bank_in_nbtd.shape[0], dtype=jnp.int32)
+
+        def body(dcarry, xs):
+            unit_weights, unit_stats, start, h_btd = xs
+            filled = rows_n[:, None, None, None] < snapshots_before(start, block_size)
+            bank_nbtd = constrain(jnp.where(filled, bank_out_nbtd, bank_in_nbtd), ACT_NBTD)
+            _, vjp = jax.vjp(lambda w, c: run_unit(w, unit_stats, start, c, segment_ids_bt)[0], unit_weights,
+                             (h_btd, bank_nbtd))
+            dweights, dcarry_in = vjp(dcarry)
+            return dcarry_in, dweights
+
+        dcarry, dweights = jax.lax.scan(body, (dh_btd, dbank_nbtd), (weights, stats, starts_u, h_in_ubtd),
+                                        reverse=True)
+        none = lambda tree: jax.tree.map(lambda _: None, tree)  # noqa: E731
+        return dweights, none(stats), None, dcarry, none(segment_ids_bt)
+
+    scan.defvjp(scan_fwd, scan_bwd)
+    return scan(weights, stats, starts_u, carry, segment_ids_bt)
 
 
 class K3Model(nnx.Module):

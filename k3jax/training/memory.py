@@ -33,8 +33,9 @@ m = model size, X/m = ceil(X / m)):
                         rows/n · (3·L + 3·(M/m))·a, rows = n·k on one expert rank; with expert parallelism R > 1
                         the dropless receive buffer's static worst case R·n·min(k, E/R)
                         (`sharding/expert_parallel.py`), 'capacity:F': R·min(ceil(F·n·k/R), n·min(k, E/R))
-    saved        remat_policy "unit": scanned groups num_repeats × carry, unscanned layers layer(kind) each;
-                 "layer": one carry per scanned unit and per unscanned layer; no remat or "dots": every layer's
+    saved        remat_policy "unit": scanned groups num_repeats·n·D·a + 2·S·n·D·a (the stream per unit, the bank
+                 twice: `k3jax.model.scan_units_rebuilding_bank`), unscanned layers layer(kind) each; "layer": the
+                 same per scanned group and one carry per unscanned layer; no remat or "dots": every layer's
                  layer(kind) (for "dots" an upper bound)
     recompute    "unit": the largest scanned unit's Σ layer(kind) (rebuilt during its backward); "layer": a unit's
                  layer carries + the largest layer(kind)
@@ -186,6 +187,8 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     a = _dtype_bytes(cfg.runtime.dtype)
     d = cfg.hidden_size
     carry = (1 + cfg.num_attn_res_snapshots) * n * d * a
+    # a scanned group under remat saves the stream per unit and the bank twice (`scan_units_rebuilding_bank`)
+    scanned_saved = lambda repeats: repeats * n * d * a + 2 * (carry - n * d * a)  # noqa: E731
 
     def layer(kind) -> int:
         return _layer_bytes(cfg, kind[0], kind[1], n=n, t_full=seq_len, sizes=sizes)
@@ -196,11 +199,11 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
     for group in cfg.layer_groups():
         unit = sum(layer(kind) for kind in group.pattern)
         if per_layer:  # unit carries saved; its backward rebuilds layer carries, then one layer at a time
-            saved += group.num_repeats * carry if group.num_repeats > 1 else len(group.pattern) * carry
+            saved += scanned_saved(group.num_repeats) if group.num_repeats > 1 else len(group.pattern) * carry
             inner = len(group.pattern) * carry if group.num_repeats > 1 else 0
             recompute = max(recompute, inner + max(layer(kind) for kind in group.pattern))
         elif group.num_repeats > 1 and run.scan_layers and run.remat and run.remat_policy == "unit":
-            saved += group.num_repeats * carry
+            saved += scanned_saved(group.num_repeats)
             recompute = max(recompute, unit)
         else:  # no remat, unscanned layers, or "dots" (bounded above by keeping everything)
             saved += group.num_repeats * unit
