@@ -53,6 +53,8 @@ def test_to_hf_writes_the_mtp_layer_and_the_serving_draft_loads_it_back(tmp_path
 
     orbax_to_hf(ckpt, str(tmp_path / "hf"), dtype="f32")
     tensors = _tensors(tmp_path / "hf")
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config.get("text_config", hf_config)["num_nextn_predict_layers"] == 1
     prefix = K3_PREFIX if cfg.uses_attn_res else ""
     layer = prefix + mtp_prefix(cfg)
     exported = export_mtp_hf_weights(mtp)
@@ -84,6 +86,8 @@ def test_a_checkpoint_without_an_mtp_layer_is_a_clear_draft_error(tmp_path):
     with pytest.raises(ValueError, match="holds no MTP layer"):
         make_draft("mtp", 2, model, ckpt, print)
     orbax_to_hf(ckpt, str(tmp_path / "hf"))
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert hf_config.get("text_config", hf_config)["num_nextn_predict_layers"] == 0
     assert not any(k.startswith(mtp_prefix(cfg)) or ".layers.%d." % cfg.num_hidden_layers in k
                    for k in _tensors(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no MTP tensor"):

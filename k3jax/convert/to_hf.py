@@ -184,6 +184,9 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             hf_config.get("text_config", {}).pop("quantization_config", None)
         elif "quantization_config" not in hf_config and "quantization_config" not in hf_config.get("text_config", {}):
             hf_config["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
+        # the written file's MTP layers (DeepSeek's field): 1 with the checkpoint's MTP layer, else none
+        text_config = hf_config.get("text_config", hf_config)
+        text_config["num_nextn_predict_layers"] = 1 if mtp else 0
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(hf_config, f, indent=1)
         _copy_tokenizer(os.path.join(ckpt, "tokenizer"), tmp)
