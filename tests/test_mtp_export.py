@@ -92,3 +92,41 @@ def test_a_checkpoint_without_an_mtp_layer_is_a_clear_draft_error(tmp_path):
                    for k in _tensors(tmp_path / "hf"))
     with pytest.raises(ValueError, match="no MTP tensor"):
         make_draft("mtp", 2, model, str(tmp_path / "hf"), print)
+
+
+@pytest.mark.slow  # three conversions (~20 s on 2 cores); the dense export is checked in the default suite
+def test_to_hf_with_mxfp4_experts_packs_the_mtp_experts_and_the_draft_decodes_them(tmp_path):
+    """`--experts mxfp4` writes the MTP layer's routed experts as the model's are (codes + scales); the draft loads
+    them as the MXFP4 fake-quantisation of the trained weights (`fake_quant_mxfp4` along the input axis), and
+    `--experts bf16` of a checkpoint converted back writes those values dense again."""
+    import jax.numpy as jnp
+
+    from k3jax.convert.mtp_names import PACKED, SCALE, mtp_entries, mtp_expert_names
+    from k3jax.ops.mx_quant import fake_quant_mxfp4
+
+    cfg = configs.get_config("tiny").replace(param_dtype="float32", dtype="float32")
+    model, mtp = K3Model(cfg, rngs=nnx.Rngs(0)), MTPLayer(cfg, rngs=nnx.Rngs(1))
+    expert_paths = {".".join(p) for p, _, kind, _ in mtp_entries(mtp) if kind == "experts"}
+    want = {k: np.asarray(fake_quant_mxfp4(jnp.asarray(v), axis=1)) if k in expert_paths else v
+            for k, v in _flat(mtp).items()}
+    ckpt = k3jax.save_checkpoint(model, str(tmp_path / "ckpt"), mtp=mtp)
+    orbax_to_hf(ckpt, str(tmp_path / "hf"), dtype="f32", experts="mxfp4")
+    tensors = _tensors(tmp_path / "hf")
+    prefix = K3_PREFIX if cfg.uses_attn_res else ""
+    names = mtp_expert_names(cfg)
+    assert expert_paths and len(names) == 3 * cfg.num_experts
+    assert not {prefix + n for n in names} & tensors.keys()
+    assert all(tensors[prefix + n + PACKED].dtype == np.uint8 and prefix + n + SCALE in tensors for n in names)
+
+    got = _draft_weights(model, str(tmp_path / "hf"))
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+    back = hf_to_orbax(str(tmp_path / "hf"), str(tmp_path / "back"))
+    orbax_to_hf(back, str(tmp_path / "dense"), dtype="f32", experts="bf16")
+    dense = _tensors(tmp_path / "dense")
+    assert not any(k.endswith((PACKED, SCALE)) for k in dense)
+    got = _draft_weights(model, str(tmp_path / "dense"))
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)

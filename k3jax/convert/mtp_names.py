@@ -23,10 +23,12 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 from flax import nnx
 
+from k3jax.convert import mxfp4
 from k3jax.convert.hf_names import _DENSE_TABLE, _LAYER_TABLE, _MOE_TABLE, MissingTensorError, _to_hf, _to_ours
 from k3jax.mtp import MTPLayer
 
 MTP_ITEM = "mtp"  # the checkpoint item holding the MTP layer
+PACKED, SCALE = "_packed", "_scale"  # suffixes of an MXFP4 expert weight's codes and scales (the release's names)
 SHARED_COPIES = ("embed_tokens.weight", "shared_head.head.weight")  # DeepSeek's copies of the shared tensors
 
 _MTP_TABLE = {
@@ -98,13 +100,24 @@ def load_mtp_hf_weights(mtp: MTPLayer, weights: Mapping[str, np.ndarray] | Calla
             raise MissingTensorError(f"missing tensor {name!r} in the HF weights (MTP layer)")
         return np.asarray(weights[name])
 
+    def get_expert(name):  # dense [out, in], or decoded from the MXFP4 pair an --experts mxfp4 export writes
+        try:
+            return get(name)
+        except MissingTensorError:
+            try:
+                packed, scale = get(name + PACKED), get(name + SCALE)
+            except MissingTensorError:
+                raise MissingTensorError(f"missing tensor {name!r} (dense or {name + PACKED!r} + "
+                                         f"{name + SCALE!r}) in the HF weights (MTP layer)") from None
+            return mxfp4.decode(packed, scale, np.float32)
+
     state = nnx.state(mtp, nnx.Variable)
     flat = {tuple(str(p) for p in path): var for path, var in nnx.to_flat_state(state)}
     for path, name, kind, shape in mtp_entries(mtp):
         if kind == "eh_proj":
             arr = _swap_halves(np.ascontiguousarray(get(name).T))
         elif kind == "experts":
-            arr = np.stack([np.ascontiguousarray(get(name.format(e=e)).T) for e in range(cfg.num_experts)])
+            arr = np.stack([np.ascontiguousarray(get_expert(name.format(e=e)).T) for e in range(cfg.num_experts)])
         else:
             arr = _to_ours(get(name), kind, shape)
         if arr.shape != shape:
@@ -120,6 +133,14 @@ def hf_mtp_tensors(tensors: Mapping, cfg, prefix: str = "") -> dict:
     start = prefix + mtp_prefix(cfg)
     return {k[len(prefix):]: v for k, v in tensors.items()
             if k.startswith(start) and k[len(start):] not in SHARED_COPIES}
+
+
+def mtp_expert_names(cfg) -> set[str]:
+    """The HF names (one per expert and matrix, torch [out, in]) of the MTP layer's routed expert weights: what an
+    `--experts mxfp4` export writes as `name + PACKED` / `name + SCALE` pairs."""
+    mtp = nnx.eval_shape(lambda: MTPLayer(cfg, rngs=nnx.Rngs(0)))
+    return {name.format(e=e) for _, name, kind, _ in mtp_entries(mtp) if kind == "experts"
+            for e in range(cfg.num_experts)}
 
 
 def mtp_hf_dtypes(cfg) -> dict[str, np.dtype]:

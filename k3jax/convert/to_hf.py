@@ -1,7 +1,7 @@
 """k3jax Orbax checkpoint -> HF safetensors (`python -m k3jax.convert --to_hf`): release names and dtypes, MXFP4
 experts packed or dense, the vision part written back bit-exactly, the MTP layer (a checkpoint's `mtp` item) under
-DeepSeek-style `model.layers.{num_hidden_layers}.*` names (`k3jax.convert.mtp_names`; its experts dense, without
-DeepSeek's copies of the embedding and head), one item in memory at a time, atomic output.
+DeepSeek-style `model.layers.{num_hidden_layers}.*` names (`k3jax.convert.mtp_names`; its experts in the format
+of the model's, without DeepSeek's copies of the embedding and head), one item in memory at a time, atomic output.
 The HF -> Orbax direction and the checkpoint layout are in `k3jax.convert.checkpoint`."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from k3jax.convert.checkpoint import (
 )
 from k3jax.convert.hf_config import config_to_hf
 from k3jax.convert.hf_names import _to_hf
-from k3jax.convert.mtp_names import MTP_ITEM, mtp_hf_dtypes
+from k3jax.convert.mtp_names import MTP_ITEM, PACKED, SCALE, mtp_expert_names, mtp_hf_dtypes
 from k3jax.convert.safetensors_io import DTYPES, plan_shards, write_shard
 from k3jax.convert.vision import VISION_ITEM, text_only_hf_config, vision_item_to_release
 from k3jax.ops import mx_quant
@@ -104,10 +104,28 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             else:
                 entries.append((slot.hf_name, dt, hf_shape(slot), name, (slot.local, None, slot.kind)))
 
+    packed_out = experts == "mxfp4" or (experts is None and manifest.get("experts") == "mxfp4")
     mtp = hf.get("mtp")
     if mtp:  # the MTP layer's HF-named arrays, in the dtypes a model of the output dtype holds
         mtp_dtypes = mtp_hf_dtypes(cfg.replace(param_dtype=out_dtype)) if out_dtype else {}
+        mtp_experts = mtp_expert_names(cfg) if packed_out else set()
         for name, (dt, shape) in mtp["arrays"].items():
+            if name in mtp_experts:  # MXFP4 like the model's experts
+                out_f, in_f = shape
+                if in_f % mxfp4.GROUP:
+                    raise ConfigError(f"MXFP4 experts need input widths divisible by {mxfp4.GROUP}; the MTP "
+                                      f"layer's {name} is {list(shape)} ([out, in])")
+                for part, shp in ((PACKED, (out_f, in_f // 2)), (SCALE, (out_f, in_f // mxfp4.GROUP))):
+                    entries.append((name + part, np.dtype(np.uint8), shp, MTP_ITEM, (name, None, "mtp" + part)))
+                continue
+            if experts == "bf16" and name.endswith(SCALE) and name[:-len(SCALE)] + PACKED in mtp["arrays"]:
+                continue
+            if experts == "bf16" and name.endswith(PACKED):  # a packed MTP expert from the HF source, written dense
+                base = name[:-len(PACKED)]
+                out_f, half = shape
+                dt = np.dtype(DTYPES["BF16"]) if (out_dtype or "bfloat16") == "bfloat16" else np.dtype(out_dtype)
+                entries.append((base, dt, (out_f, 2 * half), MTP_ITEM, (base, None, "mtp_decode")))
+                continue
             dt = str(mtp_dtypes.get(name, dt))
             dt = np.dtype(DTYPES["BF16"]) if dt == "bfloat16" else np.dtype(dt)
             entries.append((name, dt, tuple(shape), MTP_ITEM, (name, None, "mtp")))
@@ -131,6 +149,13 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             cache["item"] = restore_item(os.path.join(ckpt, "params", item_name), hashes.get(item_name))
             cache["name"] = item_name
         item = cache["item"]
+        if how in ("mtp" + PACKED, "mtp" + SCALE):  # the MTP layer's expert, stored dense in HF layout [out, in]
+            if cache.get("packed_of") != (item_name, key, e):
+                cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(item[key]))]
+                cache["packed_of"] = (item_name, key, e)
+            return cache["packed"][0 if how == "mtp" + PACKED else 1]
+        if how == "mtp_decode":
+            return mxfp4.decode(item[key + PACKED], item[key + SCALE], np.float32).astype(dt)
         if how in ("packed", "scale"):  # MXFP4 of the stored values, before any cast: the QAT forward's codes
             if cache.get("packed_of") != (item_name, key, e):
                 cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(item[key][e].T))]
@@ -174,7 +199,6 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
                 hf_config = text_only_hf_config(hf_config)
                 if log:
                     log("config.json: text-only (vision_config dropped; the checkpoint holds the text model only)")
-        packed_out = experts == "mxfp4" or (experts is None and manifest.get("experts") == "mxfp4")
         if hf_config is None:
             torch_dtype = "float32" if (out_dtype or cfg.runtime.param_dtype) == "float32" else "bfloat16"
             hf_config = config_to_hf(cfg, k3_format=bool(prefix) or None, torch_dtype=torch_dtype,
