@@ -227,7 +227,7 @@ class ScannedUnits(nnx.Module):
 
         if self.remat and self.remat_policy is None and carry[1].shape[0] > 0:
             def run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt):
-                unit = nnx.merge(graphdef, unit_weights, unit_stats)
+                unit = nnx.merge(graphdef, unit_weights, unit_stats, copy=True)
                 carry = unit(carry, start, segment_ids_bt)
                 return carry, nnx.state(unit, params.RoutingStats)
 

@@ -68,3 +68,22 @@ def test_scanned_units_save_the_residual_stream_per_unit_but_the_bank_twice():
     assert per_unit_bank not in text.replace(" ", ""), text
     assert f"[{group.num_repeats},{b},{t},{d}]" in text.replace(" ", ""), text
     assert text.replace(" ", "").count(f"[{n},{b},{t},{d}]") == 2, text
+
+
+def test_train_step_with_per_layer_remat_traces_through_the_rebuilt_bank():
+    """train.py's step (nnx.value_and_grad over the trainable parameters) under remat_policy=layer: the backward's
+    unit recompute runs the layers' own remat regions, which write routing statistics into a unit merged inside
+    the custom VJP (a regression: merging without a copy raised flax's TraceContextError)."""
+    import dataclasses
+
+    from k3jax.training.trainer import TrainOptions, build
+    from sharding.mesh import make_mesh
+
+    cfg = get_config("tiny", ["remat_policy=layer"])
+    opts = dataclasses.replace(TrainOptions(), batch_size=2, seq_len=16)
+    trainable, optimizer, step, _ = build(cfg, opts, make_mesh(devices=jax.devices()[:1]), abstract=True)
+    tokens = jax.ShapeDtypeStruct((2, 16), jnp.int32)
+    batch = {"input_ids": tokens, "targets": tokens, "segment_ids": tokens,
+             "loss_mask": jax.ShapeDtypeStruct((2, 16), jnp.float32)}
+    text = step.jitted.lower(nnx.state((trainable, optimizer)), batch).as_text()
+    assert "while" in text
