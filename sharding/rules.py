@@ -19,14 +19,17 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     "act_vocab": "model",  # logits over the vocabulary, like the head's columns
     # embeddings and trunk
     "vocab": "model",
-    "embed": ("data", "expert"),  # FSDP over data and expert for non-expert weights
+    # FSDP over data, context and expert for non-expert weights: a long-context mesh puts most chips on 'context'
+    # (k3 at 1M tokens per sequence: context=256 of 1,024 chips), where replicated weights cannot fit
+    "embed": ("data", "context", "expert"),
     "norm": None,
     "mlp": "model",
     # KDA
     "kda_heads": "model",
     "kda_head_dim": None,
     "kda_proj": "model",
-    "kda_gate_rank": "data",  # FSDP of f_b/g_b [rank 128, heads, head_dim] (in f_a/g_a the embed dim has 'data')
+    # FSDP of f_b/g_b [rank 128, heads, head_dim] (in f_a/g_a the embed dim has 'data')
+    "kda_gate_rank": ("data", "context"),
     "conv_window": None,
     # MLA
     "heads": "model",
@@ -34,29 +37,29 @@ LOGICAL_AXIS_RULES: dict[str, str | tuple[str, ...] | None] = {
     # FSDP like embed: q_b/kv_b [lora, heads, head_dim] were replicated where heads do not split (model = 1): 8 GB
     # of k3's f32 parameters + momentum per v5p chip, and as much gradient (benchmarks/RESULTS.md, 2026-12-04). In
     # q_a/kv_a [embed, lora] the embed dim already takes these axes (a "reused" fallback, as intended)
-    "q_lora": ("data", "expert"),
-    "kv_lora": ("data", "expert"),
+    "q_lora": ("data", "context", "expert"),
+    "kv_lora": ("data", "context", "expert"),
     "kv_a_out": None,  # kv_a_proj_with_mqa's output [latent | rope] (576): its embed dim is the FSDP one
     # MoE
     "experts_router": None,
     "experts": "expert",
-    "expert_latent": "data",
+    "expert_latent": ("data", "context"),  # FSDP of the experts' latent dim (their expert dim takes 'expert')
     "expert_mlp": "model",
     # MTP: the [hidden; embedding] concatenation axis of eh_proj (FSDP like embed)
-    "mtp_concat": ("data", "expert"),
+    "mtp_concat": ("data", "context", "expert"),
     # scanned layer stacks
     "layers": None,
     # vision tower + projector (k3jax/vision): FSDP on the tower width like `embed`, tensor parallel on the MLP,
     # the fused qkv columns and the attention output's input; the patch projection's input and the learned position
     # grid replicated (small); the projector's 4x-wide input FSDP, its hidden width tensor parallel
-    "vision_embed": ("data", "expert"),
+    "vision_embed": ("data", "context", "expert"),
     "vision_mlp": "model",
     "vision_qkv": "model",
     "vision_heads": "model",
     "vision_patch": None,
     "vision_pos_h": None,
     "vision_pos_w": None,
-    "vision_merged": ("data", "expert"),
+    "vision_merged": ("data", "context", "expert"),
     "vision_merged_out": "model",
 }
 

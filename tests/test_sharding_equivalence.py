@@ -142,7 +142,7 @@ def test_sharded_train_step_matches_single_device_and_keeps_shardings():
     mesh = make_mesh(data=2, expert=2, model=2)
     model, optimizer, step, losses = _toy_step_on(mesh, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    assert step.plan.specs["0.embed_tokens"] == P("model", ("data", "expert"))
+    assert step.plan.specs["0.embed_tokens"] == P("model", ("data", "context", "expert"))
     ref = dict(nnx.to_flat_state(nnx.state(ref_model, nnx.Param)))
     for key, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         arr = var.get_value()
@@ -154,7 +154,7 @@ def test_sharded_train_step_matches_single_device_and_keeps_shardings():
         arr = var.get_value()
         assert arr.sharding.spec == step.plan.specs["1." + path], path
         if path.endswith("mu.up") or path.endswith("nu.up"):
-            assert arr.sharding.spec == P(("data", "expert"), "model")
+            assert arr.sharding.spec == P(("data", "context", "expert"), "model")
     # A host (numpy) batch is resharded by jit's in_shardings; a batch the mesh cannot split is a clear error.
     assert math.isfinite(float(step(model, optimizer, batch)))
     with pytest.raises(ValueError, match="not divisible by data\\*expert = 4"):

@@ -66,29 +66,30 @@ def test_tiny_fallbacks_are_recorded(abstract_states):
     state = abstract_states["tiny"]
     tp = plan_shardings(state, make_mesh(model=8))  # tiny has 2 heads: heads cannot split 8 ways
     kda_q = tp.specs["groups.0.layers.0.self_attn.q_proj"]
-    assert kda_q == P(("data", "expert"), None, None)
+    assert kda_q == P(("data", "context", "expert"), None, None)
     assert any(f.path == "groups.0.layers.0.self_attn.q_proj" and f.dropped == ("model",) and
                f.reason == "indivisible" for f in tp.fallbacks)
-    assert tp.specs["embed_tokens"] == P("model", ("data", "expert"))  # vocab 384 = 8 x 48
-    assert tp.specs["groups.1.layers.0.mlp.w1"] == P("expert", "data", "model")  # [E=8, L=32, M=32]
-    # 'expert_latent' wants 'data', already taken by 'embed' in the latent down-projection [D, L]: replicated.
+    assert tp.specs["embed_tokens"] == P("model", ("data", "context", "expert"))  # vocab 384 = 8 x 48
+    assert tp.specs["groups.1.layers.0.mlp.w1"] == P("expert", ("data", "context"), "model")  # [E=8, L=32, M=32]
+    # 'expert_latent' wants 'data' x 'context', already taken by 'embed' in the latent down-projection [D, L]:
+    # replicated.
     fsdp = plan_shardings(state, make_mesh(data=2, expert=4))
-    assert fsdp.specs["groups.1.layers.0.mlp.routed_expert_down_proj"] == P(("data", "expert"), None)
+    assert fsdp.specs["groups.1.layers.0.mlp.routed_expert_down_proj"] == P(("data", "context", "expert"), None)
     assert any(f.path == "groups.1.layers.0.mlp.routed_expert_down_proj" and f.reason == "reused"
-               and f.dropped == ("data",) for f in fsdp.fallbacks)
+               and f.dropped == ("data", "context") for f in fsdp.fallbacks)
     # Scanned stacks keep their leading 'layers' axis replicated.
     assert fsdp.specs["groups.4.units.layers.0.self_attn.q_proj"][0] is None
 
 
 def test_resolve_spec_rules():
     mesh = make_mesh(data=2, expert=4)
-    # greedy per dim: data (2) divides 4, data*expert (8) does not -> keep data only
+    # greedy per dim: data x context (2) divides 4, with expert (8) it does not -> keep data x context
     spec, fb = resolve_spec(("embed", "mlp"), (4, 16), mesh, path="w")
-    assert spec == P("data", "model") and [(f.dim, f.dropped, f.reason) for f in fb] == [(0, ("expert",),
+    assert spec == P(("data", "context"), "model") and [(f.dim, f.dropped, f.reason) for f in fb] == [(0, ("expert",),
                                                                                        "indivisible")]
     # a size-1 mesh axis never counts as a fallback
     spec, fb = resolve_spec(("embed", "heads", "head_dim"), (8, 3, 5), mesh)
-    assert spec == P(("data", "expert"), "model", None) and fb == []
+    assert spec == P(("data", "context", "expert"), "model", None) and fb == []
     # unknown logical names are an error, not silently replicated
     with pytest.raises(UnknownLogicalAxisError):
         resolve_spec(("embed", "not_an_axis"), (8, 8), mesh)
@@ -97,9 +98,9 @@ def test_resolve_spec_rules():
 
 
 def test_k3_shards_its_big_weights_on_a_pod_mesh():
-    """The released config on an abstract 2048-chip mesh: experts over 'expert', FSDP over data x expert, tensor
-    parallel over 'model'; the only fallbacks are small tensors (never a routed-expert or attention weight dim that
-    the table asks to shard, apart from the documented latent reuse)."""
+    """The released config on an abstract 2048-chip mesh: experts over 'expert', FSDP over data x context x expert,
+    tensor parallel over 'model'; the only fallbacks are small tensors (never a routed-expert or attention weight dim
+    that the table asks to shard, apart from the documented latent reuse)."""
     state = abstract_state(configs.get_config("k3"))
     mesh = AbstractMesh((16, 16, 1, 8), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     plan = plan_shardings(state, mesh)
@@ -108,7 +109,7 @@ def test_k3_shards_its_big_weights_on_a_pod_mesh():
         path = ".".join(map(str, key))
         assert_valid(plan.specs[path], var.get_value().shape, mesh, path)
     w1 = next(p for p in plan.specs if p.endswith("mlp.w1"))
-    assert tuple(plan.specs[w1])[-3:] == ("expert", "data", "model")
+    assert tuple(plan.specs[w1])[-3:] == ("expert", ("data", "context"), "model")
     assert not [f for f in plan.fallbacks if f.reason == "indivisible" and math.prod(flat_shape(flat, f.path)) > 1e7]
     # the latent reuse of the routed experts, and the low-rank dims (FSDP'd in q_b / kv_b / f_b / g_b) where the
     # embed dim of the same weight already takes the FSDP axes
