@@ -219,21 +219,21 @@ class ScannedUnits(nnx.Module):
         # 2026-12-04).
         graphdef, weights, stats = nnx.split(self.units, nnx.Not(params.RoutingStats), params.RoutingStats)
 
-        def body(carry, xs):
-            unit_weights, unit_stats, start = xs
-            unit = nnx.merge(graphdef, unit_weights, unit_stats)
+        def run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt):
+            # a copy: the bank rebuild's backward merges the unit inside jax.vjp, where the layers' own remat
+            # regions write routing statistics (without a copy flax raises TraceContextError)
+            unit = nnx.merge(graphdef, unit_weights, unit_stats, copy=True)
             carry = unit(carry, start, segment_ids_bt)
             return carry, nnx.state(unit, params.RoutingStats)
 
         if self.remat and self.remat_policy is None and carry[1].shape[0] > 0:
-            def run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt):
-                unit = nnx.merge(graphdef, unit_weights, unit_stats, copy=True)
-                carry = unit(carry, start, segment_ids_bt)
-                return carry, nnx.state(unit, params.RoutingStats)
-
             carry, new_stats = scan_units_rebuilding_bank(run_unit, self.block_size, weights, stats, starts, carry,
                                                           segment_ids_bt)
         else:
+            def body(carry, xs):
+                unit_weights, unit_stats, start = xs
+                return run_unit(unit_weights, unit_stats, start, carry, segment_ids_bt)
+
             if self.remat:
                 body = jax.checkpoint(body, policy=self.remat_policy)
             carry, new_stats = jax.lax.scan(body, carry, (weights, stats, starts))
