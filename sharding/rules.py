@@ -1,8 +1,8 @@
 """The single table mapping logical axis names (on parameters and activations) to mesh axes.
 
 Mesh axes: `data` (FSDP + batch), `expert` (expert parallel; also FSDP for non-expert weights), `context`
-(sequence), `model` (tensor parallel). A logical name maps to a mesh axis, a tuple of mesh axes, or None
-(replicated). Every name a parameter uses must be listed here; `tests/test_sharding_rules.py` enforces it.
+(sequence; also FSDP for weights), `model` (tensor parallel). A logical name maps to a mesh axis, a tuple of mesh
+axes, or None (replicated). Every name a parameter uses must be listed here; `tests/test_sharding_rules.py` enforces it.
 """
 
 from __future__ import annotations
