@@ -149,18 +149,16 @@ def orbax_to_hf(ckpt: str, out: str, *, overwrite: bool = False, max_shard_bytes
             cache["item"] = restore_item(os.path.join(ckpt, "params", item_name), hashes.get(item_name))
             cache["name"] = item_name
         item = cache["item"]
-        if how in ("mtp" + PACKED, "mtp" + SCALE):  # the MTP layer's expert, stored dense in HF layout [out, in]
+        if how in ("packed", "scale", "mtp" + PACKED, "mtp" + SCALE):
+            # MXFP4 of the stored values, before any cast (the QAT forward's codes); an MTP expert is stored dense in
+            # HF layout [out, in], the model's experts stacked in ours [E, in, out]
             if cache.get("packed_of") != (item_name, key, e):
-                cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(item[key]))]
+                w_nk = item[key] if how.startswith("mtp") else item[key][e].T
+                cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(w_nk))]
                 cache["packed_of"] = (item_name, key, e)
-            return cache["packed"][0 if how == "mtp" + PACKED else 1]
+            return cache["packed"][1 if how.endswith("scale") else 0]
         if how == "mtp_decode":
             return mxfp4.decode(item[key + PACKED], item[key + SCALE], np.float32).astype(dt)
-        if how in ("packed", "scale"):  # MXFP4 of the stored values, before any cast: the QAT forward's codes
-            if cache.get("packed_of") != (item_name, key, e):
-                cache["packed"] = [np.asarray(a) for a in _pack_mxfp4(np.ascontiguousarray(item[key][e].T))]
-                cache["packed_of"] = (item_name, key, e)
-            return cache["packed"][0 if how == "packed" else 1]
         if key not in item:  # a kept-packed expert stack written dense (experts="bf16")
             item[key] = _decode_stack(item[key + ".packed"], item[key + ".scale"], np.float32)
         arr = item[key]
