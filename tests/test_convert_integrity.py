@@ -11,8 +11,10 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 from safetensors.numpy import load_file, save_file
 
 import configs
@@ -222,3 +224,13 @@ def test_flipped_bytes_in_a_converted_checkpoint_are_refused_on_load(hf, tmp_pat
     with pytest.raises(CheckpointError, match=r"params/layer_0001: (its arrays differ from the hash recorded in "
                                               r"manifest.json|unreadable checkpoint item)"):
         load_checkpoint(str(out))
+
+
+def test_a_checkpoint_named_by_a_relative_path_loads_like_by_its_absolute_one(hf, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    hf_to_orbax(hf, str(out))
+    _, model_abs = load_checkpoint(str(out))
+    monkeypatch.chdir(tmp_path / "hf")
+    _, model_rel = load_checkpoint(os.path.join("..", "out"))
+    a, b = (jax.tree.leaves(nnx.state(m)) for m in (model_abs, model_rel))
+    assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))

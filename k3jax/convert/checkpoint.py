@@ -399,7 +399,7 @@ def _item_meta(arrays: dict[str, np.ndarray]) -> dict[str, list]:
 def _save_item(path: str, arrays: dict[str, np.ndarray]) -> None:
     import orbax.checkpoint as ocp
 
-    ocp.PyTreeCheckpointer().save(path, dict(arrays))
+    ocp.PyTreeCheckpointer().save(os.path.abspath(path), dict(arrays))
 
 
 def _save_mtp(tmp: str, arrays: dict[str, np.ndarray]) -> dict | None:
@@ -415,8 +415,8 @@ def restore_item(path: str, expected_hash: str | None = None) -> dict[str, np.nd
     `expected_hash` (the manifest's, `item_hash`) when given."""
     import orbax.checkpoint as ocp
 
-    try:
-        item = dict(ocp.PyTreeCheckpointer().restore(path))
+    try:  # Orbax takes absolute paths only; a relative one (`--init_from=ckpt`) names the same directory
+        item = dict(ocp.PyTreeCheckpointer().restore(os.path.abspath(path)))
     except Exception as e:  # noqa: BLE001 - tensorstore / Orbax raise many types for a damaged item
         raise CheckpointError(f"{path}: unreadable checkpoint item ({type(e).__name__}: {str(e)[:300]})") from None
     if expected_hash is not None and item_hash(item) != expected_hash:
