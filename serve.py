@@ -52,7 +52,8 @@ extra; `data:application/x-npy;base64,...` needs nothing); other URLs get 400 (n
 Speculative decoding (`--speculative=mtp|eagle3 --num_draft_tokens=K [--draft=PATH]`): the draft proposes K tokens
 per step, the model verifies them in one forward; greedy output is unchanged. It switches itself off while more than
 `--speculative_max_batch` (32) sequences run and while too few drafted tokens are accepted to pay
-(`--speculative_min_accepted`, re-probed every `--speculative_probe_every` plain steps); /health reports acceptance
+(`--speculative_min_accepted`, by default the break-even measured at warm-up from the plain and speculative step
+times; re-probed every `--speculative_probe_every` plain steps); /health reports acceptance
 (docs/serving.md#speculative-decoding).
 
 `--mesh=D,E,C,M` (data, expert, context, model; as train.py, context must be 1) serves on a device mesh: weights
@@ -191,8 +192,9 @@ _SPEC_MAX_BATCH = flags.DEFINE_integer("speculative_max_batch", DEFAULT_MAX_SPEC
                                        "0 = never speculate.")
 _SPEC_MIN_ACCEPTED = flags.DEFINE_float("speculative_min_accepted", None, "Server mode with --speculative: decode "
                                         "plainly while the running mean of drafted tokens accepted per verification "
-                                        "is below this (default: 0.4 x --num_draft_tokens, the break-even of a "
-                                        "verification costing ~1 + 0.4 k plain steps); 0 = never switch off.")
+                                        "is below this (default: the break-even measured at warm-up from the "
+                                        "plain and speculative step times; at or above --num_draft_tokens "
+                                        "speculation never runs); 0 = never switch off.")
 _SPEC_PROBE_EVERY = flags.DEFINE_integer("speculative_probe_every", DEFAULT_PROBE_EVERY, "Server mode with "
                                          "--speculative: after this many plain steps switched off by low acceptance, "
                                          "try speculating again.")

@@ -124,6 +124,8 @@ def timed_generate(sched: Scheduler, prompts, new_tokens: int) -> tuple[float, l
         sched.enabled = True
         sched.counters = SpecCounters()
         sched.gate.reset()
+        if sched.break_even_source != "given":
+            sched.calibrate()  # the break-even from measured step times, as the server's warm-up sets it
     t0 = time.perf_counter()
     res = sched.generate(requests())
     dt = time.perf_counter() - t0
@@ -148,6 +150,7 @@ def decode_schedulers(target, layer, cfg, args, b: int, record) -> None:
             "acceptance_rate": round(st["acceptance_rate"], 3), "spec_steps": st["spec_steps"],
             "plain_steps": st["plain_steps"], "spec_off_low_acceptance": st["spec_off_low_acceptance"],
             "probes": st["probes"], "min_accepted_per_step": round(st["min_accepted_per_step"], 3),
+            "break_even_source": st["break_even_source"], "step_ms": st["step_ms"],
             "same_tokens": plain_toks == spec_toks,
             "tokens_equal_fraction": round(float(np.mean([a == c for a, c in zip(plain_toks, spec_toks)])), 3)})
 

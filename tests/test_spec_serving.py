@@ -19,7 +19,7 @@ from k3jax.eagle3 import Eagle3Layer
 from k3jax.inference.drafts import CallbackDraft, MTPDraft
 from k3jax.inference.eagle3_draft import Eagle3Draft
 from k3jax.inference.scheduler import Request, Scheduler
-from k3jax.inference.spec_scheduler import SpeculativeScheduler, make_draft
+from k3jax.inference.spec_scheduler import SpeculativeScheduler, break_even_accepted, make_draft
 from k3jax.inference.spec_slots import TRACE_COUNTS
 from k3jax.mtp import MTPLayer
 from tests.test_inference_cache import tiny_model
@@ -185,6 +185,52 @@ def test_a_draft_that_gets_good_is_used_again_after_a_probe_and_an_oracle_keeps_
     assert stats["probes"] == 1 and not stats["off_low_acceptance"] and stats["accepted_per_step_ewma"] > 1.2
 
 
+def test_break_even_accepted_is_the_step_time_ratio_less_one():
+    assert break_even_accepted(0.004, 0.007) == pytest.approx(0.75)
+    assert break_even_accepted(0.0043, 0.021) == pytest.approx(0.021 / 0.0043 - 1)  # > K: never pays
+    assert break_even_accepted(0.008, 0.007, decode_steps=2) == pytest.approx(0.75)  # a plain call of 2 steps
+    assert break_even_accepted(0.004, 0.003) == 0.0  # speculation never slower: never switched off
+    with pytest.raises(ValueError, match="step times must be > 0"):
+        break_even_accepted(0.0, 0.001)
+
+
+def _timed(sched, plain_s: float, spec_s: float) -> None:
+    """A fake clock: each plain decode step takes `plain_s`, each speculative one `spec_s`."""
+    clock, step = [0.0], sched._decode_step
+
+    def timed_step():
+        speculative = sched.speculating
+        out = step()
+        clock[0] += spec_s if speculative else plain_s
+        return out
+
+    sched._decode_step, sched._clock = timed_step, lambda: clock[0]
+
+
+@pytest.mark.parametrize("spec_s, pays", [(0.004, True), (0.010, False)])
+def test_calibrate_sets_the_measured_break_even_and_speculation_runs_only_where_it_pays(model, draft, spec_s,
+                                                                                        pays):
+    want = Scheduler(model, **SHAPE).generate(LONG)
+    draft.fn = oracle([want[r.request_id][0] for r in LONG], [None, None])  # accepts all K: 3 > any break-even < 3
+    sched = SpeculativeScheduler(model, draft, spec_window=4, probe_every=8, **SHAPE)
+    _timed(sched, 0.002, spec_s)
+    cal = sched.calibrate(steps=3)
+    assert cal == {"plain_step_ms": 2.0, "spec_step_ms": spec_s * 1e3, "break_even": round(spec_s / 0.002 - 1, 3),
+                   "min_accepted_per_step": pytest.approx(spec_s / 0.002 - 1), "source": "measured"}
+    stats = sched.speculative_stats()
+    assert not sched.has_work and stats["verify_steps"] == stats["spec_steps"] == stats["plain_steps"] == 0
+    assert stats["pays"] is pays and stats["break_even_source"] == "measured"
+    flags = _spied(sched)
+    assert sched.generate(LONG) == want and flags and all(f is pays for f in flags)
+
+    # a given break-even is kept (the measurement is still reported)
+    sched = SpeculativeScheduler(model, draft, min_accepted_per_step=0.5, **SHAPE)
+    _timed(sched, 0.002, spec_s)
+    assert sched.calibrate(steps=2)["min_accepted_per_step"] == 0.5 and sched.break_even_source == "given"
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        sched.calibrate(steps=0)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["mtp", "eagle3"])
 def test_mtp_and_eagle3_drafts_in_the_scheduler_equal_plain_on_k3_layout(kind):
@@ -250,7 +296,8 @@ def test_serve_cli_speculative_mtp_serves_and_reports():
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "serve.py", f"--config={NAME}", f"--port={port}", "--slots=2",
                              "--max_len=64", "--prefix_block=0", "--warm_up=shortest", "--speculative=mtp",
-                             "--num_draft_tokens=2", "--speculative_max_batch=4"], cwd=ROOT,
+                             "--num_draft_tokens=2", "--speculative_max_batch=4", "--speculative_min_accepted=0"],
+                            cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         async def go():
@@ -280,3 +327,4 @@ def test_serve_cli_speculative_mtp_serves_and_reports():
             proc.communicate()
     assert proc.returncode == 0, err
     assert "MTP draft is RANDOMLY INITIALISED" in err and "plain greedy decode step (speculation off)" in err
+    assert "speculation calibrated" in err and "(given break-even" in err

@@ -20,7 +20,12 @@ It also switches itself off by measurement (`AcceptanceGate`): an exponentially 
 accepted per verification, over the first `spec_window` speculative steps and on, is compared with the break-even
 `min_accepted_per_step` (default: the cost model `VERIFY_COST_PER_DRAFT`·k); below it every step decodes plainly
 (`spec_off_low_acceptance` counts them) and after `probe_every` plain steps speculation is probed again for another
-window (the mean starts afresh), so a draft that gets good again is used again. While a slot decodes plainly its
+window (the mean starts afresh), so a draft that gets good again is used again. `calibrate()` (run by the server's
+warm-up) replaces the cost model by measurement: it times the plain and the speculative step on this scheduler's
+slot table and sets the break-even to `break_even_accepted` of the two. (One H200, 2026-12-04, `k3_gpu`, EAGLE-3,
+k = 3, step times derived from the benchmark's tokens/s and accepted lengths: ~4 ms plain against ~7 ms speculative
+at 1 slot, break-even ~0.8; ~4.3 ms against ~21 ms at 16 slots, break-even ~3.9, more than k: at that table size
+speculation cannot pay, yet the cost model's 1.2 let it run, at 0.65x plain.) While a slot decodes plainly its
 draft does not observe those tokens: an MTP draft then attends to stale rows for them and proposes worse tokens
 for the rest of that request (never wrong output: every token is the target's).
 
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from typing import Callable
 
 import jax
@@ -71,6 +77,18 @@ VERIFY_COST_PER_DRAFT = 0.4
 nothing accepted ran at 0.45× plain at batch 1, 2.2 plain steps ≈ 1 + 0.4·3; larger batches cost more per
 drafted token, which `max_spec_batch` covers). It emits 1 + a tokens (a: drafted tokens accepted), so it pays when
 a > VERIFY_COST_PER_DRAFT·k: 1.2 accepted of 3."""
+
+
+def break_even_accepted(plain_step_s: float, spec_step_s: float, decode_steps: int = 1) -> float:
+    """Drafted tokens one verification must accept for speculation to emit tokens as fast as plain decoding: a
+    speculative step of `spec_step_s` emits 1 + a tokens per running slot, a plain step call of `plain_step_s`
+    emits `decode_steps`; both run every slot of the table, so the break-even does not depend on how many run.
+    0 when speculation is never slower (the acceptance rule then never switches it off)."""
+    if plain_step_s <= 0 or spec_step_s <= 0:
+        raise ValueError(f"step times must be > 0, got plain {plain_step_s}, speculative {spec_step_s}")
+    return max(spec_step_s * decode_steps / plain_step_s - 1.0, 0.0)
+
+
 DEFAULT_SPEC_WINDOW = 16
 DEFAULT_PROBE_EVERY = 256
 DRAFT_KINDS = ("mtp", "eagle3")
@@ -163,6 +181,10 @@ class AcceptanceGate:
     def reset(self) -> None:
         self.mean, self.spec_steps, self.plain_steps, self.off, self.probes = None, 0, 0, False, 0
 
+    def never_pays(self, k: int) -> bool:
+        """A break-even of k or more accepted of k drafted: speculation cannot pay with any draft."""
+        return self.min_accepted >= k
+
 
 class SpeculativeScheduler(Scheduler):
     """`Scheduler` + `draft` (k = draft.num_tokens tokens per step); `max_spec_batch`: most running slots that
@@ -176,12 +198,17 @@ class SpeculativeScheduler(Scheduler):
                  probe_every: int = DEFAULT_PROBE_EVERY, draft_name: str = "custom", **kwargs):
         if max_spec_batch < 0:
             raise ValueError(f"max_spec_batch must be >= 0, got {max_spec_batch}")
+        given = min_accepted_per_step
         if min_accepted_per_step is None:
             min_accepted_per_step = round(VERIFY_COST_PER_DRAFT * draft.num_tokens, 6)
         self.draft, self.draft_name = draft, draft_name
         self.draft_params = draft.params
         self.max_spec_batch = max_spec_batch
+        self.break_even_source = "cost model" if given is None else "given"
         self.gate = AcceptanceGate(float(min_accepted_per_step), spec_window, probe_every)
+        self.step_ms: dict[str, float] = {}  # calibrate()'s measured step times
+        self._step_times: list[tuple[bool, float]] | None = None  # (speculative, seconds) per step while calibrating
+        self._clock = time.perf_counter
         self.enabled = True
         self.counters = SpecCounters()
         self.draft_state = None
@@ -206,14 +233,50 @@ class SpeculativeScheduler(Scheduler):
     def speculating(self) -> bool:
         """Whether the next decode step would run speculatively (by the running slots as they are now)."""
         running = [s.request for s in self._slots if s is not None]
-        return (self.enabled and not self.gate.off and len(running) <= self.max_spec_batch
-                and not any(r.logprobs is not None for r in running))
+        return (self.enabled and not self.gate.off and not self.gate.never_pays(self.draft.num_tokens)
+                and len(running) <= self.max_spec_batch and not any(r.logprobs is not None for r in running))
+
+    def calibrate(self, steps: int = 8) -> dict:
+        """Measures the break-even of the acceptance rule: runs every slot for `steps` decode steps plainly, then
+        speculatively (each after a run that compiles it), times each step (median) and, unless
+        `min_accepted_per_step` was given, sets the rule's break-even to `break_even_accepted` of the two. Returns
+        {"plain_step_ms", "spec_step_ms", "break_even", "min_accepted_per_step", "source"}; the scheduler is left
+        idle with fresh counters."""
+        if steps < 1:
+            raise ValueError(f"calibrate: steps must be >= 1, got {steps}")
+        if self.has_work:
+            raise RuntimeError("calibrate() needs an idle scheduler (requests are queued or running)")
+        gate, enabled = self.gate, self.enabled
+        self.gate = AcceptanceGate(0.0, gate.window, gate.probe_every)  # never off while measuring
+        medians = {}
+        try:
+            for speculative in (False, True):
+                self.enabled = speculative
+                for run in range(2):  # the first run compiles
+                    self._step_times = []
+                    self.generate([Request(f"calibrate-{speculative:d}-{run}-{i}", [0], steps + 1, eos_ids=[])
+                                   for i in range(self.num_slots)])
+                times = [dt for spec, dt in self._step_times if spec == speculative]
+                medians[speculative] = float(np.median(times))
+        finally:
+            self._step_times, self.enabled, self.gate = None, enabled, gate
+        self.counters = SpecCounters()
+        self.gate.reset()
+        self.step_ms = {"plain": medians[False] * 1e3, "spec": medians[True] * 1e3}
+        measured = break_even_accepted(medians[False], medians[True], self.decode_steps)
+        if self.break_even_source != "given":
+            self.gate.min_accepted, self.break_even_source = round(measured, 6), "measured"
+        return {"plain_step_ms": round(self.step_ms["plain"], 3), "spec_step_ms": round(self.step_ms["spec"], 3),
+                "break_even": round(measured, 3), "min_accepted_per_step": self.gate.min_accepted,
+                "source": self.break_even_source}
 
     def speculative_stats(self) -> dict:
         c, g = self.counters, self.gate
         return {"draft": self.draft_name, "num_draft_tokens": self.draft.num_tokens,
                 "max_spec_batch": self.max_spec_batch, "speculating": self.speculating,
-                "min_accepted_per_step": g.min_accepted, "accepted_per_step_ewma": g.mean,
+                "min_accepted_per_step": g.min_accepted, "break_even_source": self.break_even_source,
+                "pays": not g.never_pays(self.draft.num_tokens),
+                "step_ms": {k: round(v, 3) for k, v in self.step_ms.items()}, "accepted_per_step_ewma": g.mean,
                 "off_low_acceptance": g.off, "spec_off_low_acceptance": c.off_low_acceptance, "probes": g.probes,
                 "verify_steps": c.verify_steps, "drafted": c.drafted, "accepted": c.accepted,
                 "acceptance_rate": c.accepted / max(c.drafted, 1),
@@ -301,6 +364,14 @@ class SpeculativeScheduler(Scheduler):
                 mesh=self._mesh)
 
     def _decode_running(self) -> list[TokenEvent]:
+        if self._step_times is None:
+            return self._decode_step()
+        t0, speculative = self._clock(), self.speculating
+        events = self._decode_step()  # synchronous: its tokens are on the host
+        self._step_times.append((speculative, self._clock() - t0))
+        return events
+
+    def _decode_step(self) -> list[TokenEvent]:
         if not self.speculating:
             self.counters.plain_steps += 1
             self.counters.off_low_acceptance += self.gate.off

@@ -3,10 +3,11 @@ prompt length used to stall every stream for the length of a compile).
 
 `warm_up(scheduler, log)` runs the scheduler through: admission at every prefill batch bucket x prompt-length bucket
 (through the prefix cache's chunk programs when it is on, plus its partial-page copy), then the decode step greedy,
-sampling, and with log-probabilities (with speculative decoding also the plain greedy and sampling steps). One
-progress line per program. The server runs it on the engine thread before the first request; `/health` says "ok"
-only afterwards. Warm-up requests are ordinary ones (max_tokens 1 or 2), so the compilations are exactly the ones
-serving uses; the prefix cache is emptied afterwards.
+sampling, and with log-probabilities (with speculative decoding also the plain greedy and sampling steps, then
+`SpeculativeScheduler.calibrate`, which measures when speculation pays). One progress line per program. The server
+runs it on the engine thread before the first request; `/health` says "ok" only afterwards. Warm-up requests are
+ordinary ones (max_tokens 1 or 2), so the compilations are exactly the ones serving uses; the prefix cache is
+emptied afterwards.
 
 With a vision tower (`Scheduler.attach_vision`): the tower for a blank square image of `WARM_UP_IMAGE_SIDE` pixels
 (halved until its tokens fit in a prompt; K3: 1024 px, 74 x 74 patches, 1369 tokens) admitted in a prompt of its
@@ -138,6 +139,12 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
         scheduler.enabled = True
         scheduler.counters = SpecCounters()
         scheduler.gate.reset()
+        t = time.monotonic()
+        cal = scheduler.calibrate()
+        pays = (f"pays above {cal['min_accepted_per_step']:g} accepted of {scheduler.draft.num_tokens} drafted"
+                if not scheduler.gate.never_pays(scheduler.draft.num_tokens) else "never pays: decoding plainly")
+        log(f"warm-up: speculation calibrated ({time.monotonic() - t:.1f}s): plain step {cal['plain_step_ms']:.2f} "
+            f"ms, speculative step {cal['spec_step_ms']:.2f} ms ({cal['source']} break-even: {pays})")
     if pc is not None:
         pc.clear()
         pc.reset_stats()
