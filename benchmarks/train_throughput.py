@@ -38,6 +38,8 @@ from flax import nnx
 
 from benchmarks.trace_summary import hlo_sources, kernel_group, load_profile, trace_xplane
 from k3jax.param_count import count_params
+from k3jax.training.aot import compiled_memory
+from k3jax.training.memory import device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token, peak_flops_per_device
 from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, training_config
 
@@ -61,10 +63,24 @@ def run(cfg, mesh_text: str, args) -> dict:
     trainable, optimizer, step, _ = build(cfg, opts, mesh)
     rng = np.random.default_rng(0)
     batch = synthetic_batch(rng, opts.batch_size, args.seq_len, cfg.vocab_size)
+    # compiled ahead (the timed calls reuse it through the persistent cache) so that a step whose temporaries
+    # cannot fit is reported before it allocates them
+    compiled = step.jitted.lower(nnx.state((trainable, optimizer)), batch).compile()
+    per_device, total = compiled_memory(compiled)
+    limit, source = device_memory_bytes()
+    mem = {"arguments_gib": per_device.get("argument_size_in_bytes", 0) / 2**30,
+           "temporaries_gib": per_device.get("temp_size_in_bytes", 0) / 2**30, "total_gib": total / 2**30,
+           "device_gib": limit / 2**30}
+    print(f"mesh {mesh_text}: compiled in {time.perf_counter() - t0:.0f}s; per device {mem['total_gib']:.2f} GiB "
+          f"(arguments {mem['arguments_gib']:.2f}, temporaries {mem['temporaries_gib']:.2f}) of "
+          f"{mem['device_gib']:.2f} GiB ({source})", flush=True)
+    del compiled
     if args.compile_only:  # fills the persistent compilation cache for a later timed run
-        step.jitted.lower(nnx.state((trainable, optimizer)), batch).compile()
-        print(f"mesh {mesh_text}: compiled in {time.perf_counter() - t0:.0f}s", flush=True)
         return None
+    if total > limit:
+        print(f"mesh {mesh_text}: does not fit: the compiled step needs {mem['total_gib']:.2f} GiB per device, "
+              f"the device holds {mem['device_gib']:.2f} GiB; not run", flush=True)
+        return {"mesh": mesh_text, "devices": devices, "batch": opts.batch_size, "fits": False, "memory": mem}
     for _ in range(args.warmup):
         loss, _ = step(trainable, optimizer, batch)
     jax.block_until_ready(loss)
@@ -84,7 +100,8 @@ def run(cfg, mesh_text: str, args) -> dict:
     out = {"mesh": mesh_text, "devices": devices, "batch": opts.batch_size, "step_ms": sec * 1e3,
            "tokens_per_s": tps, "tflops_per_device": tps * fpt / devices / 1e12, "loss": float(loss),
            "compile_s": compile_s, "mfu": (tps * fpt / (devices * peak)) if peak else None,
-           "peak_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30}
+           "peak_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
+           "fits": True, "memory": mem}
     if args.profile:
         out["profile"] = profile_steps(step, trainable, optimizer, batch, args.profile_steps, args.out_dir)
     del trainable, optimizer, step
@@ -239,6 +256,8 @@ def main():
         if r is None:
             continue
         results.append(r)
+        if not r["fits"]:
+            continue
         if base is None:
             base = r
         eff = r["tokens_per_s"] / (r["devices"] / base["devices"] * base["tokens_per_s"])

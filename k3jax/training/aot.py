@@ -47,6 +47,18 @@ _SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|s8|u8|pred|f64|s64)\[([0-9,]*)\]")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
 
+
+def compiled_memory(compiled) -> tuple[dict[str, int], int]:
+    """(the compiler's per-device byte counts, their total: arguments + outputs - aliased + temporaries) of a
+    compiled program; ({}, 0) where the backend reports none."""
+    mem = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    per_chip = {f: int(getattr(mem, f)) for f in fields if mem is not None and hasattr(mem, f)}
+    total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
+        - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
+    return per_chip, total
+
 def collective_bytes(hlo_text: str) -> int:
     """Bytes produced by the collectives of a compiled HLO module, each counted once (a loop body's once too)."""
     total = 0
@@ -95,13 +107,8 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     active = count_params(cfg)["active_params"]
     chips = len(topo.devices)
     model_flops = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp) * batch_size * seq_len
-    mem = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
-    per_chip = {f: int(getattr(mem, f)) for f in fields if mem is not None and hasattr(mem, f)}
+    per_chip, total = compiled_memory(compiled)
     n_params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(trainable, nnx.Param)))
-    total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
-        - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
     return {
         "config": cfg.name,
         "topology": topology,
