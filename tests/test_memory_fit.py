@@ -153,3 +153,16 @@ def test_gathered_weights_are_one_layer_unsharded_over_fsdp_axes_only():
     assert memory.gathered_layer_bytes(cfg, (1, 1, 1, 2)) < one  # model ranks split heads / mlp
     est = estimate_memory(cfg, (8, 1, 1, 1), batch_size=8, seq_len=32)
     assert est["gathered"] == one and est["total"] == sum(est[c] for c in memory.COMPONENTS)
+
+
+def test_a_long_sequence_refusal_names_the_chunked_loss_head_and_layer_remat():
+    cfg = configs.get_config("k3_gpu")  # T = 131072 on one 141 GiB device: full-vocabulary logits dominate
+    with pytest.raises(DoesNotFitError) as err:
+        check_fit(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072, device_bytes=141 * GIB)
+    msg = str(err.value)
+    assert "--set loss_vocab_chunks=16 (the loss head's f32 logits take" in msg and "--set remat_policy=layer" in msg
+    est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072)
+    chunked = estimate_memory(cfg.with_overrides(["loss_vocab_chunks=16", "remat_policy=layer"]), (1, 1, 1, 1),
+                              batch_size=1, seq_len=131072)
+    assert chunked["head_activations"] < est["head_activations"] / 4 and chunked["total"] < est["total"]
+    assert memory.knob_hints(cfg.with_overrides(["loss_vocab_chunks=16", "remat_policy=layer"]), chunked) == ""

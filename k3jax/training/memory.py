@@ -276,7 +276,7 @@ def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, op
     out["activations"] = act["saved"] + act["recompute"] + act["head"]
     out["batch"] = 5 * act["tokens_per_device"] * 4
     out["total"] = sum(out[c] for c in COMPONENTS)
-    out.update(mesh=sizes, fallbacks=fallbacks, rows_per_device=act["rows_per_device"],
+    out.update(head_activations=act["head"], mesh=sizes, fallbacks=fallbacks, rows_per_device=act["rows_per_device"],
                tokens_per_device=act["tokens_per_device"], param_dtype=cfg.runtime.param_dtype,
                master_dtype=master_dtype, state_dtype=state_dtype, optimizer_name=optimizer)
     return out
@@ -354,7 +354,24 @@ def check_fit(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, device_b
         hint = (f"smallest TPU v5p slice that fits by the mesh plan ({plan_text(plan)}): {chips} chips, "
                 f"--mesh={','.join(map(str, fit_mesh))}, {fit['total'] / GIB:.1f} GiB per chip"
                 + (f" (with --batch_size a multiple of {dp})" if batch_size % dp else ""))
+    knobs = knob_hints(cfg, est)
     raise DoesNotFitError(
         f"config {cfg.name!r} (batch {batch_size} x seq {seq_len}) on mesh {mesh_text} needs "
         f"{est['total'] / GIB:.2f} GiB per device ({format_breakdown(est)}) but {usable / GIB:.2f} GiB are "
-        f"usable ({device_bytes / GIB:.2f} GiB from {source}, {headroom:.0%} kept as headroom); {hint}")
+        f"usable ({device_bytes / GIB:.2f} GiB from {source}, {headroom:.0%} kept as headroom); "
+        + (f"{knobs}; or: " if knobs else "") + hint)
+
+
+def knob_hints(cfg: ModelConfig, est: Mapping[str, Any]) -> str:
+    """The runtime knobs that shrink this estimate's largest activation terms, as `--set` advice ('' if none
+    applies): the chunked loss head when the full-vocabulary f32 logits are a tenth or more of the total, and
+    per-layer rematerialisation unless it is on."""
+    run, hints = cfg.runtime, []
+    if not run.loss_vocab_chunks and est.get("head_activations", 0) >= 0.1 * est["total"]:
+        chunks = next((c for c in (16, 8, 4, 2) if cfg.vocab_size % c == 0), 0)
+        if chunks:
+            hints.append(f"--set loss_vocab_chunks={chunks} (the loss head's f32 logits take "
+                         f"{est['head_activations'] / GIB:.1f} GiB; chunks keep 1/{chunks} of them)")
+    if not run.remat or run.remat_policy != "layer":
+        hints.append("--set remat_policy=layer (the backward then holds one layer's activations at a time)")
+    return "; ".join(hints)
