@@ -180,10 +180,35 @@ def _collective_types(t):
                              r"all-to-all)\(", text))
 
 
-def test_kcp_communication_does_not_grow_with_sequence_length():
+def test_kcp_communication_does_not_grow_with_sequence_length_and_gathers_nothing():
     short, long_ = _collective_types(SHARDS * 16), _collective_types(SHARDS * 64)
-    assert {op for _, op in short} == {"all-gather", "reduce-scatter"}, short  # forward and backward
+    # log-depth state passing: ppermutes of one shard's pieces (forward and backward), no all-gather of n of them
+    assert {op for _, op in short} == {"collective-permute"}, short
     assert short == long_
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_incoming_states_by_doubling_equal_the_sequential_composition(n, x64):
+    """Random affine pieces on n ranks (powers of two and not), documents starting at some shard edges: the
+    log-depth scan's S_in per rank equals `compose_incoming_states`' sequential chain."""
+    rng = np.random.RandomState(n)
+    m = rng.randn(n, B, H, K, K) * 0.5
+    s = rng.randn(n, B, H, K, V)
+    cont = rng.rand(n, B) < 0.6
+    cont[0] = True
+    init = rng.randn(B, H, K, V)
+    want, _ = context_parallel.compose_incoming_states(jnp.asarray(m), jnp.asarray(s), jnp.asarray(cont),
+                                                       jnp.asarray(init))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:n]), ("context",))
+    spec = jax.sharding.PartitionSpec("context")
+
+    def body(m_r, s_r, c_r, s0):
+        return context_parallel.incoming_state_by_doubling(m_r[0], s_r[0], c_r[0], s0)[None]
+
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec, spec, jax.sharding.PartitionSpec()),
+                                out_specs=spec))(m, s, cont, init)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert not np.allclose(np.asarray(want)[1:], 0)  # states do pass between ranks
 
 
 def test_kcp_with_pallas_kernel_matches_single_device():
