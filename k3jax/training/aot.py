@@ -47,7 +47,6 @@ _SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|s8|u8|pred|f64|s64)\[([0-9,]*)\]")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
 
 
-
 def compiled_memory(compiled) -> tuple[dict[str, int], int]:
     """(the compiler's per-device byte counts, their total: arguments + outputs - aliased + temporaries) of a
     compiled program; ({}, 0) where the backend reports none."""
@@ -58,6 +57,7 @@ def compiled_memory(compiled) -> tuple[dict[str, int], int]:
     total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
         - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
     return per_chip, total
+
 
 def collective_bytes(hlo_text: str) -> int:
     """Bytes produced by the collectives of a compiled HLO module, each counted once (a loop body's once too)."""
