@@ -29,10 +29,11 @@ LONG = {"prompt": P2, "max_tokens": 38, "temperature": 0}  # 26 + 38 - 1 = 63 po
 
 @pytest.fixture(scope="module")
 def scheduler():
-    """Its decode step compiled up front: the timing bounds below must not depend on which test ran first (a
-    disconnect right after admission otherwise waits for the first decode step's compile, ~2 s on 2 cores)."""
+    """Every program compiled up front (`warm_up`, as the server does): the timing bounds below must not depend on
+    which test ran first (a disconnect right after admission otherwise waits for a first decode step's or prompt
+    bucket's compile, ~2 s on 2 cores)."""
     s = Scheduler(tiny_model(NAME), num_slots=2, max_len=64)
-    s.generate([Request("compile-decode", [1, 2, 3], 3, eos_ids=[])])
+    warm_up(s, lambda msg: None)
     return s
 
 
