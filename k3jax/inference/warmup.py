@@ -27,7 +27,7 @@ import numpy as np
 from k3jax.inference.engine import MIN_PROMPT_BUCKET, SamplingParams, bucket
 from k3jax.inference.images import ImageInput, prepare_image
 from k3jax.inference.scheduler import Request, Scheduler
-from k3jax.inference.spec_scheduler import SpecCounters, SpeculativeScheduler
+from k3jax.inference.spec_scheduler import SpeculativeScheduler
 from k3jax.vision.preprocess import K3_MAX_PATCHES, K3_MAX_SIZE_PER_SIDE, navit_size
 
 WARM_UP_IMAGE_SIDE = 1024  # pixels: the image size whose tower program is compiled at start-up
@@ -137,10 +137,8 @@ def warm_up(scheduler: Scheduler, log: Callable[[str], None], every_bucket: bool
             scheduler.generate([Request(f"warmup-plain-{k}", [0], 2, sampling, jax.random.key(0), eos_ids=[])])
             log(f"warm-up: plain {what} decode step (speculation off) compiled ({time.monotonic() - t:.1f}s)")
         scheduler.enabled = True
-        scheduler.counters = SpecCounters()
-        scheduler.gate.reset()
         t = time.monotonic()
-        cal = scheduler.calibrate()
+        cal = scheduler.calibrate()  # also leaves fresh counters and acceptance rule
         pays = (f"pays above {cal['min_accepted_per_step']:g} accepted of {scheduler.draft.num_tokens} drafted"
                 if not scheduler.gate.never_pays(scheduler.draft.num_tokens) else "never pays: decoding plainly")
         log(f"warm-up: speculation calibrated ({time.monotonic() - t:.1f}s): plain step {cal['plain_step_ms']:.2f} "
