@@ -38,8 +38,7 @@ from flax import nnx
 
 from benchmarks.trace_summary import hlo_sources, kernel_group, load_profile, trace_xplane
 from k3jax.param_count import count_params
-from k3jax.training.aot import compiled_memory
-from k3jax.training.memory import device_memory_bytes
+from k3jax.training.memory import compiled_memory, device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token, peak_flops_per_device
 from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, training_config
 

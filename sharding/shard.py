@@ -166,16 +166,45 @@ def mesh_context(mesh: Mesh):
     return setter(mesh)
 
 
+def _shapes_key(tree) -> tuple:
+    """(path, shape, dtype) of every leaf: what a compiled executable is specialised to."""
+    return tuple((jax.tree_util.keystr(path), tuple(x.shape), str(x.dtype))
+                 for path, x in jax.tree_util.tree_flatten_with_path(tree)[0])
+
+
 class TracedUnderMesh:
     """A jitted function that is always called, lowered or traced with `mesh` as the context mesh (the sharded
-    train step's `jitted`, `k3jax.training.step`)."""
+    train step's `jitted`, `k3jax.training.step`).
+
+    `compile_ahead(*abstract_args)` compiles for the shapes of the last argument (the batch) and keeps the
+    executable; a later call whose last argument has those shapes runs it without tracing again. The other
+    arguments are the caller's to keep the same (the train step's state, whose shapes are fixed by the build;
+    `adopt` moves executables compiled on an abstract build's step to the real one)."""
 
     def __init__(self, jitted, mesh: Mesh):
         self._jitted, self._mesh = jitted, mesh
+        self._ahead: dict[tuple, Any] = {}
 
     def __call__(self, *args, **kwargs):
+        if self._ahead and args and not kwargs:
+            compiled = self._ahead.get(_shapes_key(args[-1]))
+            if compiled is not None:
+                try:
+                    return compiled(*args)
+                except (TypeError, ValueError):  # other shardings or state structure: checked before running
+                    self._ahead.clear()
         with mesh_context(self._mesh):
             return self._jitted(*args, **kwargs)
+
+    def compile_ahead(self, *args):
+        """Lowers and compiles for `args` (arrays or `jax.ShapeDtypeStruct`s), keeps and returns the executable."""
+        compiled = self.lower(*args).compile()
+        self._ahead[_shapes_key(args[-1])] = compiled
+        return compiled
+
+    def adopt(self, other: "TracedUnderMesh") -> None:
+        """Takes `other`'s compiled-ahead executables (same function, same state shapes and shardings)."""
+        self._ahead.update(other._ahead)
 
     def lower(self, *args, **kwargs):
         with mesh_context(self._mesh):

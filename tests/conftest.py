@@ -10,6 +10,11 @@ _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
 
+# The suite is written for CPU devices. With libtpu installed (for the tpu_compile tests) every worker would
+# otherwise try to start a TPU backend (and query a metadata server) before falling back to the CPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+
 import numpy as np
 import pytest
 

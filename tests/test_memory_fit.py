@@ -166,3 +166,41 @@ def test_a_long_sequence_refusal_names_the_chunked_loss_head_and_layer_remat():
                               batch_size=1, seq_len=131072)
     assert chunked["head_activations"] < est["head_activations"] / 4 and chunked["total"] < est["total"]
     assert memory.knob_hints(cfg.with_overrides(["loss_vocab_chunks=16", "remat_policy=layer"]), chunked) == ""
+
+
+def test_the_estimate_defers_to_a_following_compile_only_while_the_state_alone_fits():
+    """`compiled_check_follows`: a total over the device is not refused (flagged `over`) while parameters,
+    gradients and optimizer state fit; when they alone do not, it is refused as before."""
+    cfg = configs.get_config("k3_gpu")
+    est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072)
+    state = sum(est[c] for c in memory.STATE_COMPONENTS)
+    device = int(state / 0.9) + GIB
+    assert est["total"] > device
+    with pytest.raises(DoesNotFitError):
+        check_fit(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072, device_bytes=device)
+    deferred = check_fit(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072, device_bytes=device,
+                         compiled_check_follows=True)
+    assert deferred["over"] and deferred["total"] == est["total"]
+    with pytest.raises(DoesNotFitError, match="needs"):
+        check_fit(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072, device_bytes=int(state / 0.9) - GIB,
+                  compiled_check_follows=True)
+
+
+def test_the_compiled_figure_is_arguments_plus_outputs_less_aliased_plus_temporaries_and_refuses_past_the_device():
+    f = jax.jit(lambda x, y: x @ y + jnp.tanh(x) @ y, donate_argnums=(0,))
+    x = jax.ShapeDtypeStruct((512, 512), jnp.float32)
+    compiled = f.lower(x, x).compile()
+    counts, total = memory.compiled_memory(compiled)
+    assert counts["argument_size_in_bytes"] == 2 * 512 * 512 * 4
+    assert counts["alias_size_in_bytes"] == 512 * 512 * 4  # the output reuses the donated x
+    assert total == (counts["argument_size_in_bytes"] + counts["output_size_in_bytes"]
+                     - counts["alias_size_in_bytes"] + counts["temp_size_in_bytes"]) > 0
+    cfg = configs.get_config("tiny")
+    est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=32)
+    fit = memory.check_compiled_fit(compiled, cfg, est, batch_size=1, seq_len=32, device_bytes=2 * total)
+    assert fit["total"] == total and fit["usable_bytes"] == int(2 * total * 0.95)
+    with pytest.raises(DoesNotFitError) as err:
+        memory.check_compiled_fit(compiled, cfg, est, batch_size=1, seq_len=32, device_bytes=total)
+    msg = str(err.value)
+    assert f"the compiled training step needs {total / GIB:.2f} GiB per device (arguments 0.00 GiB" in msg
+    assert "nothing was allocated" in msg and "--set remat_policy=layer" in msg

@@ -159,3 +159,29 @@ def test_sharded_train_step_matches_single_device_and_keeps_shardings():
     assert math.isfinite(float(step(model, optimizer, batch)))
     with pytest.raises(ValueError, match="not divisible by data\\*expert = 4"):
         shard_batch(batch[:6], mesh)
+
+
+def test_a_step_compiled_ahead_on_abstract_state_runs_the_real_state_without_tracing_again():
+    """`TracedUnderMesh.compile_ahead` on an abstract build + `adopt` by the real step: the same losses as the step
+    that compiles on first call, the real jit never traced; a batch of other shapes (or a host array) still runs."""
+    batch = np.random.RandomState(1).randint(0, 64, (8, 9)).astype(np.int32)
+    mesh = make_mesh(data=2, expert=2, model=2)
+    _, _, _, want = _toy_step_on(mesh, batch, steps=3)
+
+    def make():
+        model = ToyLM(nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    abstract_model, abstract_opt = nnx.eval_shape(make)
+    ahead = make_sharded_train_step(abstract_model, abstract_opt, mesh, next_token_loss_fn)
+    ahead.jitted.compile_ahead(nnx.state((abstract_model, abstract_opt)), jax.ShapeDtypeStruct((8, 9), jnp.int32))
+    model, optimizer = make()
+    shard_model(model, mesh)
+    step = make_sharded_train_step(model, optimizer, mesh, next_token_loss_fn)
+    step.jitted.adopt(ahead.jitted)
+    got = [float(step(model, optimizer, shard_batch(batch, mesh))) for _ in range(2)]
+    got.append(float(step(model, optimizer, batch)))  # a host array of the compiled shapes
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert step.jitted._cache_size() == 0
+    assert math.isfinite(float(step(model, optimizer, shard_batch(batch[:, :5], mesh))))
+    assert step.jitted._cache_size() == 1

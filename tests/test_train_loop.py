@@ -180,3 +180,41 @@ def test_to_hf_writes_the_releases_bf16_from_f32_training_parameters(tmp_path):
     f32 = tensors
     for k, v in f32.items():
         np.testing.assert_array_equal(bf16[k], v.astype(bf16[k].dtype), err_msg=k)
+
+
+@pytest.mark.slow
+def test_a_step_the_compiler_cannot_fit_is_refused_before_the_model_is_built_and_a_fitting_one_compiles_once(
+        tmp_path, compile_cache, monkeypatch):
+    """The estimate passes (parameters, gradients and optimizer state fit), the compiled step does not: refused
+    naming the compiler's figure, with only the abstract build done. With the device's real memory the run trains on
+    the executable compiled ahead: the real step's jit never traces (nothing compiles twice)."""
+    from k3jax.training import memory, trainer
+
+    cfg = configs.get_config("tiny", ["num_hidden_layers=2", "full_attn_layers=(2,)", "attn_res_block_size=2"])
+    opts = _opts(tmp_path / "w", steps=1, checkpoint_every=0)
+    est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=2, seq_len=32, master_dtype=None)
+    state_bytes = sum(est[c] for c in memory.STATE_COMPONENTS)
+    assert est["activations"] > state_bytes  # the estimate alone would refuse
+    builds = []
+    real_build = trainer.build
+
+    def recording_build(cfg, opts, mesh, *, abstract=False):
+        out = real_build(cfg, opts, mesh, abstract=abstract)
+        builds.append((abstract, out[2]))
+        return out
+
+    monkeypatch.setattr(trainer, "build", recording_build)
+    small = int(state_bytes / 0.9) + 1
+    with monkeypatch.context() as m:
+        m.setattr(memory, "device_memory_bytes", lambda device=None: (small, "a test's device"))
+        logs = []
+        with pytest.raises(memory.DoesNotFitError, match="the compiled training step needs .* nothing was allocated"):
+            train(cfg, opts, log_fn=logs.append)
+    assert [a for a, _ in builds] == [True]
+    assert any("over by the estimate, the compiled step decides" in line for line in logs)
+
+    logs = []
+    assert len(train(cfg, opts, log_fn=logs.append)) == 1
+    assert [a for a, _ in builds] == [True, True, False]
+    assert any(line.startswith("memory per device (compiled, 2 x 32): ") for line in logs)
+    assert builds[-1][1].jitted._cache_size() == 0

@@ -29,6 +29,7 @@ from flax import nnx
 
 import configs
 from k3jax.param_count import count_params
+from k3jax.training.memory import compiled_memory
 from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
 from sharding.aot import libtpu_available, tpu_topology
@@ -45,18 +46,6 @@ _COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-gather|all-reduce|reduce-scatter|all
                          r"(?:-start)?\(")
 _SHAPE = re.compile(r"(bf16|f32|f16|s32|u32|s8|u8|pred|f64|s64)\[([0-9,]*)\]")
 _BYTES = {"bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1, "f64": 8, "s64": 8}
-
-
-def compiled_memory(compiled) -> tuple[dict[str, int], int]:
-    """(the compiler's per-device byte counts, their total: arguments + outputs - aliased + temporaries) of a
-    compiled program; ({}, 0) where the backend reports none."""
-    mem = compiled.memory_analysis()
-    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
-              "generated_code_size_in_bytes")
-    per_chip = {f: int(getattr(mem, f)) for f in fields if mem is not None and hasattr(mem, f)}
-    total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
-        - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
-    return per_chip, total
 
 
 def collective_bytes(hlo_text: str) -> int:

@@ -78,6 +78,8 @@ V5P_CHIP_BYTES = 95 * GIB
 DEVICE_MEMORY_GIB = (("v5 lite", 16), ("v5e", 16), ("v6 lite", 32), ("v6e", 32), ("v5p", 95), ("v5", 95),
                      ("v4", 32), ("h200", 141), ("h100", 80))
 COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "gathered", "activations", "batch")
+# The components counted from shapes alone (no model of what the compiler keeps live): exact up to padding.
+STATE_COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "batch")
 # Logical axes that only shard storage (FSDP): a layer's weights are all-gathered over their mesh axes at use.
 FSDP_AXES = ("embed", "expert_latent", "mtp_concat", "q_lora", "kv_lora", "kda_gate_rank")
 _LAYER_PATH = re.compile(r"groups/(\d+)/(?:units/)?layers/(\d+)/")
@@ -328,17 +330,26 @@ def format_breakdown(est: Mapping[str, Any]) -> str:
 
 
 def check_fit(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, device_bytes: int | None = None,
-              headroom: float = 0.1, plan: MeshPlan | Mapping[str, int] | str | None = None, **kwargs) -> dict:
+              headroom: float = 0.1, plan: MeshPlan | Mapping[str, int] | str | None = None,
+              compiled_check_follows: bool = False, **kwargs) -> dict:
     """The `estimate_memory` breakdown when it fits `device_bytes` (default `device_memory_bytes()`) less the
     headroom; otherwise `DoesNotFitError` naming bytes needed vs available and the smallest TPU v5p slice that fits
-    by the mesh plan (`plan`, default the config's). Allocates nothing."""
+    by the mesh plan (`plan`, default the config's). Allocates nothing.
+
+    With `compiled_check_follows` (the caller compiles the step and calls `check_compiled_fit` before allocating),
+    only the exact part (`STATE_COMPONENTS`) must fit: the activation model is only an estimate (an upper bound on
+    one device, an under-count with context parallelism), so a total over the limit sets `est["over"] = True`
+    instead of refusing a run the compiler may fit."""
     est = estimate_memory(cfg, mesh, batch_size=batch_size, seq_len=seq_len, **kwargs)
     source = "the device_bytes argument"
     if device_bytes is None:
         device_bytes, source = device_memory_bytes()
     usable = int(device_bytes * (1 - headroom))
-    est.update(device_bytes=device_bytes, usable_bytes=usable, device_bytes_source=source)
+    est.update(device_bytes=device_bytes, usable_bytes=usable, device_bytes_source=source, over=False)
     if est["total"] <= usable:
+        return est
+    if compiled_check_follows and sum(est[c] for c in STATE_COMPONENTS) <= usable:
+        est["over"] = True
         return est
     sizes = est["mesh"]
     mesh_text = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
@@ -375,3 +386,47 @@ def knob_hints(cfg: ModelConfig, est: Mapping[str, Any]) -> str:
     if not run.remat or run.remat_policy != "layer":
         hints.append("--set remat_policy=layer (the backward then holds one layer's activations at a time)")
     return "; ".join(hints)
+
+
+def compiled_memory(compiled) -> tuple[dict[str, int], int]:
+    """(the compiler's per-device byte counts, their total: arguments + outputs - aliased + temporaries) of a
+    compiled program; ({}, 0) where the backend reports none."""
+    mem = compiled.memory_analysis()
+    fields = ("argument_size_in_bytes", "output_size_in_bytes", "alias_size_in_bytes", "temp_size_in_bytes",
+              "generated_code_size_in_bytes")
+    per_chip = {f: int(getattr(mem, f)) for f in fields if mem is not None and hasattr(mem, f)}
+    total = per_chip.get("argument_size_in_bytes", 0) + per_chip.get("output_size_in_bytes", 0) \
+        - per_chip.get("alias_size_in_bytes", 0) + per_chip.get("temp_size_in_bytes", 0)
+    return per_chip, total
+
+
+def format_compiled(per_device: Mapping[str, int]) -> str:
+    """'arguments 1.20 GiB, outputs ..., aliased ..., temporaries ...' of `compiled_memory`'s counts."""
+    names = (("argument_size_in_bytes", "arguments"), ("output_size_in_bytes", "outputs"),
+             ("alias_size_in_bytes", "aliased"), ("temp_size_in_bytes", "temporaries"))
+    return ", ".join(f"{label} {per_device[f] / GIB:.2f} GiB" for f, label in names if f in per_device)
+
+
+def check_compiled_fit(compiled, cfg: ModelConfig, est: Mapping[str, Any], *, batch_size: int, seq_len: int,
+                       device_bytes: int | None = None, headroom: float = 0.05) -> dict:
+    """The compiled step's per-device figures (`compiled_memory`: counts, total, usable bytes) when they fit the
+    device less `headroom` (5%: the figures are the compiler's own buffer assignment, only fragmentation is left
+    over); otherwise `DoesNotFitError` naming them, the estimate beside them and the knobs that shrink activations.
+    A backend that reports no figures passes with total 0 (the estimate's check is then the only one)."""
+    per_device, total = compiled_memory(compiled)
+    source = "the device_bytes argument"
+    if device_bytes is None:
+        device_bytes, source = device_memory_bytes()
+    usable = int(device_bytes * (1 - headroom))
+    out = {"per_device": per_device, "total": total, "usable_bytes": usable, "device_bytes": device_bytes}
+    if total <= usable:
+        return out
+    sizes = est["mesh"]
+    mesh_text = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+    knobs = knob_hints(cfg, est)
+    raise DoesNotFitError(
+        f"config {cfg.name!r} (batch {batch_size} x seq {seq_len}) on mesh {mesh_text}: the compiled training step "
+        f"needs {total / GIB:.2f} GiB per device ({format_compiled(per_device)}; the estimate said "
+        f"{est['total'] / GIB:.2f} GiB) but {usable / GIB:.2f} GiB are usable ({device_bytes / GIB:.2f} GiB from "
+        f"{source}, {headroom:.0%} kept as headroom); nothing was allocated; "
+        + (f"{knobs}; or: " if knobs else "") + "lower --batch_size/--seq_len or pass a --mesh over more devices")

@@ -8,12 +8,14 @@ sets every MoE layer's router bias from the margin histogram the forward recorde
 Start-up, in this order, so that a job that cannot run stops within seconds: the mesh (`--mesh` absent or 'auto':
 the config's parallelism plan over `jax.device_count()`, `sharding.plan`), the resume check, the per-device memory
 estimate (`memory.check_fit`: parameters, gradients, optimizer state, one micro-batch's activations; a
-`DoesNotFitError` names the smallest TPU slice that fits), then the model. Precision: parameters are stored in
-`cfg.runtime.param_dtype` (`train.py`: float32 masters, every matmul in `cfg.runtime.dtype`) and the optimizer
-state in `opts.state_dtype` (float32 by default). Input: `global_batch.make_global_dataset` (each process reads
-the rows of its data-parallel shards). Only process 0 logs and writes metrics; every process takes part in
-checkpoint saves (Orbax). With `eval_every`, a held-out LM loss (`k3jax.training.evaluate`; with expert QAT also
-the quantized model's) every N steps, in the progress line and the metrics.
+`DoesNotFitError` names the smallest TPU slice that fits), the step compiled on abstract state for every context
+stage with the compiler's per-device memory checked against the device (`compile_ahead`), then the model.
+Precision: parameters are stored in `cfg.runtime.param_dtype` (`train.py`: float32 masters, every matmul in
+`cfg.runtime.dtype`) and the optimizer state in `opts.state_dtype` (float32 by default). Input:
+`global_batch.make_global_dataset` (each process reads the rows of its data-parallel shards). Only process 0 logs
+and writes metrics; every process takes part in checkpoint saves (Orbax). With `eval_every`, a held-out LM loss
+(`k3jax.training.evaluate`; with expert QAT also the quantized model's) every N steps, in the progress line and the
+metrics.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ from k3jax.training import multimodal as mm
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
 from k3jax.training.evaluate import Evaluator, format_eval
 from k3jax.training.loss import masked_mean, mtp_loss, token_counts
-from k3jax.training.memory import GIB, check_fit
+from k3jax.training.memory import GIB, check_compiled_fit, check_fit, format_compiled
 from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
 from k3jax.training.step import make_sharded_train_step
@@ -290,18 +292,51 @@ def check_batch(opts: TrainOptions, mesh) -> None:
 
 def check_memory(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[str], None]) -> dict:
     """`memory.check_fit` for what training holds (parameters in cfg.runtime.param_dtype, no separate master, optimizer
-    state in opts.state_dtype, one micro-batch at the longest context stage); logs the per-device figures."""
+    state in opts.state_dtype, one micro-batch at the longest context stage); logs the per-device figures. A text
+    run's step is compiled before anything is allocated (`compile_ahead`), so there the estimate refuses only when
+    parameters, gradients and optimizer state alone exceed the device."""
     seq_len = max([opts.seq_len] + [length for _, length in opts.context_stages])
     est = check_fit(cfg, mesh, batch_size=opts.batch_size // opts.grad_accum, seq_len=seq_len,
                     optimizer=opts.optimizer, mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype,
-                    plan=plan_for(cfg))
+                    plan=plan_for(cfg), compiled_check_follows=opts.vision_config is None)
     run = cfg.runtime
     log_fn(f"memory per device (estimate): params {est['params'] / GIB:.2f} GiB ({run.param_dtype}, compute "
            f"{run.dtype}), gradients {est['gradients'] / GIB:.2f} GiB, optimizer state {est['optimizer'] / GIB:.2f} "
            f"GiB ({opts.state_dtype}), activations {est['activations'] / GIB:.2f} GiB ({est['rows_per_device']} x "
            f"{seq_len} tokens per micro-batch), other {(est['other_state'] + est['batch']) / GIB:.2f} GiB; total "
-           f"{est['total'] / GIB:.2f} of {est['usable_bytes'] / GIB:.2f} GiB usable ({est['device_bytes_source']})")
+           f"{est['total'] / GIB:.2f} of {est['usable_bytes'] / GIB:.2f} GiB usable ({est['device_bytes_source']})"
+           + ("; over by the estimate, the compiled step decides" if est["over"] else ""))
     return est
+
+
+def compile_ahead(cfg: ModelConfig, opts: TrainOptions, mesh, est: dict, log_fn: Callable[[str], None]):
+    """Compiles the step of a text run for every context stage's batch shape on abstract state (nothing allocated)
+    and checks the compiler's per-device memory against the device (`memory.check_compiled_fit`): a step that
+    cannot fit raises `DoesNotFitError` here, before the model is built. Returns the abstract step's jitted function
+    holding the executables (the real step adopts them, so nothing compiles twice); None for multimodal runs, whose
+    batches carry images (the estimate is their check)."""
+    if opts.vision_config is not None:
+        return None
+    trainable, optimizer, step, _ = build(cfg, opts, mesh, abstract=True)
+    state = nnx.state((trainable, optimizer))
+    for seq_len in sorted({opts.seq_len, *(length for _, length in opts.context_stages)}):
+        shape = (opts.batch_size, seq_len)
+        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32)
+                 for k in pipeline.BATCH_KEYS}
+        log_fn(f"compiling the training step for {opts.batch_size} x {seq_len} tokens before allocating "
+               f"(minutes for a large model)")
+        t0 = time.perf_counter()
+        compiled = step.jitted.compile_ahead(state, batch)
+        fit = check_compiled_fit(compiled, cfg, est, batch_size=opts.batch_size, seq_len=seq_len)
+        if fit["total"]:
+            log_fn(f"memory per device (compiled, {opts.batch_size} x {seq_len}): {fit['total'] / GIB:.2f} GiB "
+                   f"({format_compiled(fit['per_device'])}) of {fit['usable_bytes'] / GIB:.2f} GiB usable; "
+                   f"compiled in {time.perf_counter() - t0:.0f} s")
+        elif est["over"]:  # no compiler figure to overrule the estimate
+            check_fit(cfg, mesh, batch_size=opts.batch_size // opts.grad_accum, seq_len=seq_len,
+                      optimizer=opts.optimizer, mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype,
+                      plan=plan_for(cfg))
+    return step.jitted
 
 
 def data_dir_for(cfg: ModelConfig, opts: TrainOptions) -> str:
@@ -394,7 +429,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     log_fn(f"tokens per step: {opts.batch_size} x {opts.seq_len} = {opts.batch_size * opts.seq_len:,}"
            + (f" ({opts.grad_accum} micro-batches of {opts.batch_size // opts.grad_accum} rows)"
               if opts.grad_accum > 1 else ""))
-    check_memory(cfg, opts, mesh, log_fn)
+    est = check_memory(cfg, opts, mesh, log_fn)
     evaluator = make_evaluator(cfg, opts, mesh, log_fn)
     # the checkpoint's setup is checked before the model is built: a mismatch or a finished run costs no init
     manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
@@ -412,7 +447,10 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
         if opts.init_from and not start:  # a missing or malformed checkpoint is reported before the build
             check_config(read_manifest(opts.init_from)[1], cfg)
         if start < opts.steps:
+            ahead = compile_ahead(cfg, opts, mesh, est, log_fn)
             trainable, optimizer, step_fn, schedule = build(cfg, opts, mesh)
+            if ahead is not None:
+                step_fn.jitted.adopt(ahead)
     except BaseException:
         if manager is not None:
             manager.close()
@@ -581,7 +619,7 @@ def _format(step: int, m: dict, *, first: bool, elapsed: float) -> str:
         parts.append(f"lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f}")
     parts.append(f"grad_norm {m['grad_norm']:.3f} lr {m['learning_rate']:.2e}")
     if first:
-        parts.append(f"(compile + first step {elapsed:.1f}s)")
+        parts.append(f"(first step {elapsed:.1f}s)")
     else:
         parts.append(f"{m['tokens_per_s']:,.0f} tokens/s")
         if "mfu" in m:
