@@ -2,6 +2,7 @@
 
     python -m benchmarks.train_throughput --config=k3_gpu --batch_per_device=1 --seq_len=4096 \
         --meshes=1,1,1,1 2,1,1,1 1,2,1,1 [--set key=value ...] [--no_mtp] [--optimizer=adamw]
+        [--losses=20 --global_batch=8]
 
 For each mesh (data,expert,context,model) it builds the model on that many devices (the first N), runs
 `--warmup` steps, then times `--iters` steps (median) on synthetic packed batches (random tokens, 4 documents per
@@ -9,6 +10,9 @@ row) with `global batch = batch_per_device × devices × grad_accum` (weak scali
 of `batch_per_device` rows per device run inside one optimizer step). Prints tokens/s, MFU (training FLOPs per token
 from `k3jax.training.metrics.model_flops_per_token`: 6·active params + MLA and KDA sequence terms, over the device's
 dense bf16 peak) and the scaling efficiency against the first mesh: tokens/s(N) / (N/N₀ · tokens/s(N₀)).
+`--losses=N` first trains N steps from the initial state on N fresh batches, the same for every mesh, and compares
+the losses of meshes with the same global batch (`--global_batch` fixes it for all meshes): a parallel form that is
+wrong (e.g. the expert-parallel exchange) shows as a loss difference beyond bf16 rounding.
 The same process's dense bf16 matmul throughput (an 8192³ matmul) is printed beside it as the practical ceiling.
 
 --profile: traces `--profile_steps` steps of the first mesh with `jax.profiler` and prints where a step's kernel
@@ -53,7 +57,7 @@ def synthetic_batch(rng, batch: int, seq_len: int, vocab: int, docs_per_row: int
 
 def run(cfg, mesh_text: str, args) -> dict:
     devices = math.prod(int(x) for x in mesh_text.split(","))
-    opts = TrainOptions(steps=1000, batch_size=args.batch_per_device * devices * args.grad_accum,
+    opts = TrainOptions(steps=1000, batch_size=args.global_batch or args.batch_per_device * devices * args.grad_accum,
                         seq_len=args.seq_len, optimizer=args.optimizer, mtp=not args.no_mtp,
                         quantile_balancing=not args.no_qb, mesh=mesh_text, grad_accum=args.grad_accum,
                         muon_ns_dtype=args.muon_ns_dtype)
@@ -80,6 +84,14 @@ def run(cfg, mesh_text: str, args) -> dict:
         print(f"mesh {mesh_text}: does not fit: the compiled step needs {mem['total_gib']:.2f} GiB per device, "
               f"the device holds {mem['device_gib']:.2f} GiB; not run", flush=True)
         return {"mesh": mesh_text, "devices": devices, "batch": opts.batch_size, "fits": False, "memory": mem}
+    losses = []
+    for i in range(args.losses):  # from the initial state, one fresh batch per step (the same for every mesh)
+        loss, _ = step(trainable, optimizer,
+                       synthetic_batch(np.random.default_rng(1000 + i), opts.batch_size, args.seq_len, cfg.vocab_size))
+        losses.append(float(loss))
+    if losses:
+        print(f"mesh {mesh_text}: losses of the first {len(losses)} steps: "
+              + " ".join(f"{x:.4f}" for x in losses), flush=True)
     for _ in range(args.warmup):
         loss, _ = step(trainable, optimizer, batch)
     jax.block_until_ready(loss)
@@ -100,7 +112,7 @@ def run(cfg, mesh_text: str, args) -> dict:
            "tokens_per_s": tps, "tflops_per_device": tps * fpt / devices / 1e12, "loss": float(loss),
            "compile_s": compile_s, "mfu": (tps * fpt / (devices * peak)) if peak else None,
            "peak_gib": (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use", 0) / 2**30,
-           "fits": True, "memory": mem}
+           "fits": True, "memory": mem, "losses": losses}
     if args.profile:
         out["profile"] = profile_steps(step, trainable, optimizer, batch, args.profile_steps, args.out_dir)
     del trainable, optimizer, step
@@ -209,6 +221,25 @@ def dense_matmul_tflops(n: int = 8192, iters: int = 20) -> float:
     return 2 * n ** 3 * iters / (time.perf_counter() - t) / 1e12
 
 
+def compare_losses(results: list[dict]) -> list[tuple[str, str, float]]:
+    """(mesh, first mesh with the same global batch, max relative loss difference) for every later mesh that
+    recorded `--losses`; printed. The runs start from the same initial state and see the same batches, so the losses
+    differ only by summation order (bf16 tolerance) unless the parallel form is wrong."""
+    out = []
+    with_losses = [r for r in results if r.get("losses")]
+    for i, r in enumerate(with_losses):
+        ref = next((q for q in with_losses[:i] if q["batch"] == r["batch"]), None)
+        if ref is None:
+            continue
+        n = min(len(r["losses"]), len(ref["losses"]))
+        a, b = np.asarray(r["losses"][:n]), np.asarray(ref["losses"][:n])
+        worst = float(np.max(np.abs(a - b) / np.abs(b)))
+        out.append((r["mesh"], ref["mesh"], worst))
+        print(f"losses: mesh {r['mesh']} vs {ref['mesh']} (batch {r['batch']}, {n} steps): max relative "
+              f"difference {worst:.2e}", flush=True)
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="k3_gpu")
@@ -226,6 +257,11 @@ def main():
     p.add_argument("--muon_ns_dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--grad_accum", type=int, default=1,
                    help="micro-batches per optimizer step (each batch_per_device rows per device)")
+    p.add_argument("--global_batch", type=int, default=0,
+                   help="rows per optimizer step for every mesh (default: batch_per_device x devices x grad_accum)")
+    p.add_argument("--losses", type=int, default=0,
+                   help="first train this many steps from the initial state on fresh batches (the same for every "
+                        "mesh) and compare the losses of meshes with the same global batch")
     p.add_argument("--profile", action="store_true", help="trace the first mesh's steps and print the breakdown")
     p.add_argument("--profile_steps", type=int, default=2)
     p.add_argument("--out_dir", default=None, help="write results (and the profile) as JSON here")
@@ -268,6 +304,7 @@ def main():
         if "profile" in r:
             print_profile(r["profile"])
         args.profile = False  # the first mesh only
+    compare_losses(results)
     if args.out_dir:
         os.makedirs(args.out_dir, exist_ok=True)
         with open(os.path.join(args.out_dir, f"train_throughput_{cfg.name}.json"), "w") as f:

@@ -307,3 +307,21 @@ def test_moe_layer_records_expert_parallel_stats_and_metrics():
     assert float(metrics["ep_dropped_rows"]) == dropped.sum() > 0
     np.testing.assert_allclose(float(metrics["ep_rank_load_max_over_mean"]), loads.max() / loads.mean(), rtol=1e-6)
     np.testing.assert_allclose(float(metrics["ep_dropped_fraction"]), dropped.sum() / (B * T * K), rtol=1e-6)
+
+
+def test_the_device_ep_check_passes_here_and_fails_on_a_wrong_exchange(monkeypatch, capsys):
+    """`benchmarks/ep_check.py` (run on GPUs with the native exchange) passes on the emulated devices, and reports
+    a failure when the layer's output is off by 1%."""
+    from benchmarks import ep_check
+
+    argv = ["--config=tiny", "--tokens=64", "--mesh=1,2,1,1", "--dtypes=float32", "--modes=dropless"]
+    assert ep_check.main(argv) == 0
+    real = ep.routed_experts
+
+    def off(*a, **kw):
+        u, stats = real(*a, **kw)
+        return u * 1.01, stats
+
+    monkeypatch.setattr(ep, "routed_experts", off)
+    assert ep_check.main(argv) == 1
+    assert '"failed": ["random/dropless/float32", "one_rank/dropless/float32"]' in capsys.readouterr().out

@@ -262,3 +262,12 @@ def test_serve_cli_batch_mode_on_mesh_equals_one_device(tmp_path):
         assert r.returncode == 0, r.stderr[-3000:]
         outs.append(path.read_text())
     assert outs[0] == outs[1] and len(outs[0].splitlines()) == 3
+
+
+def test_the_sharded_decode_benchmark_names_the_first_differing_position():
+    from benchmarks.sharded_decode import compare
+
+    assert compare([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 6]]) == {
+        "identical_sequences": 2, "sequences": 2, "first_difference_at": None}
+    assert compare([[1, 2, 3], [4, 9, 6]], [[1, 2, 3], [4, 5, 7]]) == {
+        "identical_sequences": 1, "sequences": 2, "first_difference_at": 1}

@@ -235,3 +235,54 @@ def _abstract(x):
 
 def _norm(v):
     return json.loads(json.dumps(v))  # tuples -> lists, as the JSON metadata holds them
+
+
+def check_data_parallel(saved: dict, dp: int, path: str, mesh_shape: dict) -> None:
+    """The data iterator state is one Grain state per data-parallel shard: a resume needs the same shard count."""
+    if saved.get("data_parallel_size") != dp:
+        raise CheckpointMismatchError(
+            f"cannot resume from {path}: its data iterator was saved for data-parallel size "
+            f"{saved.get('data_parallel_size', 'unknown (an older per-process checkpoint)')}, this run's mesh "
+            f"{mesh_shape} has {dp} (data x expert); resume with a mesh of the same data x expert size (any "
+            f"number of processes), or use a fresh --workdir")
+
+
+def check_resume(saved: dict, cfg: ModelConfig, resume_keys: dict[str, Any], dp: int, mesh_shape: dict, path: str,
+                 own_data: bool) -> None:
+    """`check_meta`, and with the trainer's own data (one saved iterator state per data-parallel shard) the same
+    data-parallel size."""
+    check_meta(saved, cfg, resume_keys, path)
+    if own_data:
+        check_data_parallel(saved, dp, path, mesh_shape)
+
+
+def none_verify(workdir: str) -> str:
+    return (f"no checkpoint in {checkpoint_dir(workdir)} reads and verifies (each is listed above); "
+            f"use --noresume to start over in it, or a fresh --workdir")
+
+
+def restore_newest_verified(manager, candidates: list[tuple[int, dict]], modules, data, workdir: str,
+                            log_fn: Callable[[str], None], *, check: Callable[[dict, str], None]) -> int:
+    """Restores the newest of `candidates` ((step, metadata), newest first; the first already checked by the
+    caller, the others with `check(metadata, path)`) whose state reads and matches its saved fingerprint into
+    `modules`; each one skipped is logged with the reason and, once a step verifies, moved aside (so the resumed run
+    can save those steps again). Returns the restored step; raises CheckpointCorruptError when none verifies."""
+    skipped = []
+    for k, (step, saved) in enumerate(candidates):
+        path = step_path(manager, step)
+        if k:
+            check(saved, path)
+        try:
+            state = restore(manager, step, nnx.state(modules), data, saved.get("fingerprint"))
+        except CheckpointCorruptError as e:
+            log_fn(f"skipping checkpoint step {step}: {e}")
+            skipped.append(step)
+            continue
+        nnx.update(modules, state)
+        unreadable = [s for s in manager.all_steps() if s > step and s not in skipped]
+        if skipped or unreadable:
+            set_aside(manager, sorted(skipped + unreadable), log_fn)
+        log_fn(f"resumed from {path} (step {step})" + ("" if "fingerprint" in saved else
+                                                     "; an older checkpoint without a fingerprint: not verified"))
+        return step
+    raise CheckpointCorruptError(none_verify(workdir))

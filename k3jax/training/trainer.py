@@ -318,6 +318,8 @@ def compile_ahead(cfg: ModelConfig, opts: TrainOptions, mesh, est: dict, log_fn:
     if opts.vision_config is not None:
         return None
     trainable, optimizer, step, _ = build(cfg, opts, mesh, abstract=True)
+    if not hasattr(getattr(step, "jitted", None), "compile_ahead"):  # a step that is not `make_sharded_train_step`'s
+        return None
     state = nnx.state((trainable, optimizer))
     for seq_len in sorted({opts.seq_len, *(length for _, length in opts.context_stages)}):
         shape = (opts.batch_size, seq_len)
@@ -441,9 +443,10 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
         if manager is not None and opts.resume and manager.all_steps():
             candidates = checkpointing.readable_steps(manager, log_fn)
             if not candidates:
-                raise checkpointing.CheckpointCorruptError(_none_verify(opts.workdir))
+                raise checkpointing.CheckpointCorruptError(checkpointing.none_verify(opts.workdir))
             start, saved = candidates[0]
-            _check_resume(saved, cfg, opts, dp, mesh, checkpointing.step_path(manager, start), data is None)
+            checkpointing.check_resume(saved, cfg, opts.resume_keys(), dp, dict(mesh.shape),
+                                       checkpointing.step_path(manager, start), data is None)
         if opts.init_from and not start:  # a missing or malformed checkpoint is reported before the build
             check_config(read_manifest(opts.init_from)[1], cfg)
         if start < opts.steps:
@@ -468,8 +471,10 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     if data is None:
         data = open_data(cfg, opts, log_fn, mesh, seq_len=seq_len, stage=stage)
     if start:
-        start = _restore_newest_verified(manager, candidates, (trainable, optimizer), data, own_data, cfg, opts,
-                                         dp, mesh, log_fn)
+        start = checkpointing.restore_newest_verified(
+            manager, candidates, (trainable, optimizer), data, opts.workdir, log_fn,
+            check=lambda saved, path: checkpointing.check_resume(saved, cfg, opts.resume_keys(), dp,
+                                                                 dict(mesh.shape), path, own_data))
     elif opts.init_from:
         init_weights(trainable.model, opts.init_from, mesh)
         if trainable.vision is not None and mm.init_vision(trainable.vision, opts.init_from):
@@ -532,43 +537,6 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     return losses
 
 
-def _check_resume(saved: dict, cfg: ModelConfig, opts: TrainOptions, dp: int, mesh, path: str,
-                  own_data: bool) -> None:
-    checkpointing.check_meta(saved, cfg, opts.resume_keys(), path)
-    if own_data:  # the trainer's GlobalBatchIterator: one saved state per data-parallel shard
-        _check_data_parallel(saved, dp, path, mesh)
-
-
-def _restore_newest_verified(manager, candidates, modules, data, own_data, cfg, opts, dp, mesh, log_fn) -> int:
-    """Restores the newest of `candidates` whose state reads and matches its saved fingerprint into `modules`;
-    each one skipped is logged with the reason and, once a step verifies, moved aside (so the resumed run can save
-    those steps again). Returns the restored step; raises CheckpointCorruptError when none verifies."""
-    skipped = []
-    for k, (step, saved) in enumerate(candidates):
-        path = checkpointing.step_path(manager, step)
-        if k:
-            _check_resume(saved, cfg, opts, dp, mesh, path, own_data)
-        try:
-            state = checkpointing.restore(manager, step, nnx.state(modules), data, saved.get("fingerprint"))
-        except checkpointing.CheckpointCorruptError as e:
-            log_fn(f"skipping checkpoint step {step}: {e}")
-            skipped.append(step)
-            continue
-        nnx.update(modules, state)
-        unreadable = [s for s in manager.all_steps() if s > step and s not in skipped]
-        if skipped or unreadable:
-            checkpointing.set_aside(manager, sorted(skipped + unreadable), log_fn)
-        log_fn(f"resumed from {path} (step {step})" + ("" if "fingerprint" in saved else
-                                                     "; an older checkpoint without a fingerprint: not verified"))
-        return step
-    raise checkpointing.CheckpointCorruptError(_none_verify(opts.workdir))
-
-
-def _none_verify(workdir: str) -> str:
-    return (f"no checkpoint in {checkpointing.checkpoint_dir(workdir)} reads and verifies (each is listed above); "
-            f"use --noresume to start over in it, or a fresh --workdir")
-
-
 def init_weights(model: K3Model, ckpt: str, mesh) -> None:
     """Copies a converted checkpoint's parameters and router biases into `model` (placed on `mesh`); the
     architectures must agree (runtime fields such as kda_impl may differ)."""
@@ -581,16 +549,6 @@ def _close(data) -> None:
     close = getattr(data, "close", None)
     if close is not None:
         close()
-
-
-def _check_data_parallel(saved: dict, dp: int, path: str, mesh) -> None:
-    """The data iterator state is one Grain state per data-parallel shard: a resume needs the same shard count."""
-    if saved.get("data_parallel_size") != dp:
-        raise checkpointing.CheckpointMismatchError(
-            f"cannot resume from {path}: its data iterator was saved for data-parallel size "
-            f"{saved.get('data_parallel_size', 'unknown (an older per-process checkpoint)')}, this run's mesh "
-            f"{dict(mesh.shape)} has {dp} (data x expert); resume with a mesh of the same data x expert size (any "
-            f"number of processes), or use a fresh --workdir")
 
 
 def _quiet(msg: str) -> None:
