@@ -49,6 +49,7 @@ from flax import nnx
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import configs  # noqa: E402
+from benchmarks.models import random_model  # noqa: E402
 from k3jax.inference.eagle3_draft import Eagle3Draft  # noqa: E402
 from k3jax.inference.engine import Engine  # noqa: E402
 from k3jax.inference.scheduler import Request, Scheduler  # noqa: E402
@@ -59,15 +60,6 @@ from k3jax.loading import load_checkpoint, save_checkpoint  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
 from k3jax.training.draft import DraftOptions, DraftTrainer, data_iterator, new_draft  # noqa: E402
 from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, training_config  # noqa: E402
-
-
-def random_target(cfg) -> K3Model:
-    """A randomly initialised model, initialised in one jitted call on the host CPU, then copied to the device."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-    with jax.default_device(jax.devices("cpu")[0]):
-        state = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0))))()
-    state = jax.device_put(jax.tree.map(np.asarray, state))
-    return nnx.merge(graphdef, state)
 
 
 def train_target(args, record) -> str:
@@ -225,7 +217,7 @@ def main() -> int:
                                       overrides=(*args.set, "record_routing_stats=False"))
     else:
         cfg = configs.get_config(args.config, args.set)
-        target = random_target(cfg)
+        target = random_model(cfg)
     record({"kind": "init", "config": cfg.name, "init_from": init_from, "device": jax.devices()[0].device_kind,
             "jax": jax.__version__, "param_dtype": cfg.runtime.param_dtype, "s": round(time.perf_counter() - t0, 1)})
 

@@ -25,21 +25,11 @@ import time
 
 import jax
 import numpy as np
-from flax import nnx
 
 import configs
+from benchmarks.models import random_model
 from k3jax.inference.engine import Engine
-from k3jax.model import K3Model
 from sharding.mesh import make_mesh, parse_mesh
-
-
-def random_model(cfg) -> K3Model:
-    """A randomly initialised model, initialised in one jitted call on the host CPU, then copied to the device."""
-    graphdef, _ = nnx.split(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-    with jax.default_device(jax.devices("cpu")[0]):
-        state = jax.jit(lambda: nnx.state(K3Model(cfg, rngs=nnx.Rngs(0))))()
-    state = jax.device_put(jax.tree.map(np.asarray, state))
-    return nnx.merge(graphdef, state)
 
 
 def timed(engine: Engine, prompts, new_tokens: int, iters: int) -> tuple[float, list[list[int]]]:
