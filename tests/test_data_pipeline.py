@@ -199,8 +199,10 @@ def test_packed_batches_equal_straightforward_packing(corpus):
                                          num_epochs=1, shard_index=0, shard_count=1))
     want = _reference_packing(corpus["tokens"], BATCH, SEQ_LEN, PAD)
     assert len(got) == len(want)
+    shapes = pipeline.batch_shapes(BATCH, SEQ_LEN)  # what the trainer compiles the step for ahead
     for g, w in zip(got, want):
         assert set(g) == set(pipeline.BATCH_KEYS)
+        assert {k: (v.shape, v.dtype) for k, v in g.items()} == shapes
         for key in pipeline.BATCH_KEYS:
             assert g[key].shape == (BATCH, SEQ_LEN) and g[key].dtype == w[key].dtype, key
             np.testing.assert_array_equal(g[key], w[key], err_msg=key)

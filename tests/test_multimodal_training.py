@@ -18,7 +18,7 @@ import configs
 from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.data import prepare as prep
 from k3jax.data import prepare_multimodal as pm
-from k3jax.data.multimodal_pipeline import build_multimodal_dataset, check_fits
+from k3jax.data.multimodal_pipeline import batch_shapes, build_multimodal_dataset, check_fits
 from k3jax.loading import load_vision_language_model, save_checkpoint, save_vision_language_model
 from k3jax.model import K3Model
 from k3jax.training import multimodal as mmt
@@ -74,8 +74,10 @@ def test_a_record_round_trips_through_array_record_and_grain(data):
         assert text == docs[i]["text"].replace(pm.IMAGE_MARKER, "")
     # packed rows: each row's placeholders are exactly its images' merged tokens; placeholder targets masked
     it, (b0, b1) = _batches(out, 2)
+    shapes = batch_shapes(mmt.named_vision_config("tiny"), batch_size=2, seq_len=SEQ, max_patches=PATCHES)
     for b in (b0, b1):
         assert b["pixels"].shape == (2, PATCHES, 3 * PATCH * PATCH) and b["pixels"].dtype == np.uint8
+        assert {k: (v.shape, v.dtype) for k, v in b.items()} == shapes  # what the trainer compiles ahead for
         for row in range(2):
             valid = int((b["patch_segment_ids"][row] >= 0).sum())
             assert valid and int((b["input_ids"][row] == PLACEHOLDER).sum()) == valid // 4
@@ -245,15 +247,19 @@ def test_bad_multimodal_input_is_refused_with_one_line(data, tmp_path):
 
 
 @pytest.mark.slow
-def test_train_runs_saves_and_resumes_on_multimodal_data(data, tmp_path):
+def test_train_runs_saves_and_resumes_on_multimodal_data(data, tmp_path, monkeypatch):
     """trainer.train on the multimodal data: 2 steps with a checkpoint, then a resume to step 3 (the Grain
-    first-fit packing state saved per data-parallel shard and restored)."""
+    first-fit packing state saved per data-parallel shard and restored). The steps run on the executable compiled
+    before allocation (`trainer.compile_ahead`, multimodal batch shapes): the real step's jit never traces."""
     _, out = data
     cfg = trainer.training_config("tiny", TEXT)
     kw = dict(vision_config="tiny", data=out, batch_size=2, seq_len=SEQ, max_patches=PATCHES, mtp=False,
               workdir=str(tmp_path / "w"), checkpoint_every=2, log_every=1, mesh="1,1,1,1")
+    steps, real_build = [], trainer.build
+    monkeypatch.setattr(trainer, "build", lambda *a, **k: steps.append(real_build(*a, **k)) or steps[-1])
     losses = trainer.train(cfg, trainer.TrainOptions(steps=2, **kw), log_fn=lambda m: None)
     assert len(losses) == 2 and all(np.isfinite(losses))
+    assert len(steps) == 2 and steps[-1][2].jitted._cache_size() == 0
     more = trainer.train(cfg, trainer.TrainOptions(steps=3, **kw), log_fn=lambda m: None)
     assert len(more) == 1 and np.isfinite(more[0])
 

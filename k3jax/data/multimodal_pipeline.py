@@ -35,7 +35,7 @@ from jax.sharding import Mesh
 from k3jax.data import prepare_multimodal as mm
 from k3jax.data.global_batch import GlobalBatchIterator
 from k3jax.vision.config import VisionConfig
-from k3jax.vision.rows import patch_features
+from k3jax.vision.rows import TAPS, patch_features
 
 PATCH_KEYS = ("pixels", "patch_image", "patch_rc", "patch_pos_index", "patch_pos_weight")
 BATCH_KEYS = ("input_ids", "targets", "segment_ids", "positions", "loss_mask", "pixels", "patch_segment_ids",
@@ -79,6 +79,18 @@ def to_batch(packed: dict[str, np.ndarray], *, pad_id: int, placeholder_id: int)
         "patch_pos_index": packed["patch_pos_index"].astype(np.int32),
         "patch_pos_weight": packed["patch_pos_weight"].astype(np.float32),
     }
+
+
+def batch_shapes(cfg: VisionConfig, *, batch_size: int, seq_len: int,
+                 max_patches: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of every array of a batch `to_batch` makes (what the step is compiled for ahead)."""
+    b, taps = batch_size, TAPS[cfg.pos_emb_interpolation_mode] ** 2
+    i32, f32 = np.dtype(np.int32), np.dtype(np.float32)
+    return {"input_ids": ((b, seq_len), i32), "targets": ((b, seq_len), i32), "segment_ids": ((b, seq_len), i32),
+            "positions": ((b, seq_len), i32), "loss_mask": ((b, seq_len), f32),
+            "pixels": ((b, max_patches, 3 * cfg.patch_size ** 2), np.dtype(np.uint8)),
+            "patch_segment_ids": ((b, max_patches), i32), "patch_rc": ((b, max_patches, 2), i32),
+            "patch_pos_index": ((b, max_patches, taps), i32), "patch_pos_weight": ((b, max_patches, taps), f32)}
 
 
 def check_fits(meta: dict, cfg: VisionConfig, *, seq_len: int, max_patches: int, where: str = "") -> None:

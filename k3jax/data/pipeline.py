@@ -71,6 +71,11 @@ def _to_batch(packed: dict[str, np.ndarray], pad_id: int) -> dict[str, np.ndarra
     }
 
 
+def batch_shapes(batch_size: int, seq_len: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of every array of a batch `_to_batch` makes (what the step is compiled for ahead)."""
+    return {k: ((batch_size, seq_len), np.dtype(np.float32 if k == "loss_mask" else np.int32)) for k in BATCH_KEYS}
+
+
 class _ShardInterleavedSource(grain.sources.RandomAccessDataSource):
     """Documents in the order `prepare` read them: document i is record i // N of shard i % N."""
 

@@ -36,6 +36,7 @@ import configs
 from k3jax.config import ModelConfig
 from k3jax.convert.checkpoint import read_manifest
 from k3jax.convert.hf_config import check_config
+from k3jax.data import multimodal_pipeline as mm_pipeline
 from k3jax.data import pipeline, prepare
 from k3jax.data.global_batch import make_global_dataset
 from k3jax.layers.params import RouterBias
@@ -292,13 +293,13 @@ def check_batch(opts: TrainOptions, mesh) -> None:
 
 def check_memory(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[str], None]) -> dict:
     """`memory.check_fit` for what training holds (parameters in cfg.runtime.param_dtype, no separate master, optimizer
-    state in opts.state_dtype, one micro-batch at the longest context stage); logs the per-device figures. A text
-    run's step is compiled before anything is allocated (`compile_ahead`), so there the estimate refuses only when
-    parameters, gradients and optimizer state alone exceed the device."""
+    state in opts.state_dtype, one micro-batch at the longest context stage); logs the per-device figures. The step is
+    then compiled before anything is allocated (`compile_ahead`), so the estimate refuses only when parameters,
+    gradients and optimizer state alone exceed the device."""
     seq_len = max([opts.seq_len] + [length for _, length in opts.context_stages])
     est = check_fit(cfg, mesh, batch_size=opts.batch_size // opts.grad_accum, seq_len=seq_len,
                     optimizer=opts.optimizer, mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype,
-                    plan=plan_for(cfg), compiled_check_follows=opts.vision_config is None)
+                    plan=plan_for(cfg), compiled_check_follows=True)
     run = cfg.runtime
     log_fn(f"memory per device (estimate): params {est['params'] / GIB:.2f} GiB ({run.param_dtype}, compute "
            f"{run.dtype}), gradients {est['gradients'] / GIB:.2f} GiB, optimizer state {est['optimizer'] / GIB:.2f} "
@@ -310,21 +311,21 @@ def check_memory(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[[s
 
 
 def compile_ahead(cfg: ModelConfig, opts: TrainOptions, mesh, est: dict, log_fn: Callable[[str], None]):
-    """Compiles the step of a text run for every context stage's batch shape on abstract state (nothing allocated)
-    and checks the compiler's per-device memory against the device (`memory.check_compiled_fit`): a step that
-    cannot fit raises `DoesNotFitError` here, before the model is built. Returns the abstract step's jitted function
-    holding the executables (the real step adopts them, so nothing compiles twice); None for multimodal runs, whose
-    batches carry images (the estimate is their check)."""
-    if opts.vision_config is not None:
-        return None
+    """Compiles the step for every context stage's batch shape (`pipeline.batch_shapes`, or the multimodal
+    pipeline's) on abstract state (nothing allocated) and checks the compiler's per-device memory against the device
+    (`memory.check_compiled_fit`): a step that cannot fit raises `DoesNotFitError` here, before the model is built.
+    Returns the abstract step's jitted function holding the executables (the real step adopts them, so nothing
+    compiles twice); None for a step that is not `make_sharded_train_step`'s."""
     trainable, optimizer, step, _ = build(cfg, opts, mesh, abstract=True)
-    if not hasattr(getattr(step, "jitted", None), "compile_ahead"):  # a step that is not `make_sharded_train_step`'s
+    if not hasattr(getattr(step, "jitted", None), "compile_ahead"):
         return None
     state = nnx.state((trainable, optimizer))
+    vcfg = mm.vision_setup(cfg, opts.vision_config, opts.data)[0]
     for seq_len in sorted({opts.seq_len, *(length for _, length in opts.context_stages)}):
-        shape = (opts.batch_size, seq_len)
-        batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_mask" else jnp.int32)
-                 for k in pipeline.BATCH_KEYS}
+        shapes = (pipeline.batch_shapes(opts.batch_size, seq_len) if vcfg is None else
+                  mm_pipeline.batch_shapes(vcfg, batch_size=opts.batch_size, seq_len=seq_len,
+                                           max_patches=opts.max_patches))
+        batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
         log_fn(f"compiling the training step for {opts.batch_size} x {seq_len} tokens before allocating "
                f"(minutes for a large model)")
         t0 = time.perf_counter()
