@@ -191,7 +191,9 @@ class TracedUnderMesh:
             if compiled is not None:
                 try:
                     return compiled(*args)
-                except (TypeError, ValueError):  # other shardings or state structure: checked before running
+                except (TypeError, ValueError) as e:  # other shardings or state structure: checked before running
+                    log.warning("the step compiled ahead does not take these arguments (%s); compiling again",
+                                str(e).splitlines()[0][:200])
                     self._ahead.clear()
         with mesh_context(self._mesh):
             return self._jitted(*args, **kwargs)
