@@ -329,6 +329,19 @@ def format_breakdown(est: Mapping[str, Any]) -> str:
     return ", ".join(f"{c} {est[c] / GIB:.2f} GiB" for c in COMPONENTS if est.get(c))
 
 
+def _usable(device_bytes: int | None, headroom: float) -> tuple[int, str, int]:
+    """(device bytes, where the figure came from, bytes usable after the headroom); `device_memory_bytes()` when
+    no figure is given."""
+    source = "the device_bytes argument"
+    if device_bytes is None:
+        device_bytes, source = device_memory_bytes()
+    return device_bytes, source, int(device_bytes * (1 - headroom))
+
+
+def _mesh_text(sizes: Mapping[str, int]) -> str:
+    return " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+
+
 def check_fit(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, device_bytes: int | None = None,
               headroom: float = 0.1, plan: MeshPlan | Mapping[str, int] | str | None = None,
               compiled_check_follows: bool = False, **kwargs) -> dict:
@@ -341,18 +354,14 @@ def check_fit(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, device_b
     one device, an under-count with context parallelism), so a total over the limit sets `est["over"] = True`
     instead of refusing a run the compiler may fit."""
     est = estimate_memory(cfg, mesh, batch_size=batch_size, seq_len=seq_len, **kwargs)
-    source = "the device_bytes argument"
-    if device_bytes is None:
-        device_bytes, source = device_memory_bytes()
-    usable = int(device_bytes * (1 - headroom))
+    device_bytes, source, usable = _usable(device_bytes, headroom)
     est.update(device_bytes=device_bytes, usable_bytes=usable, device_bytes_source=source, over=False)
     if est["total"] <= usable:
         return est
     if compiled_check_follows and sum(est[c] for c in STATE_COMPONENTS) <= usable:
         est["over"] = True
         return est
-    sizes = est["mesh"]
-    mesh_text = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
+    mesh_text = _mesh_text(est["mesh"])
     plan = plan_for(cfg if plan is None else plan)
     found = smallest_fitting_slice(cfg, batch_size=batch_size, seq_len=seq_len, plan=plan, headroom=headroom,
                                    **kwargs)
@@ -414,18 +423,14 @@ def check_compiled_fit(compiled, cfg: ModelConfig, est: Mapping[str, Any], *, ba
     over); otherwise `DoesNotFitError` naming them, the estimate beside them and the knobs that shrink activations.
     A backend that reports no figures passes with total 0 (the estimate's check is then the only one)."""
     per_device, total = compiled_memory(compiled)
-    source = "the device_bytes argument"
-    if device_bytes is None:
-        device_bytes, source = device_memory_bytes()
-    usable = int(device_bytes * (1 - headroom))
+    device_bytes, source, usable = _usable(device_bytes, headroom)
     out = {"per_device": per_device, "total": total, "usable_bytes": usable, "device_bytes": device_bytes}
     if total <= usable:
         return out
-    sizes = est["mesh"]
-    mesh_text = " ".join(f"{a}={sizes[a]}" for a in MESH_AXES)
     knobs = knob_hints(cfg, est)
     raise DoesNotFitError(
-        f"config {cfg.name!r} (batch {batch_size} x seq {seq_len}) on mesh {mesh_text}: the compiled training step "
+        f"config {cfg.name!r} (batch {batch_size} x seq {seq_len}) on mesh {_mesh_text(est['mesh'])}: the compiled "
+        f"training step "
         f"needs {total / GIB:.2f} GiB per device ({format_compiled(per_device)}; the estimate said "
         f"{est['total'] / GIB:.2f} GiB) but {usable / GIB:.2f} GiB are usable ({device_bytes / GIB:.2f} GiB from "
         f"{source}, {headroom:.0%} kept as headroom); nothing was allocated; "
