@@ -19,6 +19,11 @@ Modes (the config field `moe_expert_parallel`):
   (token-major, then routing slot); rows past C are dropped: they contribute zero, and are counted.
 - 'auto': 'dropless' when the layer runs under a mesh with expert axis > 1 (and moe_impl is not 'dense');
   'off': never (the single-program path, partitioned by GSPMD).
+- 'local' (chosen, never configured): the expert axis is 1 but tokens are split over 'data' / 'context'. Each
+  device runs the single-program dropless experts (`k3jax.ops.moe.experts_dropless`) on its own tokens, with every
+  expert's weights, no exchange. Left to GSPMD, that path's expert sort over all N * k rows cannot be split along
+  the sorted axis: every data rank gathered and computed the whole global batch's expert rows (found in a v5p
+  compile of `k3_gpu` with data = 4: 8 GiB row buffers of the global 1,048,576 rows per chip).
 
 Model axis: the expert widths M are split over 'model' when divisible (w1/w3 on M, w2 on its M rows); each model rank
 dispatches the same tokens and computes its M slice, and the combined [tokens, L] output is summed over 'model'
@@ -49,11 +54,11 @@ from k3jax.numerics import wide
 from k3jax.ops.backend import kernel_backend_here, traced_platform
 from k3jax.ops.glu import grouped_glu
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
-from k3jax.ops.moe import inverse_permutation, take_rows
+from k3jax.ops.moe import experts_dropless, inverse_permutation, take_rows
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "dropless", "capacity", "off")
+MODES = ("auto", "dropless", "capacity", "off")  # configurable; 'local' is chosen by `active_mode`
 DEFAULT_CAPACITY_FACTOR = 1.25
 EXPERT_AXIS = "expert"
 BATCH_AXES = ("data", "expert")  # the rules' 'batch'
@@ -90,23 +95,31 @@ def active_mode(cfg: ModelConfig, batch: int, seq: int) -> tuple[str, float | No
     """The EP mode for a MoE call on [batch, seq] tokens traced now, or None for the single-program path.
 
     EP runs when the context mesh (`jax.sharding.get_abstract_mesh()`, set by `jax.set_mesh`) has an 'expert' axis
-    of size > 1, outside any `shard_map`. With 'auto', shapes the mesh cannot split evenly fall back (logged);
-    an explicit mode raises `ExpertParallelError` instead.
+    of size > 1, outside any `shard_map`. With an expert axis of 1 and tokens split over other axes, ('local',
+    None): each device runs the experts on its own tokens (unless 'off' or `moe_impl='dense'`, which GSPMD splits
+    per token). With 'auto', shapes the mesh cannot split evenly fall back (logged); an explicit mode raises
+    `ExpertParallelError` instead.
     """
     mode, factor = parse_mode(cfg.runtime.moe_expert_parallel)
     if mode == "off":
         return None
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or _axis(mesh, EXPERT_AXIS) == 1 or mesh.manual_axes:
+    if mesh.empty or mesh.manual_axes:
         return None
+    if _axis(mesh, EXPERT_AXIS) == 1:
+        token_ways = math.prod(_axis(mesh, a) for a in BATCH_AXES + (SEQ_AXIS,))
+        if token_ways == 1 or cfg.runtime.moe_impl == "dense" or EXPERT_AXIS not in mesh.axis_names:
+            return None
+        mode, factor = "local", None
     if mode == "auto":
         if cfg.runtime.moe_impl == "dense":
             return None
         mode = "dropless"
     problem = _shape_problem(cfg, mesh, batch, seq)
     if problem:
-        if cfg.runtime.moe_expert_parallel == "auto":
-            log.warning("expert parallelism off for this MoE call: %s", problem)
+        if cfg.runtime.moe_expert_parallel == "auto" or mode == "local":
+            log.warning("%s off for this MoE call: %s",
+                        "per-device experts" if mode == "local" else "expert parallelism", problem)
             return None
         raise ExpertParallelError(f"moe_expert_parallel={cfg.runtime.moe_expert_parallel!r}: {problem}")
     return mode, factor
@@ -257,14 +270,17 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
 
     z [B, T, L] (compute dtype), weights f32 [B, T, k], experts int32 [B, T, k], expert weights [E, L, M] / [E, M, L]
     (global arrays, any sharding; or `MXFP4Experts` of those logical shapes, see `expert_weight_specs`). `mode`:
-    'dropless' or 'capacity' (with `capacity_factor`). `mesh`: default the context mesh. `ragged` (dropless):
+    'dropless' or 'capacity' (with `capacity_factor`), or 'local' (every expert on each device's own tokens: an
+    expert axis of 1, see the module docstring). `mesh`: default the context mesh. `ragged` (dropless):
     'native' (`jax.lax.ragged_all_to_all`), 'emulated', or 'auto' (native except on CPU). `recv_rows`: dropless
     receive buffer rows per device (default the worst case R * local tokens * min(k, E/R); a smaller bound is the
     caller's promise that no rank receives more).
     Returns (u [B, T, L] in the wide dtype, stats f32 [4] as in `STATS_FIELDS`).
     """
-    if mode not in ("dropless", "capacity"):
-        raise ValueError(f"routed_experts mode must be 'dropless' or 'capacity', got {mode!r}")
+    if mode not in ("dropless", "capacity", "local"):
+        raise ValueError(f"routed_experts mode must be 'dropless', 'capacity' or 'local', got {mode!r}")
+    if mode == "local" and _axis(jax.sharding.get_abstract_mesh() if mesh is None else mesh, EXPERT_AXIS) != 1:
+        raise ExpertParallelError("mode 'local' keeps every expert on every device: it needs an expert axis of 1")
     if mode == "capacity" and not (capacity_factor and capacity_factor > 0):
         raise ValueError(f"capacity mode needs a capacity_factor > 0, got {capacity_factor!r}")
     if ragged not in ("auto", "native", "emulated"):
@@ -290,6 +306,10 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
         z_nl = z_btl.reshape(bl * tl, l)
         experts_r = experts_btk.reshape(-1).astype(jnp.int32)
         weights_r = weights_btk.reshape(-1)
+        if mode == "local":
+            u_nl = experts_dropless(z_nl, weights_btk.reshape(-1, k), experts_btk.reshape(-1, k), w1, w3, w2,
+                                    cfg).astype(out_dtype)
+            return _finish_local(u_nl.reshape(bl, tl, l), experts_r.shape[0], split_m, token_axes)
         if mode == "dropless":
             out_rows, sent_per_rank, dropped = _dispatch_dropless(z_nl, experts_r, w1, w3, w2, cfg,
                                                                   native=native, recv_rows=recv_rows)
@@ -316,6 +336,14 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     return fn(z_btl, weights_btk, experts_btk.astype(jnp.int32), w1_elm, w3_elm, w2_eml)
 
 
+def _finish_local(u_btl, rows: int, split_m: bool, token_axes) -> tuple[jax.Array, jax.Array]:
+    """'local' mode's output (summed over 'model' when it splits M) and its statistics: one 'rank' received every
+    routed row of the global batch, none dropped (as `single_program_stats`)."""
+    if split_m:
+        u_btl = jax.lax.psum(u_btl, MODEL_AXIS)
+    return u_btl, single_program_stats_of(jax.lax.psum(jnp.float32(rows), token_axes))
+
+
 def expert_weight_specs(w1_elm, w2_eml, mesh) -> tuple:
     """(spec of w1 and w3, spec of w2, whether 'model' splits the expert width M) for `routed_experts`' shard_map.
 
@@ -340,8 +368,12 @@ def expert_weight_specs(w1_elm, w2_eml, mesh) -> tuple:
 
 def single_program_stats(routed_rows: int) -> jax.Array:
     """The statistics of the single-program path: one 'rank' receives every routed row, none dropped."""
-    n = jnp.float32(routed_rows)
-    return jnp.stack([n, n, jnp.float32(0), n])
+    return single_program_stats_of(jnp.float32(routed_rows))
+
+
+def single_program_stats_of(rows: jax.Array) -> jax.Array:
+    """`single_program_stats` for a traced f32 row count."""
+    return jnp.stack([rows, rows, jnp.float32(0), rows])
 
 
 def expert_parallel_metrics(model) -> dict[str, jax.Array]:

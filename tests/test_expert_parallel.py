@@ -14,6 +14,7 @@ lowered (its program is checked to contain it), not executed.
 """
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,9 @@ from flax import nnx
 
 import configs
 from k3jax.config import ConfigError
-from k3jax.layers.moe import experts_dense
+from k3jax.layers.moe import LatentMoE, experts_dense, route
+from k3jax.layers.params import RouterBias
+from k3jax.model import K3Model
 from sharding import expert_parallel as ep
 from sharding.mesh import make_mesh
 from sharding.shard import mesh_context, shard_batch
@@ -97,6 +100,8 @@ LAYER_CASES = [
     ("dropless", None, "one_rank", (2, 4, 1, 1)),
     ("capacity", 4.0, "one_rank", (1, 4, 1, 2)),
     ("dropless", None, "random", (1, 2, 2, 2)),
+    ("local", None, "random", (2, 1, 2, 2)),  # expert axis 1: every expert on each device's own tokens
+    ("local", None, "one_rank", (8, 1, 1, 1)),
 ]
 
 
@@ -212,8 +217,14 @@ def test_mode_parsing_and_config_validation():
 
 def test_active_mode_follows_the_context_mesh():
     assert ep.active_mode(CFG, B, T) is None  # no mesh
+    with mesh_context(make_mesh(devices=jax.devices()[:1])):
+        assert ep.active_mode(CFG, B, T) is None  # one device: the single-program path as it is
     with mesh_context(make_mesh(8, 1, 1, 1)):
-        assert ep.active_mode(CFG, B, T) is None  # expert axis of 1
+        assert ep.active_mode(CFG, B, T) == ("local", None)  # expert axis of 1: each device its own tokens
+        assert ep.active_mode(CFG.replace(moe_expert_parallel="capacity:3"), B, T) == ("local", None)
+        assert ep.active_mode(CFG.replace(moe_expert_parallel="off"), B, T) is None
+        assert ep.active_mode(CFG.replace(moe_impl="dense"), B, T) is None  # per token: GSPMD splits it
+        assert ep.active_mode(CFG, 4, T) is None  # batch 4 over data = 8: falls back (logged)
     with mesh_context(make_mesh(2, 4, 1, 1)):
         assert ep.active_mode(CFG, B, T) == ("dropless", None)
         assert ep.active_mode(CFG.replace(moe_expert_parallel="capacity:3"), B, T) == ("capacity", 3.0)
@@ -239,9 +250,6 @@ MODEL_CASES = [
 
 def _build_tiny(expert_parallel="auto"):
     """`tiny` (f32) with routing pinned by a well-separated selection bias (as in test_sharding_equivalence.py)."""
-    from k3jax.layers.params import RouterBias
-    from k3jax.model import K3Model
-
     overrides = ["kda_impl=recurrent", f"moe_expert_parallel={expert_parallel}"]
     model = K3Model(configs.get_config("tiny", overrides), rngs=nnx.Rngs(0))
     biases = nnx.state(model, RouterBias)
@@ -286,11 +294,42 @@ def test_tiny_loss_and_grads_with_expert_parallel_match_single_device(shape, exp
                                    err_msg=".".join(map(str, key)))
 
 
+def _sort_rows(hlo_text: str) -> list[int]:
+    """Leading dimension of every sort in a compiled program's HLO."""
+    return [int(m) for m in re.findall(r"= \(?[a-z0-9]+\[(\d+)[\],][^\n]*? sort\(", hlo_text)]
+
+
+def test_data_parallel_moe_sorts_only_each_devices_own_rows():
+    """Under a data-only mesh (expert axis 1) each device sorts and computes the expert rows of its own tokens:
+    every sort in the compiled forward + backward has B*T*K / 8 rows, none the global B*T*K (GSPMD alone
+    gathered the global rows on every device), and the layer equals the single-device layer."""
+    cfg = CFG.replace(record_routing_stats=True)
+    layer = LatentMoE(cfg, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.RandomState(2).randn(B, T, cfg.hidden_size).astype(np.float32))
+
+    def loss(m, x):
+        return jnp.sum(m(x) ** 2)
+
+    want_y = np.asarray(layer(x))
+    want_g = nnx.grad(loss)(layer, x)
+    mesh = make_mesh(8, 1, 1, 1)
+    with mesh_context(mesh):
+        step = nnx.jit(lambda m, x: (m(x), nnx.grad(loss)(m, x)))
+        text = step.lower(layer, x).compile().as_text()
+        y, g = step(layer, x)
+    rows = _sort_rows(text)
+    assert rows and max(rows) == B * T * K // 8, rows
+    np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-5, atol=1e-5 * np.abs(want_y).max())
+    for (path, got), (_, ref) in zip(nnx.to_flat_state(g), nnx.to_flat_state(want_g)):
+        ref = np.asarray(ref.get_value())
+        np.testing.assert_allclose(np.asarray(got.get_value()), ref, rtol=1e-4,
+                                   atol=1e-5 * (np.abs(ref).max() or 1.0), err_msg=str(path))
+    np.testing.assert_allclose(np.asarray(layer.expert_parallel_stats[...]), [B * T * K, B * T * K, 0, B * T * K])
+
+
 def test_moe_layer_records_expert_parallel_stats_and_metrics():
     """A `LatentMoE` with training statistics, jitted under a (2,4,1,1) mesh, records the EP stats its metrics
     report (capacity mode with a tight factor so rows are dropped)."""
-    from k3jax.layers.moe import LatentMoE, route
-
     cfg = CFG.replace(record_routing_stats=True, moe_expert_parallel="capacity:0.5")
     layer = LatentMoE(cfg, rngs=nnx.Rngs(0))
     x = jnp.asarray(np.random.RandomState(2).randn(B, T, cfg.hidden_size).astype(np.float32))

@@ -152,7 +152,8 @@ class LatentMoE(nnx.Module):
 
     def _routed_experts(self, z_nl, weights_nk, experts_nk, b: int, t: int) -> jax.Array:
         """Σ_j w_j E_{idx_j}(z) for the N = b*t tokens: expert-parallel (`sharding.expert_parallel`) when traced
-        under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, else the single-program path.
+        under a mesh whose 'expert' axis is > 1 and `moe_expert_parallel` allows it, per device on its own tokens
+        (mode 'local') under a mesh that splits tokens with an expert axis of 1, else the single-program path.
         Records the expert-rank load statistics when the layer keeps them.
 
         Quantization-aware training (`expert_qat`, `expert_act_qat`) happens here for every path: the weights are
