@@ -27,7 +27,7 @@ from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.training.aot import compile_train_step
 from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
 from k3jax.training.evaluate import EvalDataError
-from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown
+from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
 from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
 from sharding.mesh import initialize_distributed, is_multi_host_launch
@@ -178,11 +178,23 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
     est = estimate_memory(cfg, sizes, batch_size=micro, seq_len=opts.seq_len, optimizer=opts.optimizer,
                           mtp=opts.mtp, master_dtype=None, state_dtype=opts.state_dtype)
     print(f"estimate per chip: {est['total'] / 2**30:.2f} GiB ({format_breakdown(est)})", flush=True)
-    out = compile_train_step(cfg, topology, sizes, batch_size=opts.batch_size, seq_len=opts.seq_len, options=opts)
+    try:
+        out = compile_train_step(cfg, topology, sizes, batch_size=opts.batch_size, seq_len=opts.seq_len,
+                                 options=opts)
+    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program far over the chip's HBM
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        hints = knob_hints(cfg, est)
+        print(f"does not fit on {topology}: {str(e).splitlines()[0]}" + (f"\ntry: {hints}" if hints else ""),
+              file=sys.stderr, flush=True)
+        return 2
     out.update(param_dtype=cfg.runtime.param_dtype, state_dtype=opts.state_dtype, grad_accum=opts.grad_accum,
                estimate_total_gib=round(est["total"] / 2**30, 2))
     print(json.dumps(out, indent=1))
-    return 0
+    verdict = "fits" if out["fits"] else "does not fit"
+    print(f"compiled step: {out['per_chip_total_gib']:.2f} GiB per chip of {out['chip_gib']:.2f} GiB "
+          f"({out['chip_gib_source']}): {verdict}", flush=True)
+    return 0 if out["fits"] else 2
 
 
 if __name__ == "__main__":

@@ -139,9 +139,10 @@ def plan_shardings(state: Any, mesh: Mesh, *, log_fallbacks: bool = True,
         fallbacks += fb
         sharding = NamedSharding(mesh, spec)
         out.append((key, spec_var.replace(sharding) if isinstance(spec_var, nnx.Variable) else sharding))
-    if log_fallbacks and fallbacks:
-        log.info("sharding fallbacks on mesh %s (%d):\n%s", dict(mesh.shape), len(fallbacks),
-                 "\n".join(f"  {f}" for f in fallbacks))
+    if log_fallbacks and fallbacks:  # one line; the list (one entry per array dim) only at debug level
+        log.info("sharding: %d array dims kept whole on mesh %s where its axes do not divide them or are already "
+                 "used (listed at --verbosity=1)", len(fallbacks), dict(mesh.shape))
+        log.debug("sharding fallbacks:\n%s", "\n".join(f"  {f}" for f in fallbacks))
     return ShardingPlan(mesh, nnx.from_flat_state(out), specs, fallbacks)
 
 

@@ -160,12 +160,23 @@ def test_a_long_sequence_refusal_names_the_chunked_loss_head_and_layer_remat():
     with pytest.raises(DoesNotFitError) as err:
         check_fit(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072, device_bytes=141 * GIB)
     msg = str(err.value)
-    assert "--set loss_vocab_chunks=16 (the loss head's f32 logits take" in msg and "--set remat_policy=layer" in msg
+    assert "--set loss_vocab_chunks=16 (the loss heads' f32 logits take" in msg and "--set remat_policy=layer" in msg
     est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072)
     chunked = estimate_memory(cfg.with_overrides(["loss_vocab_chunks=16", "remat_policy=layer"]), (1, 1, 1, 1),
                               batch_size=1, seq_len=131072)
     assert chunked["head_activations"] < est["head_activations"] / 4 and chunked["total"] < est["total"]
     assert memory.knob_hints(cfg.with_overrides(["loss_vocab_chunks=16", "remat_policy=layer"]), chunked) == ""
+    # the figure named is the two heads' logits (main + MTP: 3 f32 [T, V] each), not the MTP layer's attention
+    assert est["head_logits"] == 2 * 3 * 4 * 131072 * cfg.vocab_size
+
+
+def test_the_logits_hint_is_not_given_for_the_mtp_layers_attention():
+    """A small vocabulary with the XLA attention core at a long T: the MTP layer's T x T scores are large, the
+    logits are not; the hint names remat, not the chunked loss head."""
+    cfg = configs.get_config("tiny", ["mla_attention_impl=xla"])
+    est = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=65536)
+    assert est["head_activations"] > 10 * est["head_logits"]
+    assert "loss_vocab_chunks" not in memory.knob_hints(cfg, est)
 
 
 def test_the_estimate_defers_to_a_following_compile_only_while_the_state_alone_fits():

@@ -43,3 +43,25 @@ def test_tiny_train_step_with_the_mosaic_kernels_compiles_for_v5p_2x2x1():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     want = {"kda_chunk_tpu", "kda_chunk_bwd_tpu", "k3_gmm_tpu", "k3_tgmm_tpu"}
     assert want <= set(result["pallas_kernels"]), result["pallas_kernels"]
+
+
+def _train_compile_only(*args):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "TPU_SKIP_MDS_QUERY": "1"}
+    cmd = [sys.executable, "train.py", "--config=tiny", "--compile_only", "--topology=v5p:2x2x1", "--mesh=4,1,1,1",
+           "--batch_size=4", "--set=kda_impl=recurrent", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.tpu_compile
+@pytest.mark.skipif(not libtpu_available(), reason="libtpu not installed (pip install 'jax[tpu]==<jax version>')")
+def test_train_compile_only_says_whether_the_step_fits_the_chip():
+    """`train.py --compile_only` ends with a verdict line against the chip's memory and exits 0 when the step fits;
+    a step the TPU compiler refuses for memory exits 2 with one 'does not fit' line and the knobs to try, no
+    traceback (tiny at T = 65,536 with the XLA attention core: f32 T x T scores)."""
+    fits = _train_compile_only("--seq_len=64")
+    assert fits.returncode == 0, fits.stderr[-4000:]
+    assert "GiB per chip of 95.00 GiB" in fits.stdout and fits.stdout.rstrip().endswith(": fits")
+    big = _train_compile_only("--seq_len=65536", "--set=mla_attention_impl=xla")
+    assert big.returncode == 2, big.stderr[-4000:]
+    assert "does not fit on v5p:2x2x1: RESOURCE_EXHAUSTED" in big.stderr and "Traceback" not in big.stderr
+    assert "--set remat_policy=layer" in big.stderr

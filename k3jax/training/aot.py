@@ -29,7 +29,7 @@ from flax import nnx
 
 import configs
 from k3jax.param_count import count_params
-from k3jax.training.memory import compiled_memory
+from k3jax.training.memory import compiled_memory, device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
 from sharding.aot import libtpu_available, tpu_topology
@@ -97,6 +97,7 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     chips = len(topo.devices)
     model_flops = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp) * batch_size * seq_len
     per_chip, total = compiled_memory(compiled)
+    chip_bytes, chip_source = device_memory_bytes(topo.devices[0])
     n_params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(trainable, nnx.Param)))
     return {
         "config": cfg.name,
@@ -113,6 +114,9 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "pallas_kernels": kernels,  # the Pallas (Mosaic) kernels in the compiled step, by name
         "per_chip_bytes": per_chip,
         "per_chip_total_gib": round(total / 2**30, 2),
+        "chip_gib": round(chip_bytes / 2**30, 2),
+        "chip_gib_source": chip_source,
+        "fits": total <= chip_bytes,
         "fallbacks": len(step.plan.fallbacks),
         "tokens_per_chip": batch_size * seq_len // chips,
         "cost_per_chip": cost,

@@ -210,12 +210,16 @@ def activation_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, batch_s
         else:  # no remat, unscanned layers, or "dots" (bounded above by keeping everything)
             saved += group.num_repeats * unit
     vocab_slice = _ceil_div(cfg.vocab_size, sizes["model"] * max(1, run.loss_vocab_chunks))
-    head_one = n * vocab_slice * 4 * 3 + n * d * 4
-    head = head_one
+    logits_one = n * vocab_slice * 4 * 3
+    head = logits = logits_one
+    head += n * d * 4
     if mtp:
         ffn = "moe" if cfg.first_k_dense_replace < cfg.num_hidden_layers else "dense"
-        head += head_one + _layer_bytes(cfg, "mla", ffn, n=n, t_full=seq_len, sizes=sizes, attn_res=False)
-    return {"saved": saved, "recompute": recompute, "head": head, "rows_per_device": b, "tokens_per_device": n}
+        head += logits_one + n * d * 4 + _layer_bytes(cfg, "mla", ffn, n=n, t_full=seq_len, sizes=sizes,
+                                                      attn_res=False)
+        logits += logits_one
+    return {"saved": saved, "recompute": recompute, "head": head, "head_logits": logits, "rows_per_device": b,
+            "tokens_per_device": n}
 
 
 def gathered_layer_bytes(cfg: ModelConfig, mesh_sizes: Mapping[str, int], *, mtp: bool = True) -> int:
@@ -278,7 +282,8 @@ def estimate_memory(cfg: ModelConfig, mesh, *, batch_size: int, seq_len: int, op
     out["activations"] = act["saved"] + act["recompute"] + act["head"]
     out["batch"] = 5 * act["tokens_per_device"] * 4
     out["total"] = sum(out[c] for c in COMPONENTS)
-    out.update(head_activations=act["head"], mesh=sizes, fallbacks=fallbacks, rows_per_device=act["rows_per_device"],
+    out.update(head_activations=act["head"], head_logits=act["head_logits"], mesh=sizes, fallbacks=fallbacks,
+               rows_per_device=act["rows_per_device"],
                tokens_per_device=act["tokens_per_device"], param_dtype=cfg.runtime.param_dtype,
                master_dtype=master_dtype, state_dtype=state_dtype, optimizer_name=optimizer)
     return out
@@ -387,11 +392,11 @@ def knob_hints(cfg: ModelConfig, est: Mapping[str, Any]) -> str:
     applies): the chunked loss head when the full-vocabulary f32 logits are a tenth or more of the total, and
     per-layer rematerialisation unless it is on."""
     run, hints = cfg.runtime, []
-    if not run.loss_vocab_chunks and est.get("head_activations", 0) >= 0.1 * est["total"]:
+    if not run.loss_vocab_chunks and est.get("head_logits", 0) >= 0.1 * est["total"]:
         chunks = next((c for c in (16, 8, 4, 2) if cfg.vocab_size % c == 0), 0)
         if chunks:
-            hints.append(f"--set loss_vocab_chunks={chunks} (the loss head's f32 logits take "
-                         f"{est['head_activations'] / GIB:.1f} GiB; chunks keep 1/{chunks} of them)")
+            hints.append(f"--set loss_vocab_chunks={chunks} (the loss heads' f32 logits take "
+                         f"{est['head_logits'] / GIB:.1f} GiB; chunks keep 1/{chunks} of them)")
     if not run.remat or run.remat_policy != "layer":
         hints.append("--set remat_policy=layer (the backward then holds one layer's activations at a time)")
     return "; ".join(hints)
