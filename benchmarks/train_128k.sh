@@ -1,7 +1,8 @@
 # `k3_gpu` training at T = 131,072 beside T = 4,096 on one H200, within one 10-minute call (logs under OUT):
 #   bash benchmarks/train_128k.sh OUT
 # Both steps are compiled at once in two processes into one persistent compilation cache (~200 s each), then
-# timed one after the other reading it. Same flags at both lengths: B = 1, layer remat, the chunked loss head.
+# timed one after the other reading it. Same flags at both lengths: B = 1, layer remat, the chunked loss head; each
+# timed run also prints its step breakdown (--profile: kernel time by part, source line and kernel).
 set -u
 out=${1:?output directory}
 mkdir -p "$out"
@@ -15,5 +16,5 @@ done
 wait
 for t in 4096 131072; do
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 python3 -m benchmarks.train_throughput "${flags[@]}" --seq_len=$t --iters=2 \
-    --warmup=1 --out_dir="$out/t$t" 2>&1 | grep -v '^[WI]0' | tee "$out/train_$t.log"
+    --warmup=1 --profile --profile_steps=1 --out_dir="$out/t$t" 2>&1 | grep -v '^[WI]0' | tee "$out/train_$t.log"
 done
