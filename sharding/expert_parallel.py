@@ -117,9 +117,11 @@ def active_mode(cfg: ModelConfig, batch: int, seq: int) -> tuple[str, float | No
         mode = "dropless"
     problem = _shape_problem(cfg, mesh, batch, seq)
     if problem:
-        if cfg.runtime.moe_expert_parallel == "auto" or mode == "local":
-            log.warning("%s off for this MoE call: %s",
-                        "per-device experts" if mode == "local" else "expert parallelism", problem)
+        if mode == "local":  # still exact: the single-program path, split by GSPMD
+            log.info("per-device experts off for this MoE call: %s", problem)
+            return None
+        if cfg.runtime.moe_expert_parallel == "auto":
+            log.warning("expert parallelism off for this MoE call: %s", problem)
             return None
         raise ExpertParallelError(f"moe_expert_parallel={cfg.runtime.moe_expert_parallel!r}: {problem}")
     return mode, factor
