@@ -28,7 +28,7 @@ from k3jax.training.aot import compile_train_step
 from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
 from k3jax.training.evaluate import EvalDataError
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
-from k3jax.training.trainer import STATE_DTYPES, TrainOptions, parse_context_stages, train, training_config
+from k3jax.training.trainer import STATE_DTYPES, SetupError, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
@@ -95,10 +95,10 @@ def main(argv):
         logging.getLogger(name).setLevel(logging.WARNING)
     if not _COMPILE_ONLY.value and not join_distributed(_INIT_TIMEOUT.value):  # compile-only: one process
         return 3
-    cfg = training_config(_CONFIG.value, _SET.value)  # f32 master parameters unless --set param_dtype=...
     try:
+        cfg = training_config(_CONFIG.value, _SET.value)  # f32 master parameters unless --set param_dtype=...
         opts = options_from_flags()
-    except ValueError as e:
+    except ValueError as e:  # ConfigError included: an unknown --config or --set key, a malformed value
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     if _COMPILE_ONLY.value:
@@ -113,7 +113,8 @@ def main(argv):
     except DoesNotFitError as e:
         print(f"does not fit: {e}", file=sys.stderr, flush=True)
         return 2
-    except (CheckpointError, ConfigError, CheckpointMismatchError, CheckpointCorruptError, EvalDataError) as e:
+    except (CheckpointError, ConfigError, CheckpointMismatchError, CheckpointCorruptError, EvalDataError,
+            SetupError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except OSError as e:  # an unwritable --workdir (read-only, full disk) or an unreadable input

@@ -6,10 +6,11 @@ packing (segment ids), loss = LM loss + mtp_weight · MTP loss, gradients, optim
 sets every MoE layer's router bias from the margin histogram the forward recorded (used from the next step).
 
 Start-up, in this order, so that a job that cannot run stops within seconds: the mesh (`--mesh` absent or 'auto':
-the config's parallelism plan over `jax.device_count()`, `sharding.plan`), the resume check, the per-device memory
-estimate (`memory.check_fit`: parameters, gradients, optimizer state, one micro-batch's activations; a
-`DoesNotFitError` names the smallest TPU slice that fits), the step compiled on abstract state for every context
-stage with the compiler's per-device memory checked against the device (`compile_ahead`), then the model.
+the config's parallelism plan over `jax.device_count()`, `sharding.plan`), the data's metadata, the resume check,
+the per-device memory estimate (`memory.check_fit`: parameters, gradients, optimizer state, one micro-batch's
+activations; a `DoesNotFitError` names the smallest TPU slice that fits), the step compiled on abstract state for
+every context stage with the compiler's per-device memory checked against the device (`compile_ahead`), then the
+model.
 Precision: parameters are stored in `cfg.runtime.param_dtype` (`train.py`: float32 masters, every matmul in
 `cfg.runtime.dtype`) and the optimizer state in `opts.state_dtype` (float32 by default). Input:
 `global_batch.make_global_dataset` (each process reads the rows of its data-parallel shards). Only process 0 logs
@@ -147,6 +148,10 @@ def training_config(name: str, overrides: list[str] | tuple[str, ...] = ()) -> M
     return configs.get_config(name, [f"param_dtype={TRAIN_PARAM_DTYPE}", *overrides])
 
 
+class SetupError(ValueError):
+    """A mesh, batch or data option that does not fit the devices or the data (train.py: one `error:` line)."""
+
+
 class NonFiniteLossError(FloatingPointError):
     """The loss became NaN or infinite (nothing is saved from that step on)."""
 
@@ -257,16 +262,19 @@ def make_mesh_from_option(text: str | None, cfg: ModelConfig | None = None):
     """The training mesh: `text` None or 'auto' -> the config's plan over `jax.device_count()`
     (`sharding.plan.mesh_sizes_for`), else 'data,expert,context,model'. A mesh of n < all devices takes n / P
     devices of each of the P processes (the first ones of each), so every process holds part of it."""
-    sizes = mesh_sizes_for(text, cfg if cfg is not None else {}, jax.device_count())
-    n = math.prod(sizes.values())
-    if n >= jax.device_count():
-        return make_mesh(**sizes)
+    try:
+        sizes = mesh_sizes_for(text, cfg if cfg is not None else {}, jax.device_count())
+        n = math.prod(sizes.values())
+        if n >= jax.device_count():
+            return make_mesh(**sizes)
+    except ValueError as e:
+        raise SetupError(f"--mesh={text or 'auto'}: {e}") from None
     procs = jax.process_count()
     log.warning("mesh %s uses %d of %d devices", text, n, jax.device_count())
     if procs == 1:
         return make_mesh(**sizes, devices=jax.devices()[:n])
     if n % procs:
-        raise ValueError(f"mesh {text} has {n} devices, not a multiple of the {procs} processes: every process "
+        raise SetupError(f"mesh {text} has {n} devices, not a multiple of the {procs} processes: every process "
                          f"must hold the same number of the mesh's devices")
     per = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     devices = [d for p in range(procs) for d in [x for x in per if x.process_index == p][:n // procs]]
@@ -285,7 +293,7 @@ def check_batch(opts: TrainOptions, mesh) -> None:
     dp = data_parallel_size(mesh)
     micro = opts.batch_size // opts.grad_accum
     if micro % dp:
-        raise ValueError(f"--batch_size={opts.batch_size} / --grad_accum={opts.grad_accum} = {micro} rows per "
+        raise SetupError(f"--batch_size={opts.batch_size} / --grad_accum={opts.grad_accum} = {micro} rows per "
                          f"micro-batch must be a multiple of the data-parallel size {dp} (data x expert of mesh "
                          f"{dict(mesh.shape)}): every data-parallel shard holds the same number of rows; use "
                          f"--batch_size a multiple of {dp * opts.grad_accum}")
@@ -347,7 +355,7 @@ def data_dir_for(cfg: ModelConfig, opts: TrainOptions) -> str:
     if opts.data is not None:
         return opts.data
     if cfg.vocab_size < 259:
-        raise ValueError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
+        raise SetupError(f"config {cfg.name!r} has vocab_size={cfg.vocab_size}; the embedded byte-level corpus "
                          f"needs >= 259 (256 bytes + BOS/EOS/PAD); pass --data with a matching tokenizer")
     return pipeline.default_data_dir(bos_id=cfg.bos_token_id, eos_id=cfg.eos_token_id, pad_id=cfg.pad_token_id)
 
@@ -365,6 +373,19 @@ def make_evaluator(cfg: ModelConfig, opts: TrainOptions, mesh, log_fn: Callable[
     return evaluator
 
 
+def data_metadata(cfg: ModelConfig, opts: TrainOptions) -> tuple[str, dict]:
+    """(`data_dir_for`, its prepared metadata); SetupError (or FileNotFoundError) for data the config cannot read."""
+    data_dir = data_dir_for(cfg, opts)
+    try:
+        meta = prepare.read_metadata(data_dir)
+    except ValueError as e:  # another format, or unparsable JSON
+        raise SetupError(str(e)) from None
+    if int(meta["vocab_size"]) > cfg.vocab_size:
+        raise SetupError(f"data in {data_dir} was tokenized with vocab_size={meta['vocab_size']}, larger than "
+                         f"config {cfg.name!r}'s vocab_size={cfg.vocab_size}")
+    return data_dir, meta
+
+
 def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None], mesh, *, seq_len: int,
               stage: int = 0):
     """Global batches on `mesh` (`global_batch.make_global_dataset`: each process reads its data-parallel shards)
@@ -374,11 +395,7 @@ def open_data(cfg: ModelConfig, opts: TrainOptions, log_fn: Callable[[str], None
         vcfg = mm.vision_setup(cfg, opts.vision_config, opts.data)[0]
         return mm.open_data(cfg, vcfg, opts.data, mesh, batch_size=opts.batch_size, seq_len=seq_len,
                             max_patches=opts.max_patches, seed=opts.seed + stage, log_fn=log_fn)
-    data_dir = data_dir_for(cfg, opts)
-    meta = prepare.read_metadata(data_dir)
-    if int(meta["vocab_size"]) > cfg.vocab_size:
-        raise ValueError(f"data in {data_dir} was tokenized with vocab_size={meta['vocab_size']}, larger than "
-                         f"config {cfg.name!r}'s vocab_size={cfg.vocab_size}")
+    data_dir, meta = data_metadata(cfg, opts)
     log_fn(f"data: {data_dir} ({meta.get('num_documents', '?')} documents, {meta.get('num_tokens', '?')} tokens), "
            f"seq_len {seq_len}")
     return make_global_dataset(data_dir, mesh, batch_size=opts.batch_size, seq_len=seq_len, seed=opts.seed + stage,
@@ -429,6 +446,8 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     log_fn(f"mesh: {describe(mesh)} from {opts.mesh or 'auto'} (plan {plan_text(plan_for(cfg))}); "
            f"{jax.process_count()} process(es), {jax.local_device_count()} local devices each")
     check_batch(opts, mesh)
+    if data is None and opts.vision_config is None:
+        data_metadata(cfg, opts)  # a missing or unreadable --data stops here, before the compile
     log_fn(f"tokens per step: {opts.batch_size} x {opts.seq_len} = {opts.batch_size * opts.seq_len:,}"
            + (f" ({opts.grad_accum} micro-batches of {opts.batch_size // opts.grad_accum} rows)"
               if opts.grad_accum > 1 else ""))

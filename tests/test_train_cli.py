@@ -1,0 +1,49 @@
+"""train.py's start-up errors as a user meets them: a bad --config, --set, --mesh or --data ends with one `error:`
+line on stderr and exit status 2 (no traceback), and a bad --data is found before the step is compiled."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_train(*flags_: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "train.py", "--config=tiny", "--steps=1", *flags_], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=300)
+
+
+def assert_one_line_error(run: subprocess.CompletedProcess, message: str) -> None:
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and message in errors[0], run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flags_, message", [
+    (["--set", "hiden_size=32"], "unknown config key(s): 'hiden_size' (did you mean 'hidden_size'?)"),
+    (["--set", "hidden_size=abc"], "hidden_size needs a int, got 'abc'"),
+    (["--config=tinyy"], "unknown config 'tinyy'"),
+    (["--mesh=2,1"], "--mesh=2,1: mesh spec '2,1' has 2 sizes"),
+    (["--mesh=a,1,1,1"], "mesh size 'a' in 'a,1,1,1' is not an integer"),
+    (["--mesh=64,1,1,1"], "--mesh=64,1,1,1: mesh data=64 x expert=1 x context=1 x model=1 needs 64 devices but"),
+])
+def test_train_py_bad_config_or_mesh_is_one_error_line(flags_, message):
+    assert_one_line_error(run_train(*flags_), message)
+
+
+def test_train_py_missing_data_fails_before_compiling(tmp_path):
+    run = run_train(f"--data={tmp_path / 'nonexistent'}", "--mesh=1,1,1,1")
+    assert_one_line_error(run, "is not a prepared data directory")
+    assert "compiling the training step" not in run.stdout, run.stdout
+
+
+def test_train_py_data_of_another_format_is_one_error_line(tmp_path):
+    (tmp_path / "metadata.json").write_text(json.dumps({"format": "something-else", "vocab_size": 259}))
+    run = run_train(f"--data={tmp_path}", "--mesh=1,1,1,1")
+    assert_one_line_error(run, "format 'something-else', expected 'k3jax-tokens-v1'")
+    assert "compiling the training step" not in run.stdout, run.stdout
