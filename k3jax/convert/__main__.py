@@ -16,6 +16,7 @@ stored dtypes; --text_only drops them instead (saying so) and records a text-onl
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -51,6 +52,8 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required")
+    for name in ("absl", "jax"):  # our own progress lines only: no Orbax INFO line per saved or loaded array
+        logging.getLogger(name).setLevel(logging.WARNING)
     start = time.time()
     log = lambda msg: print(msg, flush=True)  # noqa: E731
     try:
