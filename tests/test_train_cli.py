@@ -1,5 +1,6 @@
 """train.py's start-up errors as a user meets them: a bad --config, --set, --mesh or --data ends with one `error:`
-line on stderr and exit status 2 (no traceback), and a bad --data is found before the step is compiled."""
+line on stderr and exit status 2 (no traceback), and a bad --data is found before the step is compiled; the progress
+line's remaining time."""
 
 import json
 import os
@@ -7,6 +8,9 @@ import subprocess
 import sys
 
 import pytest
+
+from k3jax.training.metrics import format_duration
+from k3jax.training.trainer import _format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,3 +51,11 @@ def test_train_py_data_of_another_format_is_one_error_line(tmp_path):
     run = run_train(f"--data={tmp_path}", "--mesh=1,1,1,1")
     assert_one_line_error(run, "format 'something-else', expected 'k3jax-tokens-v1'")
     assert "compiling the training step" not in run.stdout, run.stdout
+
+
+def test_progress_line_shows_the_remaining_time():
+    m = {"loss": 2.0, "grad_norm": 1.0, "learning_rate": 1e-3, "tokens_per_s": 1000.0}
+    assert _format(5, m, first=False, elapsed=1.0, eta_s=185.2).endswith("ETA 3m05s")
+    assert "ETA" not in _format(1, m, first=True, elapsed=1.0, eta_s=185.2)  # no step time measured yet
+    assert "ETA" not in _format(30, m, first=False, elapsed=1.0, eta_s=0.0)  # the last step
+    assert [format_duration(s) for s in (42, 3599.6, 7620)] == ["42s", "1h00m", "2h07m"]

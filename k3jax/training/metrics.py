@@ -25,6 +25,16 @@ PEAK_BF16_FLOPS = {
 }
 
 
+def format_duration(seconds: float) -> str:
+    """'42s', '3m05s', '2h07m': a progress line's remaining time."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
 def peak_flops_per_device(device: jax.Device | None = None) -> float | None:
     """The device's dense bf16 peak (FLOP/s), or None when unknown (e.g. CPU): MFU is then not reported."""
     kind = (device or jax.devices()[0]).device_kind

@@ -51,7 +51,7 @@ from k3jax.training.balancing import apply_quantile_balancing, routing_load_metr
 from k3jax.training.evaluate import Evaluator, format_eval
 from k3jax.training.loss import masked_mean, mtp_loss, token_counts
 from k3jax.training.memory import GIB, check_compiled_fit, check_fit, format_compiled
-from k3jax.training.metrics import MetricsLog, model_flops_per_token, peak_flops_per_device
+from k3jax.training.metrics import MetricsLog, format_duration, model_flops_per_token, peak_flops_per_device
 from k3jax.training.optimizer import lr_schedule, make_optimizer
 from k3jax.training.step import make_sharded_train_step
 from sharding.expert_parallel import expert_parallel_metrics
@@ -510,6 +510,8 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     t_window = time.perf_counter()
     steps_in_window = 0
     last_saved = start
+    last_step = max(start + 1, min(opts.steps, opts.halt_at_step or opts.steps))
+    t_first = time.perf_counter()  # reset when the first step is done: the ETA is the mean step time since then
     try:
         for i in range(start + 1, opts.steps + 1):
             new_stage, new_len = stage_at(opts, i)
@@ -530,6 +532,9 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
             if i == start + 1 or i % opts.log_every == 0 or save_now or is_last or stage_ends or evaluate:
                 elapsed = time.perf_counter() - t_window
                 done = _drain(pending, losses)  # raises NonFiniteLossError before anything is saved
+                if i == start + 1:
+                    t_first = time.perf_counter()
+                eta_s = (last_step - i) * (time.perf_counter() - t_first) / max(i - start - 1, 1)
                 m = {k: float(v) for k, v in done[-1][2].items()}
                 if evaluate:  # after the window's timing: its time is not counted in tokens/s
                     m.update(evaluator.run(trainable.model, seq_len))
@@ -539,7 +544,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
                     flops_per_token = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp)
                     m["mfu"] = tps * flops_per_token / (peak * jax.device_count())
                 metrics_log.write(i, m)
-                log_fn(_format(i, m, first=(i == start + 1), elapsed=elapsed))
+                log_fn(_format(i, m, first=(i == start + 1), elapsed=elapsed, eta_s=eta_s))
                 t_window, steps_in_window = time.perf_counter(), 0
             if save_now:
                 checkpointing.save(manager, i, nnx.state((trainable, optimizer)), data, {**meta, "step": i})
@@ -591,7 +596,7 @@ def _drain(pending, losses):
     return done
 
 
-def _format(step: int, m: dict, *, first: bool, elapsed: float) -> str:
+def _format(step: int, m: dict, *, first: bool, elapsed: float, eta_s: float | None = None) -> str:
     parts = [f"step {step}: loss {m['loss']:.4f}"]
     if "mtp_loss" in m:
         parts.append(f"lm {m['lm_loss']:.4f} mtp {m['mtp_loss']:.4f}")
@@ -606,6 +611,8 @@ def _format(step: int, m: dict, *, first: bool, elapsed: float) -> str:
         parts.append(f"load max/mean {m['expert_load_max_over_mean']:.2f}")
     if "eval_loss" in m:
         parts.append(format_eval(m))
+    if not first and eta_s:
+        parts.append(f"ETA {format_duration(eta_s)}")
     return "  ".join(parts)
 
 
