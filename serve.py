@@ -63,6 +63,7 @@ over data x expert, KDA heads over model) and the MoE runs expert-parallel when 
 
 import functools
 import ipaddress
+import logging
 import os
 import sys
 
@@ -344,6 +345,8 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    for name in ("absl", "jax"):  # our own lines only: no Orbax INFO line per array of --checkpoint
+        logging.getLogger(name).setLevel(logging.WARNING)
     if _XLA_DEFAULTS.value and not _MESH.value:  # measured on one GPU only (not with NCCL inside the graphs)
         added = apply_serving_flags()
         if added:

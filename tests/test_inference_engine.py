@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import k3jax
 from k3jax.inference import sampling
 from k3jax.inference.batch import BatchOptions, read_prompts, run_batch
 from k3jax.inference.engine import Engine, SamplingParams, bucket
@@ -165,3 +166,17 @@ def test_serve_cli_bad_flags(tmp_path):
     empty.write_text("\n")
     r = run("--config=tiny", f"--prompts_file={empty}", f"--out={tmp_path / 'o.jsonl'}")
     assert r.returncode == 2 and "no prompts" in r.stderr
+
+
+def test_serve_cli_prints_no_orbax_info_lines_loading_a_checkpoint(tmp_path):
+    """serve.py --checkpoint: the load leaves stderr to serve.py's own lines (Orbax logs an INFO line per array);
+    here the checkpoint loads, then --speculative=mtp stops with one error line (it holds no MTP layer)."""
+    k3jax.save_checkpoint(tiny_model(NAME), str(tmp_path / "ckpt"))
+    (tmp_path / "p.txt").write_text("hi\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "serve.py", f"--checkpoint={tmp_path / 'ckpt'}", "--speculative=mtp",
+                        f"--prompts_file={tmp_path / 'p.txt'}", f"--out={tmp_path / 'o.jsonl'}"], cwd=root,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 2 and "holds no MTP layer" in r.stderr, r.stderr[-2000:]
+    info = [line for line in r.stderr.splitlines() if line[:1] == "I" and line[1:5].isdigit()]
+    assert not info, info[:3]
