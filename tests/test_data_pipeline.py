@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import os
 
 import numpy as np
@@ -189,6 +190,27 @@ def test_cli_reports_errors_and_writes_output(tmp_path, capsys):
                               vocab_size=200)
     with pytest.raises(FileNotFoundError, match="not a prepared data directory"):
         pipeline.make_dataset(str(tmp_path), batch_size=1, seq_len=4, shard_index=0, shard_count=1)
+
+
+def test_cli_bad_bytes_or_unwritable_output_is_one_error_line(tmp_path, capsys, caplog):
+    (tmp_path / "ok.jsonl").write_text('{"text": "fine"}\n')
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "afile").write_text("")
+    for inputs, out, message in [
+            ("latin1.jsonl", "o1", "latin1.jsonl:2: not valid UTF-8"),
+            ("ok.jsonl", "afile/o2", "afile/o2.tmp-"),  # the parent is a file: Not a directory
+            ("empty.jsonl", "o3", "no documents in the 1 input file(s)")]:
+        assert prepare.main(["--input", str(tmp_path / inputs), "--out", str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1 and message in errors[0], err
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=prepare.log.name):
+        assert prepare.main(["--input", str(tmp_path / "ok.jsonl"), "--out", str(tmp_path / "o4"),
+                             "--num_shards=0"]) == 2
+    assert "--num_shards must be >= 1" in capsys.readouterr().err and "tokenizing" not in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty.jsonl", "latin1.jsonl", "ok.jsonl"]
 
 
 # ------------------------------------------------------------------------------------------------ loader

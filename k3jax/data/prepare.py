@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from k3jax.atomic import AtomicDir
+from k3jax.atomic import AtomicDir, os_error
 from k3jax.config import ModelConfig
 from k3jax.data.text import ByteTokenizer
 from k3jax.data.tokenizer import TiktokenTokenizer
@@ -133,11 +133,15 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
 
 def iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
     """(`path:line`, parsed value) of every non-blank line of a JSONL file; invalid JSON is a `DataPrepError`."""
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            where = f"{path}:{line_no}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataPrepError(f"{where}: not valid UTF-8 ({e})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{line_no}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as e:
@@ -235,7 +239,9 @@ def write_documents(docs: Iterable[tuple[str, str | bytes]], out: str, tok: Text
             for w in writers:
                 w.close()
         if num_docs == 0:
-            raise DataPrepError(f"no documents to write ({num_skipped} empty documents skipped)")
+            files = (extra_metadata or {}).get("num_input_files", "?")
+            raise DataPrepError(f"no documents in the {files} input file(s) ({num_skipped} empty documents "
+                                f"skipped)")
         metadata = dict(format=FORMAT, **tok.metadata(), add_bos=add_bos, dtype="int32",
                         num_documents=num_docs, num_tokens=num_tokens, max_document_tokens=max_len,
                         skipped_empty_documents=num_skipped,
@@ -257,6 +263,8 @@ def prepare(inputs: str | Sequence[str], out: str, tokenizer: str = "byte", *, n
     Every check that needs no tokenizing (globs, tokenizer, output path) runs before anything is written."""
     files = resolve_inputs(inputs)
     tok = load_text_tokenizer(tokenizer, eos_id=eos_id)
+    if num_shards < 1:
+        raise DataPrepError(f"--num_shards must be >= 1, got {num_shards}")
     if os.path.exists(out) and not overwrite:
         raise FileExistsError(f"output {os.path.abspath(out)} already exists (pass --overwrite to replace it)")
     log.info("tokenizing %d files with tokenizer=%s (vocab %d) into %d shards", len(files), tok.name,
@@ -302,6 +310,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                        overwrite=args.overwrite, num_threads=args.num_threads)
     except (DataPrepError, FileExistsError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an unreadable input, an unwritable --out (read-only, full disk, a file as parent)
+        print(f"error: {os_error(e)}", file=sys.stderr)
         return 2
     print(json.dumps({k: meta[k] for k in ("num_documents", "num_tokens", "vocab_size", "tokenizer")}))
     return 0
