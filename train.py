@@ -27,6 +27,7 @@ from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.training.aot import compile_train_step
 from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMismatchError
 from k3jax.training.evaluate import EvalDataError
+from k3jax.training.export import export_checkpoint
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
 from k3jax.training.trainer import STATE_DTYPES, SetupError, TrainOptions, parse_context_stages, train, training_config
 from sharding.aot import libtpu_available
@@ -73,6 +74,10 @@ _VISION = flags.DEFINE_string("vision_config", None, "Multimodal: train a vision
 _MAX_PATCHES = flags.DEFINE_integer("max_patches", 1024, "Multimodal: image patches per sequence (a multiple of the "
                                     "merge kernel; padded).")
 _HALT = flags.DEFINE_integer("halt_at_step", None, "Stop (and save) after this step, as a preemption would.")
+_EXPORT = flags.DEFINE_string("export_to", None, "Train nothing: write the model (with its MTP layer) of --workdir's "
+                              "newest verified checkpoint (or --export_step) as a k3jax checkpoint here, for "
+                              "serve.py --checkpoint and python -m k3jax.convert --to_hf (same --config / --set).")
+_EXPORT_STEP = flags.DEFINE_integer("export_step", None, "With --export_to: the checkpoint step to export.")
 
 
 def options_from_flags() -> TrainOptions:
@@ -106,9 +111,19 @@ def main(argv):
             print("error: --compile_only compiles the text model only (no --vision_config)", file=sys.stderr)
             return 2
         return compile_only(cfg, opts, _TOPOLOGY.value)
+    if _EXPORT.value is not None and (opts.workdir is None or opts.vision_config is not None):
+        print("error: --export_to needs --workdir (a training run's directory) and exports text models only",
+              file=sys.stderr, flush=True)
+        return 2
     if opts.workdir is None:
         print("no --workdir: checkpoints and metrics are not saved", flush=True)
     try:
+        if _EXPORT.value is not None:
+            out = export_checkpoint(cfg, opts, _EXPORT.value, step=_EXPORT_STEP.value,
+                                    log_fn=lambda msg: print(msg, flush=True))
+            print(f"wrote {out}: serve it with `python serve.py --checkpoint={out}`, convert it with "
+                  f"`python -m k3jax.convert --to_hf --checkpoint={out} --out=HF_DIR`", flush=True)
+            return 0
         losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))
     except DoesNotFitError as e:
         print(f"does not fit: {e}", file=sys.stderr, flush=True)

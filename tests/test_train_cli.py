@@ -34,9 +34,10 @@ def assert_one_line_error(run: subprocess.CompletedProcess, message: str) -> Non
     (["--config=tinyy"], "unknown config 'tinyy'"),
     (["--mesh=2,1"], "--mesh=2,1: mesh spec '2,1' has 2 sizes"),
     (["--mesh=a,1,1,1"], "mesh size 'a' in 'a,1,1,1' is not an integer"),
+    (["--export_to=/nonexistent/ckpt"], "--export_to needs --workdir"),
     (["--mesh=64,1,1,1"], "--mesh=64,1,1,1: mesh data=64 x expert=1 x context=1 x model=1 needs 64 devices but"),
 ])
-def test_train_py_bad_config_or_mesh_is_one_error_line(flags_, message):
+def test_train_py_bad_config_mesh_or_export_is_one_error_line(flags_, message):
     assert_one_line_error(run_train(*flags_), message)
 
 

@@ -109,14 +109,17 @@ def readable_steps(manager: ocp.CheckpointManager, log_fn: Callable[[str], None]
 def restore(manager: ocp.CheckpointManager, step: int, state: nnx.State, data_iterator,
             saved_fingerprint: dict | None = None) -> nnx.State:
     """Restores step `step`: returns arrays shaped and sharded like `state` (which it does not modify) and
-    sets `data_iterator` (a fresh iterator built with the same arguments) to the saved position, in place.
+    sets `data_iterator` (a fresh iterator built with the same arguments; None: the data state is not read) to the
+    saved position, in place.
     Raises CheckpointCorruptError when the step cannot be read or its arrays do not match `saved_fingerprint`
     (the metadata's `fingerprint`; None: older checkpoints without one are restored unverified)."""
     path = step_path(manager, step)
     target = jax.tree.map(_abstract, state.to_pure_dict())
     try:
-        out = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target), data=global_batch.checkpoint_restore_args(data_iterator)))
+        items = {"state": ocp.args.StandardRestore(target)}
+        if data_iterator is not None:
+            items["data"] = global_batch.checkpoint_restore_args(data_iterator)
+        out = manager.restore(step, args=ocp.args.Composite(**items))
     except Exception as e:  # noqa: BLE001 - tensorstore, Orbax and Grain raise many types for damaged files
         raise CheckpointCorruptError(f"{path}: cannot be restored ({_brief(e)})") from None
     if saved_fingerprint is not None:
