@@ -1,6 +1,6 @@
 """train.py's start-up errors as a user meets them: a bad --config, --set, --mesh or --data ends with one `error:`
 line on stderr and exit status 2 (no traceback), and a bad --data is found before the step is compiled; the progress
-line's remaining time."""
+line's remaining time; the note a resume with another --steps prints."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from k3jax.training.metrics import format_duration
-from k3jax.training.trainer import _format
+from k3jax.training.trainer import TrainOptions, _format, schedule_change
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -60,3 +60,13 @@ def test_progress_line_shows_the_remaining_time():
     assert "ETA" not in _format(1, m, first=True, elapsed=1.0, eta_s=185.2)  # no step time measured yet
     assert "ETA" not in _format(30, m, first=False, elapsed=1.0, eta_s=0.0)  # the last step
     assert [format_duration(s) for s in (42, 3599.6, 7620)] == ["42s", "1h00m", "2h07m"]
+
+
+def test_resume_with_other_steps_says_how_the_learning_rate_changes():
+    saved = {"schedule": {"steps": 30, "learning_rate": 3e-3}}
+    note = schedule_change(saved, TrainOptions(steps=40), 30)
+    assert note.startswith("--steps 30 -> 40: the learning-rate schedule is recomputed; step 31 runs at lr 4.61e-04 "
+                           "(the checkpoint's schedule: "), note
+    assert schedule_change(saved, TrainOptions(steps=30), 30) is None
+    assert "--learning_rate 0.003 -> 0.001" in schedule_change(saved, TrainOptions(steps=30, learning_rate=1e-3), 10)
+    assert schedule_change({}, TrainOptions(steps=40), 30) is None  # a checkpoint that recorded no schedule

@@ -456,7 +456,8 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     # the checkpoint's setup is checked before the model is built: a mismatch or a finished run costs no init
     manager = checkpointing.make_manager(opts.workdir, max_to_keep=opts.keep_checkpoints) if opts.workdir else None
     dp = data_parallel_size(mesh)
-    meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys(), "data_parallel_size": dp}
+    meta = {"config": dataclasses.asdict(cfg), "options": opts.resume_keys(), "data_parallel_size": dp,
+            "schedule": {"steps": opts.steps, "learning_rate": opts.learning_rate}}
     start = 0
     candidates: list[tuple[int, dict]] = []  # (step, metadata) newest first, of the steps whose metadata reads
     try:
@@ -495,6 +496,9 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
             manager, candidates, (trainable, optimizer), data, opts.workdir, log_fn,
             check=lambda saved, path: checkpointing.check_resume(saved, cfg, opts.resume_keys(), dp,
                                                                  dict(mesh.shape), path, own_data))
+        note = schedule_change(dict(candidates)[start], opts, start)
+        if note:
+            log_fn(note)
     elif opts.init_from:
         init_weights(trainable.model, opts.init_from, mesh)
         if trainable.vision is not None and mm.init_vision(trainable.vision, opts.init_from):
@@ -560,6 +564,20 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     if stop.raised:
         log_fn(f"stopped by signal after step {last_saved}; checkpoint saved in {opts.workdir}")
     return losses
+
+
+def schedule_change(saved: dict, opts: TrainOptions, step: int) -> str | None:
+    """What a resume from `step` changes in the learning-rate schedule when --steps or --learning_rate differ from
+    the checkpoint's (the cosine is recomputed, so the rate jumps); None when nothing changed."""
+    before = saved.get("schedule", {})
+    now = {"steps": opts.steps, "learning_rate": opts.learning_rate}
+    changed = [f"--{k} {before[k]} -> {v}" for k, v in now.items() if k in before and before[k] != v]
+    if not changed:
+        return None
+    old = lr_schedule(before.get("learning_rate", opts.learning_rate), before.get("steps", opts.steps),
+                      warmup_fraction=opts.warmup_fraction)
+    return (f"{', '.join(changed)}: the learning-rate schedule is recomputed; step {step + 1} runs at lr "
+            f"{float(opts.schedule()(step)):.2e} (the checkpoint's schedule: {float(old(step)):.2e})")
 
 
 def init_weights(model: K3Model, ckpt: str, mesh) -> None:
