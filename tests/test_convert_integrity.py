@@ -19,7 +19,7 @@ from safetensors.numpy import load_file, save_file
 
 import configs
 from k3jax.atomic import AtomicDir
-from k3jax.convert.checkpoint import NonFiniteError, hf_to_orbax
+from k3jax.convert.checkpoint import NonFiniteError, hf_to_orbax, read_manifest
 from k3jax.convert.safetensors_io import CheckpointError
 from k3jax.loading import load_checkpoint, load_hf
 from tests.test_convert_fixtures import write_hf_dir
@@ -234,3 +234,17 @@ def test_a_checkpoint_named_by_a_relative_path_loads_like_by_its_absolute_one(hf
     _, model_rel = load_checkpoint(os.path.join("..", "out"))
     a, b = (jax.tree.leaves(nnx.state(m)) for m in (model_abs, model_rel))
     assert len(a) == len(b) and all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+
+
+def test_a_training_run_given_as_a_checkpoint_is_told_how_to_export_it(tmp_path):
+    step = tmp_path / "run" / "checkpoints" / "40"
+    for item in ("state", "meta", "data"):
+        (step / item).mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=rf"--workdir={tmp_path / 'run'} --export_step=40 --export_to=OUT"):
+        read_manifest(str(step))
+    with pytest.raises(CheckpointError, match=rf"training run's checkpoint: .* --workdir={tmp_path / 'run'} --exp"):
+        read_manifest(str(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match=r"\(no manifest.json\)$"):  # any other directory: no hint
+        read_manifest(str(tmp_path))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        read_manifest(str(tmp_path / "nonexistent"))

@@ -532,7 +532,9 @@ def read_manifest(ckpt: str) -> tuple[dict, ModelConfig]:
     malformed."""
     path = os.path.join(ckpt, "manifest.json")
     if not os.path.exists(path):
-        raise CheckpointError(f"{ckpt} is not a complete k3jax checkpoint (no manifest.json)")
+        if not os.path.isdir(ckpt):
+            raise CheckpointError(f"k3jax checkpoint {ckpt} does not exist")
+        raise CheckpointError(f"{ckpt} is not a complete k3jax checkpoint (no manifest.json){_training_hint(ckpt)}")
     manifest = _read_json(path, "checkpoint manifest")
     if manifest.get("format") != FORMAT or not manifest.get("complete"):
         raise CheckpointError(f"{path}: unknown format {manifest.get('format')!r} (expected {FORMAT})")
@@ -545,6 +547,19 @@ def read_manifest(ckpt: str) -> tuple[dict, ModelConfig]:
     except (TypeError, ValueError, KeyError) as e:
         raise CheckpointError(f"{cfg_path}: not a k3jax model config ({type(e).__name__}: {e})") from None
     return manifest, cfg
+
+
+def _training_hint(path: str) -> str:
+    """For a train.py --workdir or one of its checkpoints/<step> directories: how to export its model."""
+    path = os.path.abspath(path)
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        workdir, step = path, ""
+    elif os.path.isdir(os.path.join(path, "state")) and os.path.isdir(os.path.join(path, "meta")):
+        workdir, step = os.path.dirname(os.path.dirname(path)), f" --export_step={os.path.basename(path)}"
+    else:
+        return ""
+    return (f"; it is a training run's checkpoint: export its model with `python train.py --config=NAME "
+            f"--workdir={workdir}{step} --export_to=OUT`")
 
 
 def _read_json(path: str, what: str) -> dict:
