@@ -1,6 +1,7 @@
 """train.py --export_to (k3jax/training/export.py): a training run's checkpoint becomes a k3jax checkpoint that
 serve.py --checkpoint and python -m k3jax.convert --to_hf read, holding exactly the trained weights (model, MTP
-layer, router biases; not the optimizer or routing statistics); bad input is refused before anything is written."""
+layer, router biases; not the optimizer or routing statistics); bad input is refused before anything is written;
+--init_from of such a checkpoint also starts the MTP layer from its weights."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from flax import nnx
 
 import configs
 from k3jax.layers.params import RouterBias
-from k3jax.loading import load_checkpoint
+from k3jax.loading import load_checkpoint, save_checkpoint
+from k3jax.model import K3Model
+from k3jax.mtp import MTPLayer
 from k3jax.training import checkpointing
 from k3jax.training.export import export_checkpoint
-from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, run_config, train
+from k3jax.training.trainer import TrainOptions, build, init_mtp, make_mesh_from_option, run_config, train
 
 
 def _opts(workdir, **kw):
@@ -59,3 +62,20 @@ def test_export_writes_the_trained_weights_of_the_chosen_step(tmp_path):
     assert set(got) == set(want)
     for key, var in want.items():
         np.testing.assert_array_equal(np.asarray(got[key].get_value()), np.asarray(var.get_value()), err_msg=str(key))
+
+
+def test_init_from_copies_the_checkpoints_mtp_layer_in_its_sharding(tmp_path):
+    cfg = configs.get_config("tiny")
+    model, saved = K3Model(cfg, rngs=nnx.Rngs(0)), MTPLayer(cfg, rngs=nnx.Rngs(1))
+    save_checkpoint(model, str(tmp_path / "with"), mtp=saved)
+    save_checkpoint(model, str(tmp_path / "without"))
+    fresh = MTPLayer(run_config(cfg), rngs=nnx.Rngs(2))  # as the trainer builds it: with routing statistics
+    flat = lambda m: dict(nnx.to_flat_state(nnx.state(m, nnx.Param)))  # noqa: E731
+    before = {k: v.get_value().sharding for k, v in flat(fresh).items()}
+    assert not init_mtp(fresh, str(tmp_path / "without"))
+    assert init_mtp(fresh, str(tmp_path / "with"))
+    want, got = flat(saved), flat(fresh)
+    assert set(got) == set(want)
+    for key, var in want.items():
+        np.testing.assert_array_equal(np.asarray(got[key].get_value()), np.asarray(var.get_value()), err_msg=str(key))
+        assert got[key].get_value().sharding == before[key], key

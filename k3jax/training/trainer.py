@@ -37,6 +37,7 @@ import configs
 from k3jax.config import ModelConfig
 from k3jax.convert.checkpoint import read_manifest
 from k3jax.convert.hf_config import check_config
+from k3jax.convert.mtp_load import load_mtp_weights
 from k3jax.data import multimodal_pipeline as mm_pipeline
 from k3jax.data import pipeline, prepare
 from k3jax.data.global_batch import make_global_dataset
@@ -504,6 +505,9 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
         if trainable.vision is not None and mm.init_vision(trainable.vision, opts.init_from):
             log_fn(f"initialised the vision tower from {opts.init_from}")
         log_fn(f"initialised the model from {opts.init_from}")
+        if trainable.mtp is not None:
+            log_fn(f"initialised the MTP layer from {opts.init_from}" if init_mtp(trainable.mtp, opts.init_from)
+                   else f"the MTP layer starts from random weights ({opts.init_from} holds none)")
 
     active = count_params(cfg)["active_params"]
     peak = peak_flops_per_device()
@@ -586,6 +590,19 @@ def init_weights(model: K3Model, ckpt: str, mesh) -> None:
     ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.runtime.param_dtype, mesh=mesh)
     check_config(ckpt_cfg, model.cfg)
     nnx.update(model, nnx.state(loaded, nnx.Any(nnx.Param, RouterBias)))
+
+
+def init_mtp(mtp: MTPLayer, ckpt: str) -> bool:
+    """Copies a converted checkpoint's MTP layer (`save_checkpoint(..., mtp=)`, `--export_to`) into `mtp`, each
+    array kept in its sharding; False (nothing changed) when the checkpoint holds none."""
+    if not read_manifest(ckpt)[0].get("hf", {}).get("mtp"):
+        return False
+    weights = nnx.Any(nnx.Param, RouterBias)  # the training layer also holds routing statistics: not in checkpoints
+    loaded = nnx.eval_shape(lambda: MTPLayer(mtp.cfg.replace(record_routing_stats=False), rngs=nnx.Rngs(0)))
+    load_mtp_weights(loaded, ckpt)
+    shardings = jax.tree.map(lambda x: x.sharding, nnx.state(mtp, weights))
+    nnx.update(mtp, jax.device_put(nnx.state(loaded, weights), shardings))
+    return True
 
 
 def _close(data) -> None:
