@@ -154,6 +154,21 @@ def test_serve_batch_mode(tmp_path, greedy_engine):
         read_prompts(str(tmp_path / "missing.txt"))
 
 
+def test_batch_out_in_a_missing_directory_is_refused_before_generating(tmp_path):
+    (tmp_path / "p.txt").write_text("hi\n")
+    (tmp_path / "afile").write_text("")
+    for out, message in ((tmp_path / "afile" / "o.jsonl", "is not an existing directory"),
+                         (tmp_path / "nodir" / "o.jsonl", "is not an existing directory"),
+                         (tmp_path, "is a directory")):
+        with pytest.raises(ValueError, match=message):  # validated first: no model loaded, nothing generated
+            run_batch(BatchOptions(config=NAME, prompts_file=str(tmp_path / "p.txt"), out=str(out)),
+                      log=lambda m: None)
+    greedy = Engine(tiny_model(NAME))
+    run_batch(BatchOptions(config=NAME, prompts_file=str(tmp_path / "p.txt"), out=str(tmp_path / "o.jsonl"),
+                           max_new_tokens=2, max_len=8), log=lambda m: None, engine=greedy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "o.jsonl", "p.txt"]  # no temporary file left
+
+
 def test_serve_cli_bad_flags(tmp_path):
     txt = tmp_path / "p.txt"
     txt.write_text("hi\n")

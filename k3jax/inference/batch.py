@@ -118,6 +118,10 @@ def validate(opts: BatchOptions) -> SamplingParams:
         raise ValueError(f"--max_len must be >= 2, got {opts.max_len}")
     if not opts.out:
         raise ValueError("--out is required")
+    parent = os.path.dirname(os.path.abspath(opts.out))
+    if os.path.isdir(opts.out) or not os.path.isdir(parent):  # found before generating, not after
+        raise ValueError(f"--out={opts.out} is a directory" if os.path.isdir(opts.out) else
+                         f"--out={opts.out}: {parent} is not an existing directory")
     return SamplingParams(opts.temperature, opts.top_k, opts.top_p).validate()
 
 
@@ -186,8 +190,14 @@ def run_batch(opts: BatchOptions, log: Callable[[str], None] = lambda m: print(m
         rec.update(completion=tok.decode(tokens), completion_ids=tokens, finish_reason=finish,
                    prompt_tokens=len(encoded[i]), completion_tokens=len(tokens))
         records.append(rec)
-    with open(opts.out, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    tmp = f"{opts.out}.tmp-{os.getpid()}"  # renamed when complete: a killed run leaves no partial --out
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        os.replace(tmp, opts.out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     log(f"wrote {len(records)} completions to {opts.out}")
     return records
