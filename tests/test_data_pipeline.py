@@ -213,6 +213,15 @@ def test_cli_bad_bytes_or_unwritable_output_is_one_error_line(tmp_path, capsys, 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "empty.jsonl", "latin1.jsonl", "ok.jsonl"]
 
 
+def test_progress_lines_give_the_share_of_the_input_read_and_the_remaining_time(tmp_path, caplog):
+    (tmp_path / "a.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n{"text": "three"}\n{"text": "four"}\n')
+    with caplog.at_level(logging.INFO, logger=prepare.log.name):
+        prepare.prepare(str(tmp_path / "a.jsonl"), str(tmp_path / "out"), num_threads=1, log_every_s=0)
+    lines = [r.getMessage() for r in caplog.records if "% of the input" in r.getMessage()]
+    assert len(lines) == 4 and "4 documents" in lines[-1] and "100% of the input, ETA 0.0 min" in lines[-1], lines
+    assert "1 documents" in lines[0] and "24% of the input, ETA" in lines[0], lines  # 16 of the file's 66 bytes
+
+
 # ------------------------------------------------------------------------------------------------ loader
 
 

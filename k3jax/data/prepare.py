@@ -25,7 +25,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -131,10 +131,12 @@ def resolve_inputs(patterns: Sequence[str]) -> list[str]:
     return sorted(files)
 
 
-def iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
+def iter_jsonl(path: str, bytes_read: list[int] | None = None) -> Iterator[tuple[str, object]]:
     """(`path:line`, parsed value) of every non-blank line of a JSONL file; invalid JSON is a `DataPrepError`."""
     with open(path, "rb") as f:
         for line_no, raw in enumerate(f, 1):
+            if bytes_read is not None:
+                bytes_read[0] += len(raw)
             where = f"{path}:{line_no}"
             try:
                 line = raw.decode("utf-8")
@@ -148,11 +150,13 @@ def iter_jsonl(path: str) -> Iterator[tuple[str, object]]:
                 raise DataPrepError(f"{where}: invalid JSON ({e})") from None
 
 
-def iter_documents(files: Sequence[str], *, text_key: str = "text") -> Iterator[tuple[str, str | bytes]]:
-    """(where, document) for every document: `path:line` for JSONL lines (str), `path` for whole files (bytes)."""
+def iter_documents(files: Sequence[str], *, text_key: str = "text",
+                   bytes_read: list[int] | None = None) -> Iterator[tuple[str, str | bytes]]:
+    """(where, document) for every document: `path:line` for JSONL lines (str), `path` for whole files (bytes).
+    `bytes_read` ([0]): its element counts the input bytes of the documents yielded so far (progress)."""
     for path in files:
         if path.endswith(".jsonl"):
-            for where, record in iter_jsonl(path):
+            for where, record in iter_jsonl(path, bytes_read):
                 if not isinstance(record, dict) or text_key not in record:
                     keys = sorted(record) if isinstance(record, dict) else type(record).__name__
                     raise DataPrepError(f"{where}: no {text_key!r} field (got {keys})")
@@ -162,7 +166,10 @@ def iter_documents(files: Sequence[str], *, text_key: str = "text") -> Iterator[
                 yield where, record[text_key]
         else:
             with open(path, "rb") as f:
-                yield path, f.read()
+                doc = f.read()
+            if bytes_read is not None:
+                bytes_read[0] += len(doc)
+            yield path, doc
 
 
 def _as_text(where: str, doc: str | bytes, tok: TextTokenizer) -> str | bytes:
@@ -201,8 +208,10 @@ def _tokenize_in_order(docs: Iterable[tuple[str, str | bytes]], tok: TextTokeniz
 
 def write_documents(docs: Iterable[tuple[str, str | bytes]], out: str, tok: TextTokenizer, *, num_shards: int = 1,
                     add_bos: bool = True, skip_empty: bool = False, overwrite: bool = False, num_threads: int = 4,
-                    extra_metadata: dict | None = None, log_every_s: float = 10.0) -> dict:
-    """Tokenizes `(where, text)` documents into `out` (atomically); returns the metadata written."""
+                    extra_metadata: dict | None = None, log_every_s: float = 10.0,
+                    progress: Callable[[], float] | None = None) -> dict:
+    """Tokenizes `(where, text)` documents into `out` (atomically); returns the metadata written. `progress`: the
+    fraction of the input read so far, for the progress lines' remaining time."""
     from array_record.python.array_record_module import ArrayRecordWriter
 
     if num_shards < 1:
@@ -232,8 +241,11 @@ def write_documents(docs: Iterable[tuple[str, str | bytes]], out: str, tok: Text
                 max_len = max(max_len, len(ids))
                 now = time.perf_counter()
                 if now - last_log >= log_every_s:
-                    log.info("%s documents, %s tokens (%.0f tokens/s)", f"{num_docs:,}", f"{num_tokens:,}",
-                             num_tokens / (now - start))
+                    done = progress() if progress is not None else 0.0
+                    eta = (f", {100 * done:.0f}% of the input, ETA {(now - start) * (1 - done) / done / 60:.1f} min"
+                           if done > 0 else "")
+                    log.info("%s documents, %s tokens (%.0f tokens/s)%s", f"{num_docs:,}", f"{num_tokens:,}",
+                             num_tokens / (now - start), eta)
                     last_log = now
         finally:
             for w in writers:
@@ -257,8 +269,9 @@ def write_documents(docs: Iterable[tuple[str, str | bytes]], out: str, tok: Text
 
 def prepare(inputs: str | Sequence[str], out: str, tokenizer: str = "byte", *, num_shards: int = 1,
             eos_id: int | None = None, add_bos: bool = True, text_key: str = "text", skip_empty: bool = False,
-            overwrite: bool = False, num_threads: int = 4) -> dict:
-    """Tokenizes the files matching `inputs` into ArrayRecord shards in `out`; returns the metadata.
+            overwrite: bool = False, num_threads: int = 4, log_every_s: float = 10.0) -> dict:
+    """Tokenizes the files matching `inputs` into ArrayRecord shards in `out`; returns the metadata; a progress line
+    (documents, tokens, share of the input bytes read, remaining time) every `log_every_s` seconds.
 
     Every check that needs no tokenizing (globs, tokenizer, output path) runs before anything is written."""
     files = resolve_inputs(inputs)
@@ -269,9 +282,12 @@ def prepare(inputs: str | Sequence[str], out: str, tokenizer: str = "byte", *, n
         raise FileExistsError(f"output {os.path.abspath(out)} already exists (pass --overwrite to replace it)")
     log.info("tokenizing %d files with tokenizer=%s (vocab %d) into %d shards", len(files), tok.name,
              tok.vocab_size, num_shards)
-    return write_documents(iter_documents(files, text_key=text_key), out, tok, num_shards=num_shards,
-                           add_bos=add_bos, skip_empty=skip_empty, overwrite=overwrite, num_threads=num_threads,
-                           extra_metadata=dict(num_input_files=len(files)))
+    total = max(1, sum(os.path.getsize(f) for f in files))
+    read = [0]
+    return write_documents(iter_documents(files, text_key=text_key, bytes_read=read), out, tok,
+                           num_shards=num_shards, add_bos=add_bos, skip_empty=skip_empty, overwrite=overwrite,
+                           num_threads=num_threads, extra_metadata=dict(num_input_files=len(files)),
+                           progress=lambda: min(1.0, read[0] / total), log_every_s=log_every_s)
 
 
 def read_metadata(data_dir: str, *, fmt: str = FORMAT, command: str = "python -m k3jax.data.prepare") -> dict:
