@@ -9,8 +9,9 @@ import sys
 
 import pytest
 
+from k3jax.training.checkpointing import schedule_change
 from k3jax.training.metrics import format_duration
-from k3jax.training.trainer import TrainOptions, _format, schedule_change
+from k3jax.training.trainer import TrainOptions, _format
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

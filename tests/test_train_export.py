@@ -18,7 +18,8 @@ from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 from k3jax.training import checkpointing
 from k3jax.training.export import export_checkpoint
-from k3jax.training.trainer import TrainOptions, build, init_mtp, make_mesh_from_option, run_config, train
+from k3jax.training.init_from import init_mtp
+from k3jax.training.trainer import TrainOptions, build, make_mesh_from_option, run_config, train
 
 
 def _opts(workdir, **kw):

@@ -40,6 +40,7 @@ from jax.experimental import multihost_utils
 
 from k3jax.config import ModelConfig, RuntimeConfig
 from k3jax.data import global_batch
+from k3jax.training.optimizer import lr_schedule
 
 log = logging.getLogger(__name__)
 
@@ -257,6 +258,21 @@ def check_resume(saved: dict, cfg: ModelConfig, resume_keys: dict[str, Any], dp:
     check_meta(saved, cfg, resume_keys, path)
     if own_data:
         check_data_parallel(saved, dp, path, mesh_shape)
+
+
+def schedule_change(saved: dict, opts, step: int) -> str | None:
+    """What a resume from `step` changes in the learning-rate schedule when --steps or --learning_rate differ from
+    the checkpoint's (the cosine is recomputed, so the rate jumps); None when nothing changed. `opts`: the run's
+    `TrainOptions` (steps, learning_rate, warmup_fraction, schedule())."""
+    before = saved.get("schedule", {})
+    now = {"steps": opts.steps, "learning_rate": opts.learning_rate}
+    changed = [f"--{k} {before[k]} -> {v}" for k, v in now.items() if k in before and before[k] != v]
+    if not changed:
+        return None
+    old = lr_schedule(before.get("learning_rate", opts.learning_rate), before.get("steps", opts.steps),
+                      warmup_fraction=opts.warmup_fraction)
+    return (f"{', '.join(changed)}: the learning-rate schedule is recomputed; step {step + 1} runs at lr "
+            f"{float(opts.schedule()(step)):.2e} (the checkpoint's schedule: {float(old(step)):.2e})")
 
 
 def none_verify(workdir: str) -> str:

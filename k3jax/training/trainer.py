@@ -37,12 +37,9 @@ import configs
 from k3jax.config import ModelConfig
 from k3jax.convert.checkpoint import read_manifest
 from k3jax.convert.hf_config import check_config
-from k3jax.convert.mtp_load import load_mtp_weights
 from k3jax.data import multimodal_pipeline as mm_pipeline
 from k3jax.data import pipeline, prepare
 from k3jax.data.global_batch import make_global_dataset
-from k3jax.layers.params import RouterBias
-from k3jax.loading import load_checkpoint
 from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 from k3jax.param_count import count_params
@@ -50,6 +47,7 @@ from k3jax.training import checkpointing
 from k3jax.training import multimodal as mm
 from k3jax.training.balancing import apply_quantile_balancing, routing_load_metrics
 from k3jax.training.evaluate import Evaluator, format_eval
+from k3jax.training.init_from import init_mtp, init_weights
 from k3jax.training.loss import masked_mean, mtp_loss, token_counts
 from k3jax.training.memory import GIB, check_compiled_fit, check_fit, format_compiled
 from k3jax.training.metrics import MetricsLog, format_duration, model_flops_per_token, peak_flops_per_device
@@ -497,7 +495,7 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
             manager, candidates, (trainable, optimizer), data, opts.workdir, log_fn,
             check=lambda saved, path: checkpointing.check_resume(saved, cfg, opts.resume_keys(), dp,
                                                                  dict(mesh.shape), path, own_data))
-        note = schedule_change(dict(candidates)[start], opts, start)
+        note = checkpointing.schedule_change(dict(candidates)[start], opts, start)
         if note:
             log_fn(note)
     elif opts.init_from:
@@ -568,41 +566,6 @@ def train(cfg: ModelConfig, opts: TrainOptions, *, data=None, log_fn: Callable[[
     if stop.raised:
         log_fn(f"stopped by signal after step {last_saved}; checkpoint saved in {opts.workdir}")
     return losses
-
-
-def schedule_change(saved: dict, opts: TrainOptions, step: int) -> str | None:
-    """What a resume from `step` changes in the learning-rate schedule when --steps or --learning_rate differ from
-    the checkpoint's (the cosine is recomputed, so the rate jumps); None when nothing changed."""
-    before = saved.get("schedule", {})
-    now = {"steps": opts.steps, "learning_rate": opts.learning_rate}
-    changed = [f"--{k} {before[k]} -> {v}" for k, v in now.items() if k in before and before[k] != v]
-    if not changed:
-        return None
-    old = lr_schedule(before.get("learning_rate", opts.learning_rate), before.get("steps", opts.steps),
-                      warmup_fraction=opts.warmup_fraction)
-    return (f"{', '.join(changed)}: the learning-rate schedule is recomputed; step {step + 1} runs at lr "
-            f"{float(opts.schedule()(step)):.2e} (the checkpoint's schedule: {float(old(step)):.2e})")
-
-
-def init_weights(model: K3Model, ckpt: str, mesh) -> None:
-    """Copies a converted checkpoint's parameters and router biases into `model` (placed on `mesh`); the
-    architectures must agree (runtime fields such as kda_impl may differ)."""
-    ckpt_cfg, loaded = load_checkpoint(ckpt, dtype=model.cfg.runtime.param_dtype, mesh=mesh)
-    check_config(ckpt_cfg, model.cfg)
-    nnx.update(model, nnx.state(loaded, nnx.Any(nnx.Param, RouterBias)))
-
-
-def init_mtp(mtp: MTPLayer, ckpt: str) -> bool:
-    """Copies a converted checkpoint's MTP layer (`save_checkpoint(..., mtp=)`, `--export_to`) into `mtp`, each
-    array kept in its sharding; False (nothing changed) when the checkpoint holds none."""
-    if not read_manifest(ckpt)[0].get("hf", {}).get("mtp"):
-        return False
-    weights = nnx.Any(nnx.Param, RouterBias)  # the training layer also holds routing statistics: not in checkpoints
-    loaded = nnx.eval_shape(lambda: MTPLayer(mtp.cfg.replace(record_routing_stats=False), rngs=nnx.Rngs(0)))
-    load_mtp_weights(loaded, ckpt)
-    shardings = jax.tree.map(lambda x: x.sharding, nnx.state(mtp, weights))
-    nnx.update(mtp, jax.device_put(nnx.state(loaded, weights), shardings))
-    return True
 
 
 def _close(data) -> None:
