@@ -29,7 +29,8 @@ from k3jax.training.checkpointing import CheckpointCorruptError, CheckpointMisma
 from k3jax.training.evaluate import EvalDataError
 from k3jax.training.export import export_checkpoint
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
-from k3jax.training.trainer import STATE_DTYPES, SetupError, TrainOptions, parse_context_stages, train, training_config
+from k3jax.training.options import STATE_DTYPES, parse_context_stages
+from k3jax.training.trainer import SetupError, StoppedBySignal, TrainOptions, train, training_config
 from sharding.aot import libtpu_available
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
@@ -93,6 +94,11 @@ def options_from_flags() -> TrainOptions:
         max_patches=_MAX_PATCHES.value)
 
 
+# Exit status of a run stopped by SIGTERM / SIGINT before its last step (after saving): 128 + SIGTERM, what a
+# shell reports for a process the signal ended, so schedulers restart it rather than count it as done.
+STOPPED_BY_SIGNAL = 143
+
+
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -125,6 +131,9 @@ def main(argv):
                   f"`python -m k3jax.convert --to_hf --checkpoint={out} --out=HF_DIR`", flush=True)
             return 0
         losses = train(cfg, opts, log_fn=lambda msg: print(msg, flush=True))
+    except StoppedBySignal as e:  # preempted: not finished, so a scheduler must not count the job as done
+        print(str(e), file=sys.stderr, flush=True)
+        return STOPPED_BY_SIGNAL
     except DoesNotFitError as e:
         print(f"does not fit: {e}", file=sys.stderr, flush=True)
         return 2

@@ -1,17 +1,21 @@
 """train.py's start-up errors as a user meets them: a bad --config, --set, --mesh or --data ends with one `error:`
 line on stderr and exit status 2 (no traceback), and a bad --data is found before the step is compiled; the progress
-line's remaining time; the note a resume with another --steps prints."""
+line's remaining time; the note a resume with another --steps prints; a run stopped by a signal exits 143."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+from absl import flags
 
+import configs
+import train as train_py
 from k3jax.training.checkpointing import schedule_change
 from k3jax.training.metrics import format_duration
-from k3jax.training.trainer import TrainOptions, _format
+from k3jax.training.trainer import StoppedBySignal, TrainOptions, _format, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -71,3 +75,34 @@ def test_resume_with_other_steps_says_how_the_learning_rate_changes():
     assert schedule_change(saved, TrainOptions(steps=30), 30) is None
     assert "--learning_rate 0.003 -> 0.001" in schedule_change(saved, TrainOptions(steps=30, learning_rate=1e-3), 10)
     assert schedule_change({}, TrainOptions(steps=40), 30) is None  # a checkpoint that recorded no schedule
+
+
+def test_a_run_stopped_by_a_signal_exits_143_with_its_message(monkeypatch, capsys):
+    """train.py maps the loop's `StoppedBySignal` (a preemption before the last step) to exit status 143, so a
+    scheduler restarts the job instead of counting it as finished (the loop itself: the slow test below)."""
+    def stopped(*a, **kw):
+        raise StoppedBySignal("stopped by a signal after step 3 of 10: checkpoint of step 3 saved in W", [1.0], 3)
+
+    monkeypatch.setattr(train_py, "train", stopped)
+    flags.FLAGS(["train.py", "--config=tiny", "--mesh=1,1,1,1", "--steps=10"])
+    assert train_py.main(["train.py"]) == train_py.STOPPED_BY_SIGNAL == 143
+    assert "stopped by a signal after step 3 of 10" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_sigterm_mid_run_saves_a_checkpoint_and_raises_stopped_by_signal(tmp_path):
+    """A SIGTERM while step 1's progress line is written (after the step's save decision): the loop still saves
+    step 1, stops and raises `StoppedBySignal` naming the saved step; rerunning resumes from it and finishes."""
+    cfg = configs.get_config("tiny", ["num_hidden_layers=5", "full_attn_layers=(4,5)"])
+    opts = TrainOptions(workdir=str(tmp_path), steps=4, batch_size=2, seq_len=32, log_every=1, checkpoint_every=0,
+                        mesh="1,1,1,1")
+
+    def log_fn(line):
+        if line.startswith("step 1"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(StoppedBySignal, match="after step 1 of 4: checkpoint of step 1 saved in") as err:
+        train(cfg, opts, log_fn=log_fn)
+    assert err.value.last_saved == 1 and len(err.value.losses) == 1
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+    assert len(train(cfg, opts, log_fn=lambda m: None)) == 3
