@@ -67,6 +67,7 @@ import logging
 import os
 import sys
 
+import jax
 from absl import app, flags
 
 import configs
@@ -349,7 +350,7 @@ def main(argv):
         logging.getLogger(name).setLevel(logging.WARNING)
     if _XLA_DEFAULTS.value and not _MESH.value:  # measured on one GPU only (not with NCCL inside the graphs)
         added = apply_serving_flags()
-        if added:
+        if added and jax.default_backend() == "gpu":  # GPU-only flags: no line on a CPU or TPU run
             log(f"serve.py: XLA_FLAGS += {' '.join(added)} (--noxla_defaults to leave XLA_FLAGS as it is)")
     try:
         if not (_CHECKPOINT.value or _HF_DIR.value):
