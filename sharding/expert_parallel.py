@@ -281,8 +281,6 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     """
     if mode not in ("dropless", "capacity", "local"):
         raise ValueError(f"routed_experts mode must be 'dropless', 'capacity' or 'local', got {mode!r}")
-    if mode == "local" and _axis(jax.sharding.get_abstract_mesh() if mesh is None else mesh, EXPERT_AXIS) != 1:
-        raise ExpertParallelError("mode 'local' keeps every expert on every device: it needs an expert axis of 1")
     if mode == "capacity" and not (capacity_factor and capacity_factor > 0):
         raise ValueError(f"capacity mode needs a capacity_factor > 0, got {capacity_factor!r}")
     if ragged not in ("auto", "native", "emulated"):
@@ -290,6 +288,8 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
     mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
     if mesh.empty or EXPERT_AXIS not in mesh.axis_names:
         raise ExpertParallelError(f"expert parallelism needs a mesh with an {EXPERT_AXIS!r} axis, got {mesh}")
+    if mode == "local" and _axis(mesh, EXPERT_AXIS) != 1:
+        raise ExpertParallelError("mode 'local' keeps every expert on every device: it needs an expert axis of 1")
     b, t, _ = z_btl.shape
     problem = _shape_problem(cfg, mesh, b, t)
     if problem:

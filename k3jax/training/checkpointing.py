@@ -281,11 +281,13 @@ def none_verify(workdir: str) -> str:
 
 
 def restore_newest_verified(manager, candidates: list[tuple[int, dict]], modules, data, workdir: str,
-                            log_fn: Callable[[str], None], *, check: Callable[[dict, str], None]) -> int:
+                            log_fn: Callable[[str], None], *, check: Callable[[dict, str], None],
+                            read_only: bool = False) -> int:
     """Restores the newest of `candidates` ((step, metadata), newest first; the first already checked by the
     caller, the others with `check(metadata, path)`) whose state reads and matches its saved fingerprint into
     `modules`; each one skipped is logged with the reason and, once a step verifies, moved aside (so the resumed run
-    can save those steps again). Returns the restored step; raises CheckpointCorruptError when none verifies."""
+    can save those steps again) unless `read_only` (an export: the workdir is left as it is). Returns the restored
+    step; raises CheckpointCorruptError when none verifies."""
     skipped = []
     for k, (step, saved) in enumerate(candidates):
         path = step_path(manager, step)
@@ -299,9 +301,10 @@ def restore_newest_verified(manager, candidates: list[tuple[int, dict]], modules
             continue
         nnx.update(modules, state)
         unreadable = [s for s in manager.all_steps() if s > step and s not in skipped]
-        if skipped or unreadable:
+        if (skipped or unreadable) and not read_only:
             set_aside(manager, sorted(skipped + unreadable), log_fn)
-        log_fn(f"resumed from {path} (step {step})" + ("" if "fingerprint" in saved else
+        verb = "restored" if read_only else "resumed"
+        log_fn(f"{verb} from {path} (step {step})" + ("" if "fingerprint" in saved else
                                                      "; an older checkpoint without a fingerprint: not verified"))
         return step
     raise CheckpointCorruptError(none_verify(workdir))

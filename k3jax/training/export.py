@@ -49,20 +49,8 @@ def export_checkpoint(cfg: ModelConfig, opts: TrainOptions, out: str, *, step: i
         check = lambda saved, path: checkpointing.check_meta(saved, cfg, {}, path)  # noqa: E731
         check(candidates[0][1], checkpointing.step_path(manager, candidates[0][0]))
         trainable, optimizer, _, _ = build(cfg, opts, mesh)
-        for k, (s, saved) in enumerate(candidates):
-            if k:
-                check(saved, checkpointing.step_path(manager, s))
-            try:
-                state = checkpointing.restore(manager, s, nnx.state((trainable, optimizer)), None,
-                                              saved.get("fingerprint"))
-            except checkpointing.CheckpointCorruptError as e:
-                log_fn(f"skipping checkpoint step {s}: {e}")
-                continue
-            nnx.update((trainable, optimizer), state)
-            log_fn(f"restored {checkpointing.step_path(manager, s)} (step {s})")
-            break
-        else:
-            raise checkpointing.CheckpointCorruptError(checkpointing.none_verify(opts.workdir))
+        checkpointing.restore_newest_verified(manager, candidates, (trainable, optimizer), None, opts.workdir,
+                                              log_fn, check=check, read_only=True)
     finally:
         manager.close()
     weights = nnx.Any(nnx.Param, RouterBias)  # not the routing statistics the training forward records
