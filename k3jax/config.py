@@ -83,6 +83,9 @@ class RuntimeConfig:
     # inside it and around every unscanned layer: least memory, the forward runs three times), "dots" ("unit"
     # keeping the matmul outputs: less recompute, more memory).
     remat_policy: Literal["unit", "layer", "dots"] = "unit"
+    # The backward finishes each layer's weight gradients before passing its input gradient on
+    # (k3jax/layers/grad_order.py); off, XLA's GPU scheduler defers them all to the end of a scanned unit.
+    tie_layer_gradients: bool = True
     # LM-head cross-entropy (training): 0 = f32 [tokens, vocab] logits then softmax cross-entropy; N > 0 = the
     # fused head + loss in N vocabulary slices (k3jax/ops/head_loss.py), never holding a [tokens, vocab] array.
     loss_vocab_chunks: int = 0

@@ -15,6 +15,7 @@ from flax import nnx
 from k3jax.config import LayerGroup, ModelConfig
 from k3jax.layers import params
 from k3jax.layers.attn_res import AttnResRead, push_snapshot, read_normed, snapshots_before
+from k3jax.layers.grad_order import tie_gradients
 from k3jax.layers.kda import KDA, KDAState, init_kda_state
 from k3jax.layers.mla import DEFAULT_PAGE_SIZE, MLA, contiguous_page_table, init_latent_pages, pages_per_sequence
 from k3jax.layers.mlp import GatedMLP
@@ -172,11 +173,20 @@ class DecoderUnit(nnx.Module):
     def __init__(self, cfg: ModelConfig, pattern, *, rngs: nnx.Rngs):
         self.layers = nnx.List([DecoderLayer(cfg, attn, ffn, rngs=rngs) for attn, ffn in pattern])
         self.remat_layers = cfg.runtime.remat and cfg.runtime.remat_policy == "layer"
+        self.tie_layer_gradients = cfg.runtime.tie_layer_gradients
 
     def __call__(self, carry: Carry, first_layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
         for j, layer in enumerate(self.layers):
             def run(layer, carry, segment_ids_bt, index=first_layer_index + j):
-                return layer(carry, index, segment_ids_bt)
+                if not self.tie_layer_gradients:
+                    return layer(carry, index, segment_ids_bt)
+                # this layer's weight gradients before its input gradient (k3jax/layers/grad_order.py)
+                graphdef, weights, rest = nnx.split(layer, nnx.Param, ...)
+                weights, carry = tie_gradients((weights, carry))
+                tied = nnx.merge(graphdef, weights, rest, copy=True)
+                carry = tied(carry, index, segment_ids_bt)
+                nnx.update(layer, nnx.state(tied, params.RoutingStats))
+                return carry
 
             carry = (nnx.remat(run) if self.remat_layers else run)(layer, carry, segment_ids_bt)
         return carry

@@ -1,0 +1,57 @@
+"""Backward-pass ordering: a layer's weight gradients are computed before its input gradient flows on.
+
+Inside one backward (a scanned unit's body, or the unscanned layers), nothing in the data flow asks for a layer's
+weight gradients until the very end, where they are written to the gradient outputs. XLA's GPU scheduler then
+runs every layer's weight-gradient matmuls (the experts' `tgmm`, the projections' dW dots, the norm-gain
+reductions) after the LAST layer's backward, and keeps each layer's recomputed activations and output
+gradients alive until then. Read from the buffer dump of `k3_gpu` at T = 131,072 on one GPU: ~7.5 GiB of
+routed-expert rows per MoE layer held across the unit's other three layers, with the dense dW inputs ~40 GiB of
+the step's 108 GiB of temporaries (benchmarks/RESULTS.md, 2026-12-05). TPU's scheduler is memory-aware and
+did not do it.
+
+`tie_gradients(tree)` is the identity forward; in the backward it passes all of its cotangents through one
+`optimization_barrier`, so none leaves the barrier before all exist. Applied to (a layer's parameters, the layer's
+input carry) at the layer's entry, the input gradient that the previous layer's backward needs cannot be produced
+before this layer's weight gradients are: the scheduler must finish them (and free their operands) layer by
+layer. Values and gradients are unchanged (an identity with an identity backward).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["tie_gradients"]
+
+
+def _is_float(x) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def tie_gradients(tree):
+    """`tree` unchanged; its floating leaves' cotangents leave the backward together (one optimization barrier).
+    Non-floating leaves pass through untouched (they have no cotangent)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    where = [i for i, x in enumerate(leaves) if _is_float(x)]
+    if len(where) < 2:
+        return tree
+    tied = _tie([leaves[i] for i in where])
+    for i, x in zip(where, tied):
+        leaves[i] = x
+    return jax.tree.unflatten(treedef, leaves)
+
+
+@jax.custom_vjp
+def _tie(xs: list) -> list:
+    return xs
+
+
+def _tie_fwd(xs):
+    return xs, None
+
+
+def _tie_bwd(_, cts):
+    return (list(jax.lax.optimization_barrier(tuple(cts))),)
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
