@@ -182,7 +182,7 @@ class DecoderUnit(nnx.Module):
                     return layer(carry, index, segment_ids_bt)
                 # this layer's weight gradients before its input gradient (k3jax/layers/grad_order.py)
                 graphdef, weights, rest = nnx.split(layer, nnx.Param, ...)
-                weights, carry = tie_gradients((weights, carry))
+                carry, weights = tie_gradients((carry, weights))
                 tied = nnx.merge(graphdef, weights, rest, copy=True)
                 carry = tied(carry, index, segment_ids_bt)
                 nnx.update(layer, nnx.state(tied, params.RoutingStats))

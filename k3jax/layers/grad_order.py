@@ -29,8 +29,8 @@ def _is_float(x) -> bool:
 
 
 def tie_gradients(tree):
-    """`tree` unchanged; its floating leaves' cotangents leave the backward together (one optimization barrier).
-    Non-floating leaves pass through untouched (they have no cotangent)."""
+    """`tree` unchanged; in the backward its first floating leaf's cotangent depends on all the others' (see
+    `_tie_bwd`). Non-floating leaves pass through untouched (they have no cotangent)."""
     leaves, treedef = jax.tree.flatten(tree)
     where = [i for i, x in enumerate(leaves) if _is_float(x)]
     if len(where) < 2:
@@ -51,7 +51,16 @@ def _tie_fwd(xs):
 
 
 def _tie_bwd(_, cts):
-    return (list(jax.lax.optimization_barrier(tuple(cts))),)
+    # XLA's GPU pipeline expands optimization barriers before it schedules, so the barrier alone does not order
+    # the schedule there: the first cotangent (a layer's input gradient, by the caller's order) also takes a data
+    # dependence on every other one, + 0 × (one element of each), added to its first element only. Exact (adds
+    # +0.0) unless a gradient holds inf/NaN, which then reaches that element too.
+    cts = list(jax.lax.optimization_barrier(tuple(cts)))
+    first = cts[0]
+    zero = sum(c.reshape(-1)[0].astype(jnp.float32) for c in cts[1:]) * 0.0
+    index = (0,) * first.ndim
+    cts[0] = first.at[index].add(zero.astype(first.dtype)) if first.size else first
+    return (cts,)
 
 
 _tie.defvjp(_tie_fwd, _tie_bwd)
