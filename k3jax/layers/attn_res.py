@@ -73,7 +73,14 @@ def snapshots_before(layer_index, block_size: int):
 
 
 def push_snapshot(bank_nbtd: jax.Array, row, value_btd: jax.Array, do_push) -> jax.Array:
-    """Writes `value` into bank row `row` when `do_push` (traced or static); touches one row only."""
+    """Writes `value` into bank row `row` when `do_push` (traced or static); touches one row only. A static
+    `do_push` (unscanned layers) writes nothing when False and no select when True: a write that keeps the row
+    still makes a new version of the whole bank, which a layer's remat region then saves beside the old one."""
+    if isinstance(do_push, (bool, np.bool_)):
+        if not do_push:
+            return bank_nbtd
+        row = min(int(row), bank_nbtd.shape[0] - 1) if isinstance(row, (int, np.integer)) else row
+        return jax.lax.dynamic_update_index_in_dim(bank_nbtd, value_btd.astype(bank_nbtd.dtype), row, axis=0)
     row = jnp.minimum(row, bank_nbtd.shape[0] - 1)
     current = jax.lax.dynamic_index_in_dim(bank_nbtd, row, axis=0, keepdims=False)
     new_row = jnp.where(do_push, value_btd.astype(bank_nbtd.dtype), current)
