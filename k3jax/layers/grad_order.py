@@ -2,18 +2,18 @@
 
 Inside one backward (a scanned unit's body, or the unscanned layers), nothing in the data flow asks for a layer's
 weight gradients until the very end, where they are written to the gradient outputs. XLA's GPU scheduler then
-runs every layer's weight-gradient matmuls (the experts' `tgmm`, the projections' dW dots, the norm-gain
-reductions) after the LAST layer's backward, and keeps each layer's recomputed activations and output
-gradients alive until then. Read from the buffer dump of `k3_gpu` at T = 131,072 on one GPU: ~7.5 GiB of
-routed-expert rows per MoE layer held across the unit's other three layers, with the dense dW inputs ~40 GiB of
-the step's 108 GiB of temporaries (benchmarks/RESULTS.md, 2026-12-05). TPU's scheduler is memory-aware and
-did not do it.
+ran the weight-gradient kernels of every layer of a unit (the experts' `tgmm`, the projections' dW dots, the
+norm-gain reductions) after the unit's LAST layer's backward, keeping each layer's recomputed activations and
+output gradients alive until then: in the `k3_gpu` step at T = 131,072 (`benchmarks/hlo_liveness.py` on the
+GPU dump, benchmarks/RESULTS.md, 2026-12-05) ~7.5 GiB of routed-expert rows per MoE layer, held across the
+unit's other layers by the deferred `tgmm` calls, plus their dW dots and reductions.
 
-`tie_gradients(tree)` is the identity forward; in the backward it passes all of its cotangents through one
-`optimization_barrier`, so none leaves the barrier before all exist. Applied to (a layer's parameters, the layer's
-input carry) at the layer's entry, the input gradient that the previous layer's backward needs cannot be produced
-before this layer's weight gradients are: the scheduler must finish them (and free their operands) layer by
-layer. Values and gradients are unchanged (an identity with an identity backward).
+`tie_gradients(tree)` is the identity forward; in the backward its first cotangent takes a data dependence on all
+the others (with an optimization barrier alone the compiled GPU step's memory did not move, 150.39 against
+150.18 GiB: the barrier does not order XLA:GPU's schedule). Applied to (the layer's input carry, its
+parameters) at a layer's entry, the input gradient that the previous layer's backward needs cannot exist before
+this layer's weight gradients do: the scheduler must finish them, and free their operands, layer by layer.
+Values and gradients are unchanged (exactly, unless a gradient holds inf/NaN).
 """
 
 from __future__ import annotations
