@@ -129,11 +129,14 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResRead(cfg)
             self.mlp_res = AttnResRead(cfg)
 
-    def __call__(self, carry: Carry, layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
-        """Training forward; `segment_ids_bt` (packed documents) only matters to the attention (KDA/MLA)."""
+    def __call__(self, carry: Carry, layer_index, segment_ids_bt: jax.Array | None = None, *,
+                 snapshot: bool | None = None) -> Carry:
+        """Training forward; `segment_ids_bt` (packed documents) only matters to the attention (KDA/MLA).
+        `snapshot`: whether this layer starts an AttnRes block, when known statically for a traced `layer_index`
+        (a scanned unit whose length the block size divides): the bank is then written only where it changes."""
         if segment_ids_bt is None:
-            return self._run(carry, layer_index, self.self_attn)
-        return self._run(carry, layer_index, lambda x: self.self_attn(x, segment_ids_bt))
+            return self._run(carry, layer_index, self.self_attn, snapshot)
+        return self._run(carry, layer_index, lambda x: self.self_attn(x, segment_ids_bt), snapshot)
 
     def forward_cached(self, carry: Carry, layer_index, state, start_b, valid_b, page_table_bp):
         """The layer over new tokens with its attention state (see `K3Model.forward_cached`)."""
@@ -149,7 +152,7 @@ class DecoderLayer(nnx.Module):
         carry = self._run(carry, layer_index, attn)
         return carry, out["state"]
 
-    def _run(self, carry: Carry, layer_index, attn) -> Carry:
+    def _run(self, carry: Carry, layer_index, attn, snapshot: bool | None = None) -> Carry:
         h, bank = carry
         if not self.cfg.uses_attn_res:
             h = h + attn(self.input_layernorm(h)).astype(h.dtype)
@@ -158,7 +161,7 @@ class DecoderLayer(nnx.Module):
         block = self.cfg.attn_res_block_size
         filled = snapshots_before(layer_index, block)
         x = read_normed(self.self_attention_res, h, bank, filled, self.input_layernorm, self.cfg)
-        is_snapshot = layer_index % block == 0
+        is_snapshot = layer_index % block == 0 if snapshot is None else snapshot
         bank = push_snapshot(bank, filled, h, is_snapshot)  # snapshot BEFORE this layer's attention
         partial = jnp.where(is_snapshot, jnp.zeros_like(h), h)
         partial = partial + attn(x).astype(h.dtype)
@@ -175,16 +178,21 @@ class DecoderUnit(nnx.Module):
         self.remat_layers = cfg.runtime.remat and cfg.runtime.remat_policy == "layer"
         self.tie_layer_gradients = cfg.runtime.tie_layer_gradients
 
-    def __call__(self, carry: Carry, first_layer_index, segment_ids_bt: jax.Array | None = None) -> Carry:
+    def __call__(self, carry: Carry, first_layer_index, segment_ids_bt: jax.Array | None = None,
+                 phase: int | None = None) -> Carry:
+        """`phase`: `first_layer_index % attn_res_block_size` when static although the index is traced."""
+        block = self.layers[0].cfg.attn_res_block_size
         for j, layer in enumerate(self.layers):
-            def run(layer, carry, segment_ids_bt, index=first_layer_index + j):
+            snapshot = None if phase is None or not block else (phase + j) % block == 0
+
+            def run(layer, carry, segment_ids_bt, index=first_layer_index + j, snapshot=snapshot):
                 if not self.tie_layer_gradients:
-                    return layer(carry, index, segment_ids_bt)
+                    return layer(carry, index, segment_ids_bt, snapshot=snapshot)
                 # this layer's weight gradients before its input gradient (k3jax/layers/grad_order.py)
                 graphdef, weights, rest = nnx.split(layer, nnx.Param, ...)
                 carry, weights = tie_gradients((carry, weights))
                 tied = nnx.merge(graphdef, weights, rest, copy=True)
-                carry = tied(carry, index, segment_ids_bt)
+                carry = tied(carry, index, segment_ids_bt, snapshot=snapshot)
                 nnx.update(layer, nnx.state(tied, params.RoutingStats))
                 return carry
 
@@ -222,6 +230,9 @@ class ScannedUnits(nnx.Module):
         """Scans the units; `segment_ids_bt` (or None) is broadcast to every unit, not carried."""
         unit_len = len(self.group.pattern)
         starts = self.group.start + unit_len * jnp.arange(self.group.num_repeats, dtype=jnp.int32)
+        # every unit starts at the same offset into an AttnRes block when the block size divides the unit length
+        phase = (self.group.start % self.block_size if self.block_size and unit_len % self.block_size == 0
+                 else None)
 
         # A plain scan over the split state, returning only what the forward writes (the routing statistics).
         # `nnx.scan` returns the module's whole stacked state, so every parameter was copied out of the loop per
@@ -233,7 +244,7 @@ class ScannedUnits(nnx.Module):
             # a copy: the bank rebuild's backward merges the unit inside jax.vjp, where the layers' own remat
             # regions write routing statistics (without a copy flax raises TraceContextError)
             unit = nnx.merge(graphdef, unit_weights, unit_stats, copy=True)
-            carry = unit(carry, start, segment_ids_bt)
+            carry = unit(carry, start, segment_ids_bt, phase)
             return carry, nnx.state(unit, params.RoutingStats)
 
         if self.remat and self.remat_policy is None and carry[1].shape[0] > 0:

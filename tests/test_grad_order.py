@@ -45,13 +45,17 @@ def test_input_gradient_takes_a_data_dependence_on_weight_gradients():
     np.testing.assert_array_equal(np.asarray(dx_tied).reshape(-1)[1:], 2.0)
 
 
-def test_tie_gradients_passes_integer_leaves_and_single_leaf_trees():
+def test_tie_gradients_passes_integer_leaves_single_leaf_trees_and_empty_arrays():
     ids = jnp.arange(3)
     x = jnp.ones((2,))
     assert tie_gradients((ids, x))[0] is ids
     assert tie_gradients(x) is x
     g = jax.grad(lambda x: jnp.sum(tie_gradients((ids, x))[1] ** 2))(x)
     np.testing.assert_array_equal(g, 2.0)
+    empty = jnp.zeros((0, 3))  # Kimi-Linear's AttnRes bank: [0, B, T, D]
+    g = jax.grad(lambda x, e: jnp.sum(tie_gradients((x, e))[0] ** 2) + jnp.sum(e), argnums=(0, 1))(x, empty)
+    np.testing.assert_array_equal(g[0], 2.0)
+    assert g[1].shape == (0, 3)
 
 
 @pytest.mark.slow  # two whole-model gradient compiles

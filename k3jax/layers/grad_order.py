@@ -56,10 +56,9 @@ def _tie_bwd(_, cts):
     # dependence on every other one, + 0 × (one element of each), added to its first element only. Exact (adds
     # +0.0) unless a gradient holds inf/NaN, which then reaches that element too.
     cts = list(jax.lax.optimization_barrier(tuple(cts)))
-    first = cts[0]
-    zero = sum(c.reshape(-1)[0].astype(jnp.float32) for c in cts[1:]) * 0.0
-    index = (0,) * first.ndim
-    cts[0] = first.at[index].add(zero.astype(first.dtype)) if first.size else first
+    first, others = cts[0], [c.reshape(-1)[0].astype(jnp.float32) for c in cts[1:] if c.size]
+    if first.size and others:
+        cts[0] = first.at[(0,) * first.ndim].add((sum(others) * 0.0).astype(first.dtype))
     return (cts,)
 
 
