@@ -15,7 +15,8 @@ would save), and the largest ones; then the same inside the computation that hol
 A model, not XLA's buffer assignment: aliases (`get-tuple-element`, `bitcast`, `tuple`, `while`, in-place
 `dynamic-update-slice`) are followed, but buffers that XLA shares or updates in place inside fusions are counted
 separately, so the peak reads high (`k3_gpu` at T = 131,072 on one GPU: 124.6 GiB here beside XLA's 108.4 GiB of
-temporaries). Parameters and constants are not counted (the arguments).
+temporaries); a `call` or `conditional` result is taken as an alias of its operands. Parameters and constants
+are not counted (the arguments).
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class Liveness:
 
     def _peak(self, comp: str) -> Peak:
         instrs, by_name, size, last = self.analyse(comp)
-        frees = collections.defaultdict(list)
+        frees, outputs = collections.defaultdict(list), collections.defaultdict(list)
         for b in size:
             frees[last.get(b, by_name[_base(b)])].append(b)
+            outputs[_base(b)].append(b)
         live, current, best = 0, {}, Peak()
         for k, x in enumerate(instrs):
             inner, inner_comp = 0, None
@@ -197,7 +199,7 @@ class Liveness:
                 for c in x.called:
                     if c in self.comps and self.peak(c).bytes > inner:
                         inner, inner_comp = self.peak(c).bytes, c
-            for b in [x.name] if x.name in size else [b for b in size if isinstance(b, tuple) and b[0] == x.name]:
+            for b in outputs[x.name]:
                 current[b] = size[b]
                 live += size[b]
             if live + inner > best.bytes:

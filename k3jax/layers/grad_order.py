@@ -51,11 +51,11 @@ def _tie_fwd(xs):
 
 
 def _tie_bwd(_, cts):
-    # XLA's GPU pipeline expands optimization barriers before it schedules, so the barrier alone does not order
-    # the schedule there: the first cotangent (a layer's input gradient, by the caller's order) also takes a data
-    # dependence on every other one, + 0 × (one element of each), added to its first element only. Exact (adds
-    # +0.0) unless a gradient holds inf/NaN, which then reaches that element too.
-    cts = list(jax.lax.optimization_barrier(tuple(cts)))
+    # An optimization barrier over the cotangents did not order XLA:GPU's schedule (the module docstring), so the
+    # first cotangent (a layer's input gradient, by the caller's order) takes a data dependence on every other
+    # one: + 0 × (one element of each), added to its first element only. Exact (adds +0.0) unless a gradient holds
+    # inf/NaN, which then reaches that element too.
+    cts = list(cts)
     first, others = cts[0], [c.reshape(-1)[0].astype(jnp.float32) for c in cts[1:] if c.size]
     if first.size and others:
         cts[0] = first.at[(0,) * first.ndim].add((sum(others) * 0.0).astype(first.dtype))
