@@ -94,6 +94,12 @@ class RuntimeConfig:
     # "auto": the Pallas kernel on GPU/TPU when `kda_kernel_compatible` (K3's lower-bounded gate, power-of-two head
     # dims), else the pure-JAX chunked path; "pallas" forces the kernel (the interpreter on CPU: exact, slow).
     kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
+    # Training prologue (short conv → SiLU → q/k L2 norm, k3jax/ops/conv.py): "auto" = one Pallas kernel each way
+    # (pallas_kernels/kda/conv_prologue.py) where the "pallas" core runs on a GPU outside a context-parallel mesh,
+    # else XLA; "pallas" forces the kernel (the interpreter off a GPU); "xla" never.
+    kda_conv_impl: Literal["auto", "xla", "pallas"] = "auto"
+    kda_conv_block_t: int = 32  # tokens per program of that kernel (a power of two >= 16 dividing T; else XLA)
+    kda_conv_warps: int = 4  # warps per program of that kernel (power of two)
     # One-token KDA decode on the GPU kernel: "step" (XLA activates q/k/v/g/beta), "prologue" (short conv, norms and
     # gate activations in the kernel), "prologue_output" (default, also the output RMSNorm and gate: fewest launches,
     # fastest in RESULTS.md 2026-12-02). TPU and CPU decode in XLA.
@@ -175,12 +181,14 @@ class RuntimeConfig:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
             parse_kernel_tiling(name, getattr(self, name))
-        for name in ("kda_decode_block_v", "moe_decode_row_tile"):
+        for name in ("kda_decode_block_v", "moe_decode_row_tile", "kda_conv_block_t"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
-        if self.kda_decode_warps < 1 or self.kda_decode_warps & (self.kda_decode_warps - 1):
-            raise ConfigError(f"kda_decode_warps must be a power of two >= 1, got {self.kda_decode_warps}")
+        for name in ("kda_decode_warps", "kda_conv_warps"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ConfigError(f"{name} must be a power of two >= 1, got {v}")
         if not _EXPERT_PARALLEL_PATTERN.match(self.moe_expert_parallel) or (
                 self.moe_expert_parallel.startswith("capacity:") and not float(self.moe_expert_parallel[9:]) > 0):
             raise ConfigError(f"moe_expert_parallel must be 'auto', 'dropless', 'off', 'capacity' or "

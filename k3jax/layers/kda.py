@@ -19,7 +19,7 @@ from k3jax.layers.norms import rms_normalize
 from k3jax.numerics import upcast, wide
 from k3jax.ops import kda as kda_ops
 from k3jax.ops.backend import kernel_mesh
-from k3jax.ops.conv import causal_depthwise_conv
+from k3jax.ops.conv import causal_depthwise_conv, conv_prologue, prologue_backend
 from k3jax.ops.kda import l2_normalize
 from k3jax.ops.linear import project as dense
 from sharding import context_parallel, kda_kernel
@@ -150,10 +150,12 @@ class KDA(nnx.Module):
         def project(name):
             return proj_in[f"{name}_proj"].reshape(b, t, h * k)
 
+        impl = kda_ops.resolve_impl(cfg)
         fused_backend = self._fused_decode_backend(state, t, with_state, cp_mesh)
         if fused_backend is not None:
             return self._decode_fused(x, state, valid_len_b, proj_in, fused_backend)
 
+        prologue = None  # training: the backend of the fused conv → SiLU → L2 norm kernels, or None (XLA)
         if with_state:  # q, k, v through one short conv over the stacked [B, T, 3, H*K] (one history update)
             history = None if state is None else state.conv_bwcp.reshape(b, -1, 3 * h * k)
             proj = jnp.stack([project(name) for name in "qkv"], axis=2).reshape(b, t, 3 * h * k)
@@ -164,8 +166,16 @@ class KDA(nnx.Module):
             q, k_, v = (y.astype(dt).reshape(b, t, 3, h, k)[:, :, i] for i in range(3))
             conv_bwcp = new_history.reshape(b, -1, 3, h * k)
         else:  # training: one conv per projection (no stacked copy of the activations)
+            if cp_mesh is None and impl == "pallas":  # the kernels give the "pallas" core's numerics only
+                rt = cfg.runtime
+                prologue = prologue_backend(rt.kda_conv_impl, t, h * k, k, rt.kda_conv_block_t)
+
             def project_conv(name):
                 proj, kernel = project(name), getattr(self, f"{name}_conv1d")[...]
+                if prologue is not None:  # q and k come out normalised
+                    return conv_prologue(proj, kernel, segment_ids_bt, head_dim=k, normalize=name != "v",
+                                         backend=prologue, block_t=cfg.runtime.kda_conv_block_t,
+                                         warps=cfg.runtime.kda_conv_warps).reshape(b, t, h, k)
                 if cp_mesh is not None:
                     y = context_parallel.short_conv_context_parallel(proj, kernel, segment_ids_bt, mesh=cp_mesh)
                 else:
@@ -176,8 +186,8 @@ class KDA(nnx.Module):
             conv_bwcp = None
         g = self._decay(proj_in["f_a_proj"])
         beta = jax.nn.sigmoid(upcast(proj_in["b_proj"]))
-        impl = kda_ops.resolve_impl(cfg)
-        q, k_ = l2_normalize(q), l2_normalize(k_)
+        if prologue is None:
+            q, k_ = l2_normalize(q), l2_normalize(k_)
         if impl == "pallas":  # the kernel's numerics policy: model-dtype q/k/v operands, f32 state and accumulation
             q, k_, v = (x.astype(dt) for x in (q, k_, v))
         if valid_len_b is not None:

@@ -1,6 +1,7 @@
 """Pallas KDA kernels: the chunkwise forward (chunk_fwd.py) and backward (chunk_bwd.py) on GPU / interpret, the
 Mosaic TPU kernels (tpu.py), their gradient wrappers (api.py) and the one-token decode kernels (decode.py,
-decode_fused.py). The dispatch between these and the XLA cores is `k3jax.ops.kda.kda`."""
+decode_fused.py), and the training input prologue (conv_prologue.py: short conv, SiLU, L2 norm; its wrapper is
+`k3jax.ops.conv`). The dispatch between these and the XLA cores is `k3jax.ops.kda.kda`."""
 
 from pallas_kernels.kda.api import (
            BACKENDS,
