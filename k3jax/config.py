@@ -119,6 +119,13 @@ class RuntimeConfig:
     mla_attention_impl: Literal["auto", "xla", "cudnn", "flash"] = "auto"
     mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
     mla_cudnn_max_segments: int = 64  # documents per row cuDNN's packed layout takes; rows with more: "flash"
+    # --- Block Attention Residuals
+    # Each layer's input read + RMSNorm (k3jax/layers/attn_res.py): "auto" = one Pallas kernel each way
+    # (pallas_kernels/attn_res.py) on a GPU where the read's bank row count is static, else XLA; "pallas" also runs
+    # the interpreter off a GPU (tests); "xla" never.
+    attn_res_impl: Literal["auto", "xla", "pallas"] = "auto"
+    attn_res_block_t: int = 16  # tokens per program of that kernel (power of two >= 16 dividing B·T; else XLA)
+    attn_res_warps: int = 4  # warps per program of that kernel (power of two)
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
     moe_impl: Literal["dropless", "dense"] = "dropless"
@@ -181,11 +188,11 @@ class RuntimeConfig:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
             parse_kernel_tiling(name, getattr(self, name))
-        for name in ("kda_decode_block_v", "moe_decode_row_tile", "kda_conv_block_t"):
+        for name in ("kda_decode_block_v", "moe_decode_row_tile", "kda_conv_block_t", "attn_res_block_t"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
-        for name in ("kda_decode_warps", "kda_conv_warps"):
+        for name in ("kda_decode_warps", "kda_conv_warps", "attn_res_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 1, got {v}")

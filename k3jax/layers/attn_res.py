@@ -16,6 +16,7 @@ from flax import nnx
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import upcast
+from k3jax.ops.attn_res import read_norm, read_norm_backend
 
 
 def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
@@ -90,6 +91,14 @@ def push_snapshot(bank_nbtd: jax.Array, row, value_btd: jax.Array, do_push) -> j
 def read_normed(read: AttnResRead, live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, norm: RMSNorm,
                 cfg) -> jax.Array:
     """``norm(read(live, bank, num_filled))``: an AttnRes read and the RMSNorm that consumes it (the layers' inputs
-    and the final norm)."""
-    del cfg
-    return norm(read(live_btd, bank_nbtd, num_filled))
+    and the final norm); in one kernel each way where `cfg.runtime.attn_res_impl` allows (`k3jax.ops.attn_res`)."""
+    rt = cfg.runtime
+    static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
+    n_filled = min(int(num_filled), bank_nbtd.shape[0]) if static else None
+    b, t, d = live_btd.shape
+    backend = read_norm_backend(rt.attn_res_impl, b, t, d, n_filled, rt.attn_res_block_t)
+    if backend is None:
+        return norm(read(live_btd, bank_nbtd, num_filled))
+    query = upcast(read.norm_weight[...]) * upcast(read.query[...])
+    return read_norm(live_btd, bank_nbtd, n_filled, query, norm.weight[...], eps_read=read.eps, eps_norm=norm.eps,
+                     backend=backend, block_t=rt.attn_res_block_t, warps=rt.attn_res_warps)
