@@ -15,8 +15,10 @@ v_N = live, all f32 inside:
 The backward is that chain's gradient, rounding where the XLA gradient rounds (the transposes of the casts).
 
 Layout: rows = tokens (B·T flattened): ``live [M, D]``, ``bank [N_rows, M, D]`` of which the first `n_filled` rows
-are read, ``query [D]`` f32 (norm gain ⊙ projection), ``gain [D]`` f32 (the RMSNorm weight's values). The wrapper
-with the gradient rule is `k3jax.ops.attn_res`.
+are read, ``query [D]`` f32 (norm gain ⊙ projection), ``gain [D]`` f32 (the RMSNorm weight's values). `n_filled` is
+a static int, or None with ``count [1]`` int32 (a traced count inside a scan over layers): then every bank row is
+read and rows at or past the count get softmax weight 0 (and zero gradient), as the XLA path masks them. The
+wrapper with the gradient rule is `k3jax.ops.attn_res`.
 """
 
 from __future__ import annotations
@@ -39,10 +41,13 @@ def block_d_for(d: int) -> int:
     return largest_pow2_divisor(d, 512, 16)
 
 
-def supported(m: int, d: int, n_filled: int, block_t: int) -> str | None:
-    """None when the kernels take M tokens of width D reading `n_filled` bank rows, else why not."""
-    if not isinstance(n_filled, int) or n_filled < 1:
-        return f"the number of filled bank rows must be a static int >= 1, got {n_filled!r}"
+def supported(m: int, d: int, n_filled: int | None, block_t: int, bank_rows: int) -> str | None:
+    """None when the kernels take M tokens of width D reading `n_filled` (None: a traced count of) bank rows of
+    `bank_rows`, else why not."""
+    if n_filled is None and bank_rows < 1:
+        return "a traced bank count needs a bank with at least one row"
+    if n_filled is not None and (not isinstance(n_filled, int) or not 1 <= n_filled <= bank_rows):
+        return f"the number of filled bank rows must be an int in [1, {bank_rows}] or traced, got {n_filled!r}"
     if not block_d_for(d):
         return f"the width D={d} needs a power-of-two divisor >= 16"
     if not is_pow2(block_t, 16):
@@ -56,8 +61,9 @@ def _loop(n_steps, body, init):
     return jax.lax.fori_loop(0, n_steps, body, init)
 
 
-def _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t):
-    """Per source: rsqrt(mean(v²) + eps) and v·q over the hidden dimension; the softmax weights p."""
+def _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t, count):
+    """Per source: rsqrt(mean(v²) + eps) and v·q over the hidden dimension; the softmax weights p (`count`: bank
+    rows at or past it weigh 0)."""
     def step(j, carry):
         dots, sqs = carry
         cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
@@ -70,6 +76,8 @@ def _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t):
     dots, sqs = _loop(d // bd, step, (zero, zero))
     r = tuple(jax.lax.rsqrt(sqs[s] / d + eps_read) for s in range(n_src))
     a = tuple(dots[s] * r[s] for s in range(n_src))
+    if count is not None:
+        a = tuple(jnp.where(s < count, a[s], -jnp.inf) for s in range(n_src - 1)) + (a[n_src - 1],)
     top = a[n_src - 1]
     for s in range(n_src - 1):
         top = jnp.maximum(top, a[s])
@@ -91,13 +99,25 @@ def _mixed(src, p, cols, n_src, act):
     return m.astype(act).astype(_F32)
 
 
-def read_norm_fwd(live_md, bank_nmd, query_d, gain_d, *, n_filled: int, eps_read: float, eps_norm: float,
-                  block_t: int = 16, warps: int = 4, interpret: bool = False):
-    """``out [M, D]`` in the promoted type of live's and the gain's dtypes (the XLA norm's ``gain * round(n)``)."""
+def read_norm_fwd(live_md, bank_nmd, query_d, gain_d, count=None, *, n_filled: int | None, eps_read: float,
+                  eps_norm: float, block_t: int = 16, warps: int = 4, interpret: bool = False):
+    """``out [M, D]`` in the promoted type of live's and the gain's dtypes (the XLA norm's ``gain * round(n)``).
+    `n_filled` None: `count` ([1] int32) is the traced number of filled rows."""
     out_dtype = jnp.result_type(live_md.dtype, gain_d.dtype)
-    return _fwd_call(live_md, bank_nmd, query_d.astype(_F32), gain_d.astype(_F32), n_filled=n_filled,
+    return _fwd_call(live_md, bank_nmd, query_d.astype(_F32), gain_d.astype(_F32), _count(count, n_filled),
+                     n_read=_rows_read(bank_nmd, n_filled),
                      eps_read=float(eps_read), eps_norm=float(eps_norm), out_dtype=jnp.dtype(out_dtype),
                      block_t=block_t, warps=warps, interpret=interpret)
+
+
+def _count(count, n_filled):
+    if (count is None) == (n_filled is None):
+        raise ValueError("attn_res read_norm: give n_filled (static) or count (traced), exactly one")
+    return None if count is None else jnp.asarray(count, jnp.int32).reshape(1)
+
+
+def _rows_read(bank, n_filled):
+    return bank.shape[0] if n_filled is None else n_filled
 
 
 def _sources(live_ref, bank_ref, rows, n_filled):
@@ -108,18 +128,20 @@ def _sources(live_ref, bank_ref, rows, n_filled):
     return src
 
 
-@functools.partial(jax.jit, static_argnames=("n_filled", "eps_read", "eps_norm", "out_dtype", "block_t", "warps",
+@functools.partial(jax.jit, static_argnames=("n_read", "eps_read", "eps_norm", "out_dtype", "block_t", "warps",
                                              "interpret"))
-def _fwd_call(live, bank, query, gain, *, n_filled, eps_read, eps_norm, out_dtype, block_t, warps, interpret):
+def _fwd_call(live, bank, query, gain, count, *, n_read, eps_read, eps_norm, out_dtype, block_t, warps, interpret):
     m, d = live.shape
     act = live.dtype
     bd = block_d_for(d)
-    n_src = n_filled + 1
+    n_src = n_read + 1
+    traced = count is not None
 
-    def body(live_ref, bank_ref, q_ref, g_ref, o_ref):
+    def body(live_ref, bank_ref, q_ref, g_ref, *rest):
+        c_ref, o_ref = rest if traced else (None, rest[0])
         rows = pl.ds(pl.multiple_of(pl.program_id(0) * block_t, block_t), block_t)
-        src = _sources(live_ref, bank_ref, rows, n_filled)
-        p, _, _ = _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t)
+        src = _sources(live_ref, bank_ref, rows, n_read)
+        p, _, _ = _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t, c_ref[0] if traced else None)
 
         def sum_sq(j, ss):
             mb = _mixed(src, p, pl.ds(pl.multiple_of(j * bd, bd), bd), n_src, act)
@@ -138,31 +160,34 @@ def _fwd_call(live, bank, query, gain, *, n_filled, eps_read, eps_norm, out_dtyp
     return pl.pallas_call(
         body, out_shape=jax.ShapeDtypeStruct((m, d), out_dtype), grid=(m // block_t,), interpret=interpret,
         compiler_params=triton_params(interpret, warps), name="attn_res_read_norm_fwd",
-    )(live, bank, query, gain)
+    )(live, bank, query, gain, *(() if count is None else (count,)))
 
 
-def read_norm_bwd(live_md, bank_nmd, query_d, gain_d, dout_md, *, n_filled: int, eps_read: float, eps_norm: float,
-                  block_t: int = 16, warps: int = 4, interpret: bool = False):
-    """``(d_live [M, D], d_bank [n_filled, M, D]`` in live's dtype, ``d_query_part, d_gain_part [M / block_t, D]``
-    f32 per-block partial sums the caller adds up)."""
-    return _bwd_call(live_md, bank_nmd, query_d.astype(_F32), gain_d.astype(_F32), dout_md, n_filled=n_filled,
+def read_norm_bwd(live_md, bank_nmd, query_d, gain_d, dout_md, count=None, *, n_filled: int | None, eps_read: float,
+                  eps_norm: float, block_t: int = 16, warps: int = 4, interpret: bool = False):
+    """``(d_live [M, D], d_bank [rows read, M, D]`` in live's dtype (rows read: `n_filled`, or all with a traced
+    `count`), ``d_query_part, d_gain_part [M / block_t, D]`` f32 per-block partial sums the caller adds up)."""
+    return _bwd_call(live_md, bank_nmd, query_d.astype(_F32), gain_d.astype(_F32), dout_md, _count(count, n_filled),
+                     n_read=_rows_read(bank_nmd, n_filled),
                      eps_read=float(eps_read), eps_norm=float(eps_norm), block_t=block_t, warps=warps,
                      interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("n_filled", "eps_read", "eps_norm", "block_t", "warps", "interpret"))
-def _bwd_call(live, bank, query, gain, dout, *, n_filled, eps_read, eps_norm, block_t, warps, interpret):
+@functools.partial(jax.jit, static_argnames=("n_read", "eps_read", "eps_norm", "block_t", "warps", "interpret"))
+def _bwd_call(live, bank, query, gain, dout, count, *, n_read, eps_read, eps_norm, block_t, warps, interpret):
     m, d = live.shape
     act = live.dtype
     bd = block_d_for(d)
-    n_src = n_filled + 1
+    n_src = n_read + 1
     n_blocks = m // block_t
+    traced = count is not None
 
-    def body(live_ref, bank_ref, q_ref, g_ref, dout_ref, dlive_ref, dbank_ref, dq_ref, dg_ref):
+    def body(live_ref, bank_ref, q_ref, g_ref, dout_ref, *rest):
+        c_ref, (dlive_ref, dbank_ref, dq_ref, dg_ref) = (rest[0], rest[1:]) if traced else (None, rest)
         i = pl.program_id(0)
         rows = pl.ds(pl.multiple_of(i * block_t, block_t), block_t)
-        src = _sources(live_ref, bank_ref, rows, n_filled)
-        p, r, dots = _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t)
+        src = _sources(live_ref, bank_ref, rows, n_read)
+        p, r, dots = _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t, c_ref[0] if traced else None)
 
         def dn32(cols):  # the gradient reaching the normalised value: round(dout · gain), f32
             return (dout_ref[rows, cols].astype(_F32) * g_ref[cols][None, :]).astype(act).astype(_F32)
@@ -204,7 +229,7 @@ def _bwd_call(live, bank, query, gain, dout, *, n_filled, eps_read, eps_norm, bl
                 v = src(s, cols)
                 dv = p[s][:, None] * dm + da[s][:, None] * (r[s][:, None] * q
                                                              - (dots[s] * r[s] * r[s] * r[s] / d)[:, None] * v)
-                if s < n_filled:
+                if s < n_read:
                     dbank_ref[s, rows, cols] = dv.astype(act)
                 else:
                     dlive_ref[rows, cols] = dv.astype(act)
@@ -216,8 +241,8 @@ def _bwd_call(live, bank, query, gain, dout, *, n_filled, eps_read, eps_norm, bl
 
     return pl.pallas_call(
         body,
-        out_shape=(jax.ShapeDtypeStruct((m, d), act), jax.ShapeDtypeStruct((n_filled, m, d), act),
+        out_shape=(jax.ShapeDtypeStruct((m, d), act), jax.ShapeDtypeStruct((n_read, m, d), act),
                    jax.ShapeDtypeStruct((n_blocks, d), _F32), jax.ShapeDtypeStruct((n_blocks, d), _F32)),
         grid=(n_blocks,), interpret=interpret, compiler_params=triton_params(interpret, warps),
         name="attn_res_read_norm_bwd",
-    )(live, bank, query, gain, dout)
+    )(live, bank, query, gain, dout, *(() if count is None else (count,)))

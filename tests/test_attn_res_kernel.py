@@ -80,25 +80,90 @@ def test_read_norm_kernel_equals_xla_path_in_bf16():
         np.testing.assert_allclose(f(g), f(r), atol=2 ** -6 * scale, rtol=2 ** -6, err_msg=name)
 
 
+def test_read_norm_with_a_traced_count_masks_the_rows_past_it():
+    """Inside a scan over layers the count of filled rows is traced: every row is read, rows at or past the count
+    weigh nothing and get zero gradient; equal to the float64 oracle and to the XLA path's gradients."""
+    live, bank, query, gain, dout = _inputs(jnp.float32, seed=2)
+
+    def kernel_traced(live, bank, query, gain, n):
+        return read_norm(live, bank, n, query, gain, eps_read=EPS_READ, eps_norm=EPS_NORM, backend="interpret")
+
+    def xla_traced(live, bank, query, gain, n):
+        return rms_norm(attn_res_mix(live, bank, n, query, EPS_READ), gain, EPS_NORM)
+
+    n = jnp.asarray(FILLED, jnp.int32)
+    out, vjp = jax.vjp(lambda *a: jax.jit(kernel_traced)(*a, n), live, bank, query, gain)
+    ref, ref_vjp = jax.vjp(lambda *a: jax.jit(xla_traced)(*a, n), live, bank, query, gain)
+    np.testing.assert_allclose(np.asarray(out), _oracle(live, bank, query, gain), rtol=1e-5, atol=1e-5)
+    grads, ref_grads = vjp(dout), ref_vjp(dout)
+    assert not np.asarray(grads[1][FILLED:]).any()
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5 * np.abs(np.asarray(r)).max())
+    only_live = jax.jit(kernel_traced)(live, bank, query, gain, jnp.asarray(0, jnp.int32))  # nothing filled yet
+    np.testing.assert_allclose(np.asarray(only_live), np.asarray(rms_norm(live, gain, EPS_NORM)), rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_read_norm_backend_choice():
-    assert read_norm_backend("auto", B, T, D, FILLED, 16) is None  # CPU: XLA
-    assert read_norm_backend("pallas", B, T, D, FILLED, 16) == "interpret"
-    assert read_norm_backend("pallas", B, T, D, None, 16) is None  # traced row count
-    assert read_norm_backend("pallas", B, T, D, 0, 16) is None  # nothing to mix
-    assert read_norm_backend("pallas", 1, 8, D, FILLED, 16) is None  # too few tokens for one block
-    assert read_norm_backend("xla", B, T, D, FILLED, 16) is None
+    assert read_norm_backend("auto", B, T, D, FILLED, 16, ROWS) is None  # CPU: XLA
+    assert read_norm_backend("pallas", B, T, D, FILLED, 16, ROWS) == "interpret"
+    assert read_norm_backend("pallas", B, T, D, None, 16, ROWS) == "interpret"  # traced count: rows masked
+    assert read_norm_backend("pallas", B, T, D, 0, 16, ROWS) is None  # nothing to mix
+    assert read_norm_backend("pallas", 1, 8, D, FILLED, 16, ROWS) is None  # too few tokens for one block
+    assert read_norm_backend("xla", B, T, D, FILLED, 16, ROWS) is None
     with pytest.raises(ValueError, match="attn_res_impl"):
-        read_norm_backend("fast", B, T, D, FILLED, 16)
+        read_norm_backend("fast", B, T, D, FILLED, 16, ROWS)
 
 
-def test_tiny_model_loss_and_gradients_same_with_the_fused_read():
-    """The whole tiny model (AttnRes, unrolled layers: static bank counts everywhere) in f32."""
+@pytest.mark.parametrize("traced", [False, True])
+def test_read_normed_layer_site_uses_the_kernel_with_the_same_gradients(traced):
+    """`read_normed` (an AttnResRead module and the RMSNorm after it, as the decoder layers call it) with
+    attn_res_impl="pallas" equals "xla" in value and in the gradients of live, the bank and both modules' weights."""
+    from flax import nnx
+
+    import configs
+    from k3jax.layers.attn_res import AttnResRead, read_normed
+    from k3jax.layers.norms import RMSNorm
+
+    cfg = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32"]).replace(hidden_size=D)
+    live, bank, query, gain, dout = _inputs(jnp.float32, seed=5)
+    read, norm = AttnResRead(cfg), RMSNorm(D, eps=EPS_NORM, param_dtype=jnp.float32)
+    read.query[...], read.norm_weight[...], norm.weight[...] = query, 1.0 + 0.1 * query, gain
+
+    def run(impl):
+        c = cfg.replace(attn_res_impl=impl)
+
+        def f(mods, live, bank, n):
+            r, nm = mods
+            return jnp.sum(read_normed(r, live, bank, n if traced else FILLED, nm, c) * dout)
+
+        n = jnp.asarray(FILLED, jnp.int32)
+        return nnx.jit(nnx.value_and_grad(f, argnums=(0, 1, 2)))((read, norm), live, bank, n)
+
+    def traced_kernels(impl):
+        c = cfg.replace(attn_res_impl=impl)
+        return str(jax.make_jaxpr(lambda lv, bk, n: read_normed(read, lv, bk, n if traced else FILLED, norm, c))(
+            live, bank, jnp.asarray(FILLED, jnp.int32))).count("attn_res_read_norm_fwd")
+
+    assert traced_kernels("pallas") >= 1 and traced_kernels("xla") == 0
+    (v_k, g_k), (v_x, g_x) = run("pallas"), run("xla")
+    np.testing.assert_allclose(float(v_k), float(v_x), rtol=1e-5)
+    flat = lambda g: [np.asarray(x) for x in jax.tree.leaves(g)]  # noqa: E731
+    assert len(flat(g_k)) == len(flat(g_x)) == 5
+    for a, r in zip(flat(g_k), flat(g_x)):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5 * max(np.abs(r).max(), 1e-6))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scan", [False, True])
+def test_tiny_model_loss_and_gradients_same_with_the_fused_read(scan):
+    """The whole tiny model (AttnRes) in f32; unrolled layers read static bank counts, scanned ones traced counts."""
     from flax import nnx
 
     import configs
     from k3jax.model import K3Model
 
-    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", "scan_layers=False"])
+    base = configs.get_config("tiny", ["param_dtype=float32", "dtype=float32", f"scan_layers={scan}"])
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, base.vocab_size, (2, 16)), jnp.int32)
 
     def loss_and_grads(impl):

@@ -94,11 +94,12 @@ def read_normed(read: AttnResRead, live_btd: jax.Array, bank_nbtd: jax.Array, nu
     and the final norm); in one kernel each way where `cfg.runtime.attn_res_impl` allows (`k3jax.ops.attn_res`)."""
     rt = cfg.runtime
     static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
-    n_filled = min(int(num_filled), bank_nbtd.shape[0]) if static else None
+    count = min(int(num_filled), bank_nbtd.shape[0]) if static else num_filled
     b, t, d = live_btd.shape
-    backend = read_norm_backend(rt.attn_res_impl, b, t, d, n_filled, rt.attn_res_block_t)
+    backend = read_norm_backend(rt.attn_res_impl, b, t, d, count if static else None, rt.attn_res_block_t,
+                                bank_nbtd.shape[0])
     if backend is None:
         return norm(read(live_btd, bank_nbtd, num_filled))
     query = upcast(read.norm_weight[...]) * upcast(read.query[...])
-    return read_norm(live_btd, bank_nbtd, n_filled, query, norm.weight[...], eps_read=read.eps, eps_norm=norm.eps,
+    return read_norm(live_btd, bank_nbtd, count, query, norm.weight[...], eps_read=read.eps, eps_norm=norm.eps,
                      backend=backend, block_t=rt.attn_res_block_t, warps=rt.attn_res_warps)
