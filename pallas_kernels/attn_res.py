@@ -37,8 +37,8 @@ _F32 = jnp.float32
 
 
 def block_d_for(d: int) -> int:
-    """Columns per step of the hidden-dimension loop: the largest power of two <= 512 dividing D (0: none >= 16)."""
-    return largest_pow2_divisor(d, 512, 16)
+    """Columns per step of the hidden-dimension loop: the largest power of two <= 256 dividing D (0: none >= 16)."""
+    return largest_pow2_divisor(d, 256, 16)
 
 
 def supported(m: int, d: int, n_filled: int | None, block_t: int, bank_rows: int) -> str | None:
