@@ -96,8 +96,8 @@ class RuntimeConfig:
     kda_impl: Literal["auto", "chunked", "recurrent", "pallas"] = "auto"
     # Training prologue (short conv → SiLU → q/k L2 norm, k3jax/ops/conv.py): "auto" = one Pallas kernel each way
     # (pallas_kernels/kda/conv_prologue.py) where the "pallas" core runs on a GPU outside a context-parallel mesh,
-    # else XLA; "pallas" forces the kernel (the interpreter off a GPU); "xla" never.
-    kda_conv_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # else XLA; "pallas" forces the kernel (the interpreter off a GPU); "xla" (default until timed on a GPU) never.
+    kda_conv_impl: Literal["auto", "xla", "pallas"] = "xla"
     kda_conv_block_t: int = 32  # tokens per program of that kernel (a power of two >= 16 dividing T; else XLA)
     kda_conv_warps: int = 4  # warps per program of that kernel (power of two)
     # One-token KDA decode on the GPU kernel: "step" (XLA activates q/k/v/g/beta), "prologue" (short conv, norms and
@@ -122,8 +122,8 @@ class RuntimeConfig:
     # --- Block Attention Residuals
     # Each layer's input read + RMSNorm (k3jax/layers/attn_res.py): "auto" = one Pallas kernel each way
     # (pallas_kernels/attn_res.py) on a GPU where the read's bank row count is static, else XLA; "pallas" also runs
-    # the interpreter off a GPU (tests); "xla" never.
-    attn_res_impl: Literal["auto", "xla", "pallas"] = "auto"
+    # the interpreter off a GPU (tests); "xla" (default until timed on a GPU) never.
+    attn_res_impl: Literal["auto", "xla", "pallas"] = "xla"
     attn_res_block_t: int = 16  # tokens per program of that kernel (power of two >= 16 dividing B·T; else XLA)
     attn_res_warps: int = 4  # warps per program of that kernel (power of two)
     # --- MoE
