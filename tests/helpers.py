@@ -8,6 +8,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -68,6 +69,22 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
 
     loss_and_grad.jitted = jitted
     return loss_and_grad
+
+
+def layer_output_and_grads(layer: nnx.Module, x: jax.Array, *args) -> tuple[jax.Array, list]:
+    """A layer's output on `x` (extra call arguments `args`, e.g. segment ids) and the gradients of sum(sin(out))
+    w.r.t. every parameter (sorted by path, as NumPy arrays) and then x."""
+    @nnx.jit
+    def run(m, x):
+        def loss(m, x):
+            y = m(x, *args)
+            return jnp.sum(jnp.sin(y)), y
+
+        (_, y), (g_params, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
+        return y, g_params, g_x
+
+    y, g_params, g_x = run(layer, x)
+    return y, [np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(g_params))] + [g_x]
 
 
 def shard_model(model: nnx.Module, mesh: Mesh) -> ShardingPlan:

@@ -11,6 +11,7 @@ import pytest
 
 from k3jax.ops.conv import conv_prologue, conv_prologue_unsupported
 from pallas_kernels.cuda_lowering import triton_kernels
+from tests.helpers import layer_output_and_grads
 
 B, T, H, K, W = 2, 64, 2, 16, 4
 BLOCK = 16
@@ -148,19 +149,7 @@ def test_kda_layer_with_the_prologue_kernel_equals_its_xla_prologue():
     seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [9, 20, 19], axis=1).astype(np.int32))
 
     def output_and_grads(conv_impl):
-        layer = KDA(base.replace(kda_conv_impl=conv_impl), rngs=nnx.Rngs(7))
-
-        @nnx.jit
-        def run(m, x):
-            def loss(m, x):
-                y = m(x, seg)
-                return jnp.sum(jnp.sin(y)), y
-
-            (_, y), (g_params, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
-            return y, g_params, g_x
-
-        y, g_params, g_x = run(layer, x)
-        return y, [np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(g_params))] + [g_x]
+        return layer_output_and_grads(KDA(base.replace(kda_conv_impl=conv_impl), rngs=nnx.Rngs(7)), x, seg)
 
     def traced_kernels(conv_impl):
         graphdef, state = nnx.split(KDA(base.replace(kda_conv_impl=conv_impl), rngs=nnx.Rngs(7)))

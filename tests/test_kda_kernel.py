@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from k3jax.ops.kda import KernelConfig, chunk_kda, chunk_kda_gated, kda_recurrent
+from tests.helpers import layer_output_and_grads
 
 
 def _unit(x):
@@ -335,19 +336,7 @@ def test_kda_layer_with_the_kernel_equals_the_chunked_path_on_packed_documents()
     seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 2]], [9, 20, 11], axis=1).astype(np.int32))
 
     def output_and_grads(impl):
-        layer = KDA(base.replace(kda_impl=impl), rngs=nnx.Rngs(7))
-
-        @nnx.jit
-        def run(m, x):
-            def loss(m, x):
-                y = m(x, seg)
-                return jnp.sum(jnp.sin(y)), y
-
-            (_, y), (g_params, g_x) = nnx.value_and_grad(loss, argnums=(0, 1), has_aux=True)(m, x)
-            return y, g_params, g_x
-
-        y, g_params, g_x = run(layer, x)
-        return y, [np.asarray(v.get_value()) for _, v in sorted(nnx.to_flat_state(g_params))] + [g_x]
+        return layer_output_and_grads(KDA(base.replace(kda_impl=impl), rngs=nnx.Rngs(7)), x, seg)
 
     y_kernel, g_kernel = output_and_grads("pallas")
     y_chunked, g_chunked = output_and_grads("chunked")
