@@ -166,7 +166,8 @@ class KDA(nnx.Module):
             q, k_, v = (y.astype(dt).reshape(b, t, 3, h, k)[:, :, i] for i in range(3))
             conv_bwcp = new_history.reshape(b, -1, 3, h * k)
         else:  # training: one conv per projection (no stacked copy of the activations)
-            if cp_mesh is None and impl == "pallas":  # the kernels give the "pallas" core's numerics only
+            # the kernels give the "pallas" core's numerics; GSPMD would not partition them (no shard_map form yet)
+            if cp_mesh is None and impl == "pallas" and kernel_mesh() is None:
                 rt = cfg.runtime
                 prologue = prologue_backend(rt.kda_conv_impl, t, h * k, k, rt.kda_conv_block_t)
 

@@ -20,12 +20,15 @@ def read_norm_backend(impl: str, b: int, t: int, d: int, n_filled, block_t: int,
     "gpu" for multi-token calls (training, prefill; the one-token decode step keeps its tuned XLA fusions) where a
     GPU kernel may run in this trace and the kernel takes the shape (B·T a multiple of block_t, D with a
     power-of-two divisor >= 16, `n_filled` a static count >= 1 or None for a traced one); "pallas" = this
-    platform's kernel or the interpreter where the shape suits, else XLA; "xla" = None."""
+    platform's kernel or the interpreter where the shape suits, else XLA; "xla" = None. Under a multi-device
+    GSPMD mesh: XLA."""
     if impl == "xla":
         return None
     if impl not in ("auto", "pallas"):
         raise ValueError(f"attn_res_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
     if kernel.supported(b * t, d, n_filled, block_t, bank_rows) or (impl == "auto" and t == 1):
+        return None
+    if backend_lib.kernel_mesh() is not None:  # GSPMD does not partition a Pallas call (no shard_map form yet)
         return None
     if impl == "pallas":
         backend = backend_lib.forced_kernel_backend()
