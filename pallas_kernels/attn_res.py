@@ -68,9 +68,9 @@ def _softmax_parts(src, q_ref, n_src, d, bd, eps_read, block_t, count):
         dots, sqs = carry
         cols = pl.ds(pl.multiple_of(j * bd, bd), bd)
         q = q_ref[cols][None, :]
-        dots = tuple(dots[s] + jnp.sum(src(s, cols) * q, axis=1) for s in range(n_src))
-        sqs = tuple(sqs[s] + jnp.sum(src(s, cols) * src(s, cols), axis=1) for s in range(n_src))
-        return dots, sqs
+        vs = [src(s, cols) for s in range(n_src)]  # each source loaded once per column block
+        return (tuple(dots[s] + jnp.sum(vs[s] * q, axis=1) for s in range(n_src)),
+                tuple(sqs[s] + jnp.sum(vs[s] * vs[s], axis=1) for s in range(n_src)))
 
     zero = tuple(jnp.zeros((block_t,), _F32) for _ in range(n_src))
     dots, sqs = _loop(d // bd, step, (zero, zero))
