@@ -16,7 +16,7 @@ from flax import nnx
 from k3jax.layers import params
 from k3jax.layers.norms import RMSNorm
 from k3jax.numerics import upcast
-from k3jax.ops.attn_res import read_norm, read_norm_backend
+from k3jax.ops.attn_res import read_norm, read_norm_backend, static_count
 
 
 def attn_res_mix(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, eps: float) -> jax.Array:
@@ -93,13 +93,12 @@ def read_normed(read: AttnResRead, live_btd: jax.Array, bank_nbtd: jax.Array, nu
     """``norm(read(live, bank, num_filled))``: an AttnRes read and the RMSNorm that consumes it (the layers' inputs
     and the final norm); in one kernel each way where `cfg.runtime.attn_res_impl` allows (`k3jax.ops.attn_res`)."""
     rt = cfg.runtime
-    static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
-    count = min(int(num_filled), bank_nbtd.shape[0]) if static else num_filled
+    n_static = static_count(num_filled, bank_nbtd.shape[0])
     b, t, d = live_btd.shape
-    backend = read_norm_backend(rt.attn_res_impl, b, t, d, count if static else None, rt.attn_res_block_t,
-                                bank_nbtd.shape[0])
+    backend = read_norm_backend(rt.attn_res_impl, b, t, d, n_static, rt.attn_res_block_t, bank_nbtd.shape[0])
     if backend is None:
         return norm(read(live_btd, bank_nbtd, num_filled))
     query = upcast(read.norm_weight[...]) * upcast(read.query[...])
+    count = num_filled if n_static is None else n_static
     return read_norm(live_btd, bank_nbtd, count, query, norm.weight[...], eps_read=read.eps, eps_norm=norm.eps,
                      backend=backend, block_t=rt.attn_res_block_t, warps=rt.attn_res_warps)

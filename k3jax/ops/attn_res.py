@@ -12,7 +12,7 @@ import numpy as np
 from k3jax.ops import backend as backend_lib
 from pallas_kernels import attn_res as kernel
 
-__all__ = ["read_norm", "read_norm_backend"]
+__all__ = ["read_norm", "read_norm_backend", "static_count"]
 
 
 def read_norm_backend(impl: str, b: int, t: int, d: int, n_filled, block_t: int, bank_rows: int) -> str | None:
@@ -36,6 +36,13 @@ def read_norm_backend(impl: str, b: int, t: int, d: int, n_filled, block_t: int,
     return "gpu" if backend_lib.gpu_kernel_backend_here() == "gpu" else None
 
 
+def static_count(num_filled, bank_rows: int) -> int | None:
+    """The filled-row count as a Python int clamped to the bank, or None when it is traced."""
+    if isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_)):
+        return min(int(num_filled), bank_rows)
+    return None
+
+
 def read_norm(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: jax.Array, gain_d: jax.Array, *,
               eps_read: float, eps_norm: float, backend: str, block_t: int = 16, warps: int = 4) -> jax.Array:
     """``rms_norm(attn_res_mix(live, bank, num_filled, query), gain)`` in one kernel each way (`backend` "gpu" or
@@ -44,8 +51,8 @@ def read_norm(live_btd: jax.Array, bank_nbtd: jax.Array, num_filled, query_d: ja
     if backend not in ("gpu", "interpret"):
         raise ValueError(f"read_norm: backend must be 'gpu' or 'interpret', got {backend!r}")
     b, t, d = live_btd.shape
-    static = isinstance(num_filled, (int, np.integer)) and not isinstance(num_filled, (bool, np.bool_))
-    n_filled = int(num_filled) if static else None
+    n_filled = static_count(num_filled, bank_nbtd.shape[0])
+    static = n_filled is not None
     reason = kernel.supported(b * t, d, n_filled, block_t, bank_nbtd.shape[0])
     if reason:
         raise ValueError(f"read_norm: the kernel does not take live {list(live_btd.shape)}: {reason}")
