@@ -2,7 +2,7 @@
 (`pallas_kernels.kda.conv_prologue`) vs the XLA path the layer used before, forward and forward+backward.
 
     python -m benchmarks.kda_prologue_bench [--shapes=4x4096x1536,1x131072x1536] [--head_dim=128] [--iters=20]
-                                            [--tilings=16-4,32-4,64-8]
+                                            [--tilings=16-4,32-4,32-4:16-4]
 
 Shapes are B×T×P (P = heads · head_dim; `k3_gpu`: 1536). bf16 activations, f32 kernel, packed documents (a
 boundary every 1,000 tokens). First checks the kernel against the XLA path on the GPU (values and both gradients,
@@ -28,7 +28,8 @@ from k3jax.ops.conv import conv_prologue
 flags.DEFINE_string("shapes", "4x4096x1536,1x131072x1536", "B×T×P, comma-separated")
 flags.DEFINE_integer("head_dim", 128, "columns per head (the norm's width)")
 flags.DEFINE_integer("iters", 20, "timed calls per measurement")
-flags.DEFINE_string("tilings", "32-4", "kernel block_t-warps choices, comma-separated")
+flags.DEFINE_string("tilings", "32-4:16-4", "kernel block_t-warps choices, comma-separated; F-W:B-W gives the "
+                    "backward its own")
 flags.DEFINE_integer("width", 4, "conv taps W")
 
 _HBM_BYTES_PER_S = 4.3e12
@@ -43,10 +44,18 @@ def _inputs(b, t, p, w):
     return x, kernel, dout, seg
 
 
-def _fns(backend, head_dim, block_t, warps, seg):
+def _tiling(spec):
+    """``"F-W"`` (both directions) or ``"F-W:B-W"`` (forward, backward) → (block_t, warps, bwd_block_t, bwd_warps)."""
+    fwd, _, bwd = spec.partition(":")
+    return tuple(int(v) for v in fwd.split("-")) + tuple(int(v) for v in (bwd or fwd).split("-"))
+
+
+def _fns(backend, head_dim, tiling, seg):
+    bt, warps, bwd_bt, bwd_warps = tiling
+
     def fwd(x, k):
-        return conv_prologue(x, k, seg, head_dim=head_dim, normalize=True, backend=backend, block_t=block_t,
-                             warps=warps)
+        return conv_prologue(x, k, seg, head_dim=head_dim, normalize=True, backend=backend, block_t=bt,
+                             warps=warps, bwd_block_t=bwd_bt, bwd_warps=bwd_warps)
 
     def fwd_bwd(x, k, dout):
         out, vjp = jax.vjp(fwd, x, k)
@@ -57,9 +66,8 @@ def _fns(backend, head_dim, block_t, warps, seg):
 
 def _check(b, t, p, opts):
     x, kernel, dout, seg = _inputs(b, t, p, opts["width"])
-    bt, warps = opts["tilings"][0]
-    got = _fns("gpu", opts["head_dim"], bt, warps, seg)[1](x, kernel, dout)
-    ref = _fns(None, opts["head_dim"], bt, warps, seg)[1](x, kernel, dout)
+    got = _fns("gpu", opts["head_dim"], opts["tilings"][0][1], seg)[1](x, kernel, dout)
+    ref = _fns(None, opts["head_dim"], opts["tilings"][0][1], seg)[1](x, kernel, dout)
     ok = True
     for name, a, r in zip(("out", "dx", "dkernel"), got, ref):
         a, r = np.asarray(a, np.float64), np.asarray(r, np.float64)
@@ -74,7 +82,7 @@ def _check(b, t, p, opts):
 def main(argv):
     del argv
     opts = {"head_dim": flags.FLAGS.head_dim, "width": flags.FLAGS.width,
-            "tilings": [tuple(int(v) for v in s.split("-")) for s in flags.FLAGS.tilings.split(",")]}
+            "tilings": [(s, _tiling(s)) for s in flags.FLAGS.tilings.split(",")]}
     shapes = [tuple(int(v) for v in s.split("x")) for s in flags.FLAGS.shapes.split(",")]
     print(f"device: {jax.devices()[0].device_kind}", flush=True)
     if not _check(*shapes[0], opts):
@@ -85,9 +93,9 @@ def main(argv):
         x, kernel, dout, seg = _inputs(b, t, p, opts["width"])
         elem = b * t * p * 2  # bf16 bytes of one [B, T, P] array
         floors = {"fwd": 2 * elem / _HBM_BYTES_PER_S * 1e3, "fwd+bwd": 5 * elem / _HBM_BYTES_PER_S * 1e3}
-        variants = [("xla", None, 32, 4)] + [(f"pallas {bt}-{wp}", "gpu", bt, wp) for bt, wp in opts["tilings"]]
-        for name, backend, bt, wp in variants:
-            fwd, fwd_bwd = _fns(backend, opts["head_dim"], bt, wp, seg)
+        variants = [("xla", None, (32, 4, 32, 4))] + [(f"pallas {s}", "gpu", tl) for s, tl in opts["tilings"]]
+        for name, backend, tiling in variants:
+            fwd, fwd_bwd = _fns(backend, opts["head_dim"], tiling, seg)
             for mode, fn in (("fwd", lambda: fwd(x, kernel)), ("fwd+bwd", lambda: fwd_bwd(x, kernel, dout))):
                 ms = median_ms(fn, flags.FLAGS.iters)
                 row = {"shape": f"{b}x{t}x{p}", "impl": name, "mode": mode, "ms": round(ms, 4),

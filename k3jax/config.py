@@ -100,6 +100,8 @@ class RuntimeConfig:
     kda_conv_impl: Literal["auto", "xla", "pallas"] = "xla"
     kda_conv_block_t: int = 32  # tokens per program of that kernel (a power of two >= 16 dividing T; else XLA)
     kda_conv_warps: int = 4  # warps per program of that kernel (power of two)
+    kda_conv_bwd_block_t: int = 16  # the same for its backward kernel (its best tile is smaller, RESULTS.md)
+    kda_conv_bwd_warps: int = 4
     # One-token KDA decode on the GPU kernel: "step" (XLA activates q/k/v/g/beta), "prologue" (short conv, norms and
     # gate activations in the kernel), "prologue_output" (default, also the output RMSNorm and gate: fewest launches,
     # fastest in RESULTS.md 2026-12-02). TPU and CPU decode in XLA.
@@ -188,11 +190,12 @@ class RuntimeConfig:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):
             parse_kernel_tiling(name, getattr(self, name))
-        for name in ("kda_decode_block_v", "moe_decode_row_tile", "kda_conv_block_t", "attn_res_block_t"):
+        for name in ("kda_decode_block_v", "moe_decode_row_tile", "kda_conv_block_t", "kda_conv_bwd_block_t",
+                     "attn_res_block_t"):
             v = getattr(self, name)
             if v < 16 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 16, got {v}")
-        for name in ("kda_decode_warps", "kda_conv_warps", "attn_res_warps"):
+        for name in ("kda_decode_warps", "kda_conv_warps", "kda_conv_bwd_warps", "attn_res_warps"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ConfigError(f"{name} must be a power of two >= 1, got {v}")

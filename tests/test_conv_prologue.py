@@ -71,16 +71,19 @@ def _oracle_grads(x, kernel, seg, normalize, dout):
     return dx, dk
 
 
-def _kernel_fn(seg, normalize, backend):
-    return lambda x, k: conv_prologue(x, k, seg, head_dim=K, normalize=normalize, backend=backend, block_t=BLOCK)
+def _kernel_fn(seg, normalize, backend, block_t=BLOCK, bwd_block_t=None):
+    return lambda x, k: conv_prologue(x, k, seg, head_dim=K, normalize=normalize, backend=backend, block_t=block_t,
+                                      bwd_block_t=bwd_block_t)
 
 
-@pytest.mark.parametrize("normalize", [True, False])
-@pytest.mark.parametrize("packed", [True, False])
-def test_prologue_kernel_and_gradient_equal_float64_oracle(normalize, packed):
+@pytest.mark.parametrize("normalize,packed,tiles", [
+    (True, True, (BLOCK, None)), (True, False, (BLOCK, None)), (False, True, (BLOCK, None)),
+    (False, False, (BLOCK, None)), (True, True, (2 * BLOCK, BLOCK))])
+def test_prologue_kernel_and_gradient_equal_float64_oracle(normalize, packed, tiles):
+    """Also with the backward on its own (smaller) tile than the forward (the last case)."""
     x, kernel, dout, seg = _inputs(jnp.float32)
     seg = seg if packed else None
-    out, vjp = jax.vjp(_kernel_fn(seg, normalize, "interpret"), x, kernel)
+    out, vjp = jax.vjp(_kernel_fn(seg, normalize, "interpret", *tiles), x, kernel)
     dx, dk = vjp(dout)
     ref_out, _ = _oracle_fwd(x, kernel, seg, normalize)
     ref_dx, ref_dk = _oracle_grads(x, kernel, seg, normalize, dout)

@@ -169,14 +169,17 @@ class KDA(nnx.Module):
             # the kernels give the "pallas" core's numerics; GSPMD would not partition them (no shard_map form yet)
             if cp_mesh is None and impl == "pallas" and kernel_mesh() is None:
                 rt = cfg.runtime
-                prologue = prologue_backend(rt.kda_conv_impl, t, h * k, k, rt.kda_conv_block_t)
+                prologue = prologue_backend(rt.kda_conv_impl, t, h * k, k,
+                                            max(rt.kda_conv_block_t, rt.kda_conv_bwd_block_t))
 
             def project_conv(name):
                 proj, kernel = project(name), getattr(self, f"{name}_conv1d")[...]
                 if prologue is not None:  # q and k come out normalised
                     return conv_prologue(proj, kernel, segment_ids_bt, head_dim=k, normalize=name != "v",
                                          backend=prologue, block_t=cfg.runtime.kda_conv_block_t,
-                                         warps=cfg.runtime.kda_conv_warps).reshape(b, t, h, k)
+                                         warps=cfg.runtime.kda_conv_warps,
+                                         bwd_block_t=cfg.runtime.kda_conv_bwd_block_t,
+                                         bwd_warps=cfg.runtime.kda_conv_bwd_warps).reshape(b, t, h, k)
                 if cp_mesh is not None:
                     y = context_parallel.short_conv_context_parallel(proj, kernel, segment_ids_bt, mesh=cp_mesh)
                 else:

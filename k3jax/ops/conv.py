@@ -73,13 +73,15 @@ def prologue_backend(impl: str, t: int, p: int, head_dim: int, block_t: int) -> 
 
 
 def conv_prologue(x_btp: jax.Array, kernel_wp: jax.Array, segment_ids_bt: jax.Array | None, *, head_dim: int,
-                  normalize: bool, backend: str | None, block_t: int = 32, warps: int = 4) -> jax.Array:
+                  normalize: bool, backend: str | None, block_t: int = 32, warps: int = 4,
+                  bwd_block_t: int | None = None, bwd_warps: int | None = None) -> jax.Array:
     """The KDA training prologue from a zero conv history: ``round(l2_norm(round(silu(conv(x)))))`` per head of
     `head_dim` columns when `normalize` (q and k), else ``round(silu(conv(x)))`` (v); round = to x's dtype.
 
     `backend` None: XLA (`causal_depthwise_conv`, the cast, `l2_normalize`); "gpu" / "interpret": the Pallas kernels
     (`pallas_kernels.kda.conv_prologue`) with their backward as the gradient. Both give the model's numerics with
-    the "pallas" KDA core; the caller checks `conv_prologue_unsupported` first."""
+    the "pallas" KDA core; the caller checks `conv_prologue_unsupported` first. The backward kernel has its own
+    tiling (`bwd_block_t`, `bwd_warps`; None = the forward's): its best tile differs (RESULTS.md 2026-12-05)."""
     dt = x_btp.dtype
     if backend is None:
         y = causal_depthwise_conv(x_btp, kernel_wp, None, segment_ids_bt)[0].astype(dt)
@@ -89,7 +91,9 @@ def conv_prologue(x_btp: jax.Array, kernel_wp: jax.Array, segment_ids_bt: jax.Ar
         return l2_normalize(y.reshape(b, t, p // head_dim, head_dim), L2_EPS).astype(dt).reshape(b, t, p)
     if backend not in ("gpu", "interpret"):
         raise ValueError(f"conv_prologue: backend must be None, 'gpu' or 'interpret', got {backend!r}")
-    reason = conv_prologue_unsupported(x_btp.shape[1], x_btp.shape[2], head_dim, block_t)
+    bwd_block_t = block_t if bwd_block_t is None else bwd_block_t
+    bwd_warps = warps if bwd_warps is None else bwd_warps
+    reason = conv_prologue_unsupported(x_btp.shape[1], x_btp.shape[2], head_dim, max(block_t, bwd_block_t))
     if reason:
         raise ValueError(f"conv_prologue: the kernel does not take x {list(x_btp.shape)}: {reason}")
     w = kernel_wp.shape[0]
@@ -98,7 +102,7 @@ def conv_prologue(x_btp: jax.Array, kernel_wp: jax.Array, segment_ids_bt: jax.Ar
         doc_pad = jnp.pad(document_index(segment_ids_bt), ((0, 0), (w - 1, 0)))
         doc_pad = jnp.pad(doc_pad, ((0, 0), (0, w - 1)), constant_values=-1)
     opts = dict(head_dim=head_dim, normalize=bool(normalize), interpret=backend == "interpret", block_t=block_t,
-                warps=warps)
+                warps=warps, bwd_block_t=bwd_block_t, bwd_warps=bwd_warps)
     return _prologue(x_btp, kernel_wp, doc_pad, tuple(sorted(opts.items())))
 
 
@@ -111,8 +115,17 @@ def _pad_rows(x_btp, left, right):
     return jnp.pad(x_btp, ((0, 0), (left, right), (0, 0)))
 
 
-def _prologue_fwd(x_btp, kernel_wp, doc_pad, opts):
+def _split_opts(opts, direction):
+    """The kernel arguments of one direction: the shared ones plus that direction's block_t and warps."""
     o = dict(opts)
+    bwd = (o.pop("bwd_block_t"), o.pop("bwd_warps"))
+    if direction == "bwd":
+        o["block_t"], o["warps"] = bwd
+    return o
+
+
+def _prologue_fwd(x_btp, kernel_wp, doc_pad, opts):
+    o = _split_opts(opts, "fwd")
     w = kernel_wp.shape[0]
     x_pad = _pad_rows(x_btp, w - 1, w - 1)
     out = prologue_kernel.conv_prologue_fwd(x_pad, kernel_wp, doc_pad, t=x_btp.shape[1], eps=L2_EPS,
@@ -126,7 +139,7 @@ def _prologue_bwd(opts, res, dout_btp):
     t = x_pad.shape[1] - 2 * (w - 1)
     dout_pad = _pad_rows(dout_btp.astype(x_pad.dtype), 0, w - 1)
     dx, dk_part = prologue_kernel.conv_prologue_bwd(x_pad, kernel_wp, doc_pad, dout_pad, t=t, eps=L2_EPS,
-                                                    **dict(opts))
+                                                    **_split_opts(opts, "bwd"))
     dk = jnp.sum(dk_part, axis=(0, 1)).astype(kernel_wp.dtype)
     d_doc = None if doc_pad is None else jnp.zeros(doc_pad.shape, jax.dtypes.float0)
     return dx, dk, d_doc
