@@ -51,7 +51,8 @@ def _check_layouts(sched, mesh, batch_axes):
         assert _axes(x.sharding.spec, mesh, x.ndim) == want, (x.shape, x.sharding.spec)
 
 
-def test_speculative_scheduler_on_mesh_equals_one_device_plain():
+@pytest.mark.slow  # ~56 s; the default suite checks speculative decoding (test_speculative.py) and mesh decoding
+def test_speculative_scheduler_on_mesh_equals_one_device_plain():  # (test_inference_sharded.py) apart
     """data=2 x expert=2 x model=2, staggered requests accepting different counts per step (an oracle draft wrong
     at a different index per request): the one-device plain greedy tokens."""
     want = plain_one_device()

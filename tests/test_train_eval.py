@@ -125,6 +125,7 @@ def test_eval_runs_every_n_steps_and_last_and_equals_the_hand_computed_mean_with
     assert abs(plain - quantized) > 1e-4
 
 
+@pytest.mark.slow  # ~20 s; the QAT eval test above also checks the unquantized loss against the hand mean
 def test_eval_without_qat_reports_one_loss_over_eval_data(numbered_docs):
     """--eval_data: all of its documents (the hand-computed mean over them); no quantized loss without QAT."""
     cfg = run_config(configs.get_config("tiny", QAT_TINY[:2]))
