@@ -14,9 +14,11 @@ would save), and the largest ones; then the same inside the computation that hol
 
 A model, not XLA's buffer assignment: aliases (`get-tuple-element`, `bitcast`, `tuple`, `while`, in-place
 `dynamic-update-slice`) are followed, but buffers that XLA shares or updates in place inside fusions are counted
-separately, so the peak reads high (`k3_gpu` at T = 131,072 on one GPU: 124.6 GiB here beside XLA's 108.4 GiB of
-temporaries); a `call` or `conditional` result is taken as an alias of its operands. Parameters and constants
-are not counted (the arguments).
+separately, and XLA's packing of the arena (fragmentation, loop state kept across a whole `while`) is not modelled,
+so the peak can read high or low (`k3_gpu` at T = 131,072 on one GPU: 124.6 GiB here beside XLA's 108.4 GiB of
+temporaries for one build, 89 GiB beside 137.3 for another): read which buffers are live, not the total, and take
+the total from XLA's `*memory-usage-report.txt`. A `call` or `conditional` result is taken as an alias of its
+operands. Parameters and constants are not counted (the arguments).
 """
 
 from __future__ import annotations

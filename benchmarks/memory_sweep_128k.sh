@@ -1,10 +1,13 @@
 # Compiled memory of the `k3_gpu` training step at T = 131,072 on one GPU, per variant (compile only; a 10-minute
 # call holds ~3 variants on an H100, whose compile came within 2 GiB of the H200's in RESULTS.md 2026-12-05):
 #   bash benchmarks/memory_sweep_128k.sh OUT base lhs_off flash ...
-# Variants: base (the flags below), lhs_off (XLA's latency-hiding scheduler off), flash (the blockwise MLA attention
-# instead of cuDNN), chunked (the XLA chunked KDA core), no_mtp (without the MTP head), kernels (the fused KDA
-# prologue and AttnRes read kernels). Each writes OUT/VARIANT.log (the per-device line: arguments + temporaries)
-# and XLA's memory-usage report and buffer assignment of the step (gzipped) for `benchmarks/hlo_liveness.py`.
+# Variants: base (the flags below); lhs_off (XLA's latency-hiding scheduler off); no_hfusion (XLA's horizontal
+# fusion passes off: a horizontal fusion keeps every input of the kernels it merges live until it runs); flash (the
+# blockwise MLA attention instead of cuDNN); chunked (the XLA chunked KDA core); no_mtp (without the MTP head);
+# tie_off (layer gradients not tied to the layer's input gradient, k3jax/layers/grad_order.py); kernels (the fused
+# KDA prologue and AttnRes read kernels). Each writes OUT/VARIANT.log (the per-device line: arguments +
+# temporaries) and XLA's memory-usage report, buffer assignment and HLO of the step (gzipped) for
+# `benchmarks/hlo_liveness.py`.
 # Compiles run one after another: several at once on one GPU run out of memory while autotuning.
 set -u
 out=${1:?output directory}
@@ -19,9 +22,11 @@ for variant in "$@"; do
   case "$variant" in
     base) ;;
     lhs_off) xla="--xla_gpu_enable_latency_hiding_scheduler=false" ;;
+    no_hfusion) xla="--xla_disable_hlo_passes=gpu_horizontal_loop_fusion,gpu_horizontal_input_fusion" ;;
     flash) extra=(--set mla_attention_impl=flash) ;;
     chunked) extra=(--set kda_impl=chunked) ;;
     no_mtp) extra=(--no_mtp) ;;
+    tie_off) extra=(--set tie_layer_gradients=false) ;;
     kernels) extra=(--set kda_conv_impl=auto --set attn_res_impl=auto) ;;
     *) echo "memory_sweep_128k: unknown variant $variant" >&2; exit 2 ;;
   esac
