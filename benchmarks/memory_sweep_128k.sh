@@ -4,7 +4,8 @@
 # Variants: base (the flags below); lhs_off (XLA's latency-hiding scheduler off); no_hfusion (XLA's horizontal
 # fusion passes off: a horizontal fusion keeps every input of the kernels it merges live until it runs); flash (the
 # blockwise MLA attention instead of cuDNN); chunked (the XLA chunked KDA core); no_mtp (without the MTP head);
-# tie_off (layer gradients not tied to the layer's input gradient, k3jax/layers/grad_order.py); kernels (the fused
+# tie_off (layer gradients not tied to the layer's input gradient, k3jax/layers/grad_order.py); moe_chunk (the
+# routed experts in pieces of 32,768 tokens, moe_token_chunk); kernels (the fused
 # KDA prologue and AttnRes read kernels). Each writes OUT/VARIANT.log (the per-device line: arguments +
 # temporaries) and XLA's memory-usage report, buffer assignment and HLO of the step (gzipped) for
 # `benchmarks/hlo_liveness.py`.
@@ -27,6 +28,7 @@ for variant in "$@"; do
     chunked) extra=(--set kda_impl=chunked) ;;
     no_mtp) extra=(--no_mtp) ;;
     tie_off) extra=(--set tie_layer_gradients=false) ;;
+    moe_chunk) extra=(--set moe_token_chunk=32768) ;;
     kernels) extra=(--set kda_conv_impl=auto --set attn_res_impl=auto) ;;
     *) echo "memory_sweep_128k: unknown variant $variant" >&2; exit 2 ;;
   esac

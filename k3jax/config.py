@@ -131,6 +131,10 @@ class RuntimeConfig:
     # --- MoE
     # Routed experts: "dropless" (grouped matmul over expert-sorted rows) or "dense" (every expert on every token).
     moe_impl: Literal["dropless", "dense"] = "dropless"
+    # Tokens per piece of the single-program dropless experts (0: all at once). Their [N·k, M] intermediates then
+    # scale with the piece, not the sequence; each piece is rematerialised in the backward (one more forward of the
+    # routed experts). For long sequences (docs/training.md#long-context); results equal the unchunked path.
+    moe_token_chunk: int = 0
     # Expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless),
     # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'.
     moe_expert_parallel: str = "auto"
@@ -186,6 +190,8 @@ class RuntimeConfig:
             raise ConfigError(f"mla_decode_splits must be >= 0, got {self.mla_decode_splits}")
         if self.decode_loop_unroll < 1:
             raise ConfigError(f"decode_loop_unroll must be >= 1, got {self.decode_loop_unroll}")
+        if self.moe_token_chunk < 0:
+            raise ConfigError(f"moe_token_chunk must be >= 0 (0 = unchunked), got {self.moe_token_chunk}")
         if self.moe_assigned_splits < 1:
             raise ConfigError(f"moe_assigned_splits must be >= 1, got {self.moe_assigned_splits}")
         for name in ("moe_assigned_glu_tiling", "moe_assigned_down_tiling"):

@@ -19,11 +19,12 @@ Modes (the config field `moe_expert_parallel`):
   (token-major, then routing slot); rows past C are dropped: they contribute zero, and are counted.
 - 'auto': 'dropless' when the layer runs under a mesh with expert axis > 1 (and moe_impl is not 'dense');
   'off': never (the single-program path, partitioned by GSPMD).
-- 'local' (chosen, never configured): the expert axis is 1 but tokens are split over 'data' / 'context'. Each
-  device runs the single-program dropless experts (`k3jax.ops.moe.experts_dropless`) on its own tokens, with every
-  expert's weights, no exchange. Left to GSPMD, that path's expert sort over all N * k rows cannot be split along
-  the sorted axis: every data rank gathered and computed the whole global batch's expert rows (found in a v5p
-  compile of `k3_gpu` with data = 4: 8 GiB row buffers of the global 1,048,576 rows per chip).
+- 'local' (chosen, never configured): the expert axis is 1 but tokens are split over 'data' / 'context'. Each device
+  runs the single-program dropless experts (`k3jax.ops.moe.experts_dropless`, in pieces of `moe_token_chunk` tokens
+  when set) on its own tokens, with every expert's weights, no exchange. Left to GSPMD, that path's expert sort over
+  all N * k rows cannot be split along the sorted axis: every data rank gathered and computed the whole global
+  batch's expert rows (found in a v5p compile of `k3_gpu` with data = 4: 8 GiB row buffers of the global 1,048,576
+  rows per chip).
 
 Model axis: the expert widths M are split over 'model' when divisible (w1/w3 on M, w2 on its M rows); each model rank
 dispatches the same tokens and computes its M slice, and the combined [tokens, L] output is summed over 'model'
@@ -54,7 +55,7 @@ from k3jax.numerics import wide
 from k3jax.ops.backend import kernel_backend_here, traced_platform
 from k3jax.ops.glu import grouped_glu
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
-from k3jax.ops.moe import decode_tiling, experts_dropless, inverse_permutation, take_rows
+from k3jax.ops.moe import decode_tiling, experts_dropless, experts_dropless_chunked, inverse_permutation, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -308,6 +309,13 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
         z_nl = z_btl.reshape(bl * tl, l)
         experts_r = experts_btk.reshape(-1).astype(jnp.int32)
         weights_r = weights_btk.reshape(-1)
+        if mode == "local" and 0 < cfg.runtime.moe_token_chunk < bl * tl:  # pieces; weight cotangents in f32
+            packed = isinstance(w1, MXFP4Experts)
+            ws = (w if packed else w.astype(jnp.float32) for w in (w1, w3, w2))
+            u_nl = experts_dropless_chunked(z_nl, weights_btk.reshape(-1, k), experts_btk.reshape(-1, k), *ws, cfg,
+                                            chunk=cfg.runtime.moe_token_chunk,
+                                            dtype=z_nl.dtype if packed else w1.dtype).astype(out_dtype)
+            return _finish_local(u_nl.reshape(bl, tl, l), experts_r.shape[0], split_m, token_axes)
         if mode == "local":
             u_nl = experts_dropless(z_nl, weights_btk.reshape(-1, k), experts_btk.reshape(-1, k), w1, w3, w2, cfg,
                                     decode_tiling=decode_tiling(cfg, tl)).astype(out_dtype)

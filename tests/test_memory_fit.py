@@ -100,6 +100,16 @@ def test_dropless_expert_parallelism_costs_its_worst_case_receive_buffer():
     assert memory._routed_rows(cfg, n, 1) == n * k
 
 
+def test_routed_experts_in_pieces_count_one_piece_of_rows():
+    cfg = configs.get_config("k3_gpu", ["moe_token_chunk=32768"])
+    k = cfg.num_experts_per_token
+    assert memory._routed_rows(cfg, 131072, 1) == 32768 * k
+    assert memory._routed_rows(cfg, 4096, 1) == 4096 * k  # shorter than a piece: unchunked
+    whole = estimate_memory(cfg.replace(moe_token_chunk=0), (1, 1, 1, 1), batch_size=1, seq_len=131072)
+    pieces = estimate_memory(cfg, (1, 1, 1, 1), batch_size=1, seq_len=131072)
+    assert pieces["activations"] < whole["activations"]
+
+
 def test_device_memory_from_stats_then_table_then_host_ram():
     def fake(platform, kind, stats=None):
         return types.SimpleNamespace(platform=platform, device_kind=kind, memory_stats=lambda: stats)

@@ -15,13 +15,13 @@ from k3jax.config import ModelConfig, parse_kernel_tiling
 from k3jax.numerics import upcast, wide
 from k3jax.ops import backend as backend_lib
 from k3jax.ops.glu import grouped_glu
-from k3jax.ops.gmm import DECODE_ROWS_PER_GROUP, DECODE_TILING, gmm, refuse_gradients
+from k3jax.ops.gmm import DECODE_ROWS_PER_GROUP, DECODE_TILING, expert_weights, gmm, refuse_gradients
 from k3jax.ops.linear import unless_single_row
 from pallas_kernels.moe import assigned, select
 
 __all__ = ["RoutePlan", "assigned_backend", "assigned_tilings", "decode_tiling", "experts_assigned",
-           "experts_dropless", "experts_planned", "inverse_permutation", "plan_from_experts", "route_selected",
-           "router_logits", "select_backend", "take_rows"]
+           "experts_dropless", "experts_dropless_chunked", "experts_planned", "inverse_permutation",
+           "plan_from_experts", "route_selected", "router_logits", "select_backend", "take_rows"]
 
 
 class RoutePlan(NamedTuple):
@@ -175,6 +175,31 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     runs (benchmarks/RESULTS.md, 2026-11-30)."""
     return experts_planned(z_nl, weights_nk, plan_from_experts(experts_nk, cfg.num_experts), w1_elm, w3_elm, w2_eml,
                            cfg, decode_tiling=decode_tiling)
+
+
+def experts_dropless_chunked(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
+                             chunk: int, dtype) -> jax.Array:
+    """`experts_dropless` over pieces of `chunk` tokens, one after another, each rematerialised in the backward:
+    the expert-sorted rows, GLU activations and their gradients exist for one piece at a time (at T = 131,072 and
+    k = 8 one unchunked [N·k, 768] bf16 array is 1.5 GiB, and the backward holds several). Tokens are independent
+    given the routing, so each row's output is the unchunked one; the weights' gradients sum over the pieces in
+    f32 (the weights enter as stored and are cast to `dtype` inside each piece, so their cotangents accumulate in
+    the stored precision). N is padded to whole pieces with zero-weight rows, dropped from the result."""
+    n, k = experts_nk.shape
+    pieces = -(-n // chunk)
+    pad = pieces * chunk - n
+
+    def split(a):
+        return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(pieces, chunk, *a.shape[1:])
+
+    @jax.checkpoint
+    def piece(args):
+        z, w, e = args
+        ws = (expert_weights(x, dtype) for x in (w1_elm, w3_elm, w2_eml))
+        return experts_dropless(z, w, e, *ws, cfg)
+
+    out = jax.lax.map(piece, (split(z_nl), split(weights_nk), split(experts_nk)))
+    return out.reshape(pieces * chunk, -1)[:n]
 
 
 def experts_planned(z_nl, weights_nk, plan: RoutePlan, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,

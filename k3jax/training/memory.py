@@ -30,7 +30,8 @@ m = model size, X/m = ceil(X / m)):
                         f32 logits, probabilities and their gradient over all T keys; with mla_attention_impl flash,
                         cudnn or auto, or context > 1 (H/m)·(dv + 1)·4 instead: the f32 output and logsumexp)
                  dense  3·(I/m)·a;  MoE: 2·E·4 (router) + 3·shared·(M/m)·a + k·L·a (sent rows) +
-                        rows/n · (3·L + 3·(M/m))·a, rows = n·k on one expert rank; with expert parallelism R > 1
+                        rows/n · (3·L + 3·(M/m))·a, rows = n·k on one expert rank (min(n, moe_token_chunk)·k
+                        when the experts run in pieces); with expert parallelism R > 1
                         the dropless receive buffer's static worst case R·n·min(k, E/R)
                         (`sharding/expert_parallel.py`), 'capacity:F': R·min(ceil(F·n·k/R), n·min(k, E/R))
     saved        remat_policy "unit": scanned groups num_repeats·n·D·a + 2·S·n·D·a (the stream per unit, the bank
@@ -170,8 +171,11 @@ def _routed_rows(cfg: ModelConfig, n: int, ranks: int) -> int:
     """Rows the routed experts process per device (see the module docstring)."""
     k, e = cfg.num_experts_per_token, cfg.num_experts
     mode, factor = parse_mode(cfg.runtime.moe_expert_parallel)
-    if ranks == 1 or mode == "off" or cfg.runtime.moe_impl == "dense":
-        return n * (e if cfg.runtime.moe_impl == "dense" else k)
+    if cfg.runtime.moe_impl == "dense":
+        return n * e
+    if ranks == 1 or mode == "off":  # single program (or each device's own tokens): one piece at a time
+        chunk = cfg.runtime.moe_token_chunk
+        return (min(n, chunk) if chunk > 0 else n) * k
     worst = n * min(k, e // ranks)
     if mode == "capacity":
         return ranks * min(max(1, math.ceil((factor or 1.25) * n * k / ranks)), worst)
