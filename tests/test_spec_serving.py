@@ -207,7 +207,8 @@ def _timed(sched, plain_s: float, spec_s: float) -> None:
     sched._decode_step, sched._clock = timed_step, lambda: clock[0]
 
 
-@pytest.mark.parametrize("spec_s, pays", [(0.004, True), (0.010, False)])
+@pytest.mark.parametrize("spec_s, pays", [(0.004, True),  # the other side of the break-even: slow suite
+                                          pytest.param(0.010, False, marks=pytest.mark.slow)])
 def test_calibrate_sets_the_measured_break_even_and_speculation_runs_only_where_it_pays(model, draft, spec_s,
                                                                                         pays):
     want = Scheduler(model, **SHAPE).generate(LONG)

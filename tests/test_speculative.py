@@ -83,6 +83,7 @@ def test_greedy_oracle_draft_accepts_everything(oracle_engine, plain):
     assert all(a >= 4 * K for a in engine.last_stats["accepted_per_sequence"])
 
 
+@pytest.mark.slow  # ~24 s; test_spec_serving.py checks different acceptance and finish times in the default suite
 def test_batch_accepts_different_counts_and_finishes_at_different_times(oracle_engine, plain):
     plain_engine, ref = plain
     stop = ref[0][7]  # an EOS inside sequence 0's output
