@@ -133,7 +133,7 @@ class RuntimeConfig:
     moe_impl: Literal["dropless", "dense"] = "dropless"
     # Tokens per piece of the single-program dropless experts (0: all at once). Their [N·k, M] intermediates then
     # scale with the piece, not the sequence; each piece is rematerialised in the backward (one more forward of the
-    # routed experts). For long sequences (docs/training.md#long-context); results equal the unchunked path.
+    # routed experts). For long sequences (docs/training.md#memory); results equal the unchunked path.
     moe_token_chunk: int = 0
     # Expert parallelism under a mesh with expert axis > 1 (sharding/expert_parallel.py): 'auto' (= dropless),
     # 'dropless' (ragged all-to-all), 'capacity' / 'capacity:<factor>' (static all-to-all, drops counted), 'off'.
