@@ -55,7 +55,7 @@ from k3jax.numerics import wide
 from k3jax.ops.backend import kernel_backend_here, traced_platform
 from k3jax.ops.glu import grouped_glu
 from k3jax.ops.gmm import MXFP4_GROUP, MXFP4Experts, gmm
-from k3jax.ops.moe import decode_tiling, experts_dropless, experts_dropless_chunked, inverse_permutation, take_rows
+from k3jax.ops.moe import decode_tiling, experts_dropless, inverse_permutation, take_rows
 
 log = logging.getLogger(__name__)
 
@@ -309,13 +309,6 @@ def routed_experts(z_btl, weights_btk, experts_btk, w1_elm, w3_elm, w2_eml, cfg:
         z_nl = z_btl.reshape(bl * tl, l)
         experts_r = experts_btk.reshape(-1).astype(jnp.int32)
         weights_r = weights_btk.reshape(-1)
-        if mode == "local" and 0 < cfg.runtime.moe_token_chunk < bl * tl:  # pieces; weight cotangents in f32
-            packed = isinstance(w1, MXFP4Experts)
-            ws = (w if packed else w.astype(jnp.float32) for w in (w1, w3, w2))
-            u_nl = experts_dropless_chunked(z_nl, weights_btk.reshape(-1, k), experts_btk.reshape(-1, k), *ws, cfg,
-                                            chunk=cfg.runtime.moe_token_chunk,
-                                            dtype=z_nl.dtype if packed else w1.dtype).astype(out_dtype)
-            return _finish_local(u_nl.reshape(bl, tl, l), experts_r.shape[0], split_m, token_axes)
         if mode == "local":
             u_nl = experts_dropless(z_nl, weights_btk.reshape(-1, k), experts_btk.reshape(-1, k), w1, w3, w2, cfg,
                                     decode_tiling=decode_tiling(cfg, tl)).astype(out_dtype)

@@ -1,5 +1,5 @@
 """`moe_token_chunk`: the single-program dropless experts over pieces of tokens give the unchunked layer's output,
-gradients and routing statistics (k3jax/ops/moe.py::experts_dropless_chunked)."""
+gradients and routing statistics (k3jax/ops/moe.py::_experts_in_pieces)."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ from k3jax.ops.moe import (
     decode_tiling,
     experts_assigned,
     experts_dropless,
-    experts_dropless_chunked,
     route_selected,
     router_logits,
     select_backend,
@@ -162,17 +161,11 @@ class LatentMoE(nnx.Module):
         is quantized, as the MXFP4 export does), the experts' input rows along the width; the down projection's
         input is quantized where the GLU produces it (`k3jax.ops.glu.grouped_glu`, `experts_dense`)."""
         cfg, dt = self.cfg, self.cfg.runtime.jnp_dtype
-        stored = tuple(expert_weight_qat(w, cfg) for w in self.routed_expert_weights())
-        w1, w3, w2 = (expert_weights(w, dt) for w in stored)
+        w1, w3, w2 = (expert_weights(expert_weight_qat(w, cfg), dt) for w in self.routed_expert_weights())
         z_nl = expert_activation_qat(z_nl, cfg)
         ep = expert_parallel.active_mode(cfg, b, t)
         kernels = assigned_backend(cfg, z_nl.shape, t) if ep is None else None
-        chunk = cfg.runtime.moe_token_chunk
-        if ep is None and kernels is None and cfg.runtime.moe_impl == "dropless" and 0 < chunk < b * t:
-            u_nl = experts_dropless_chunked(z_nl, weights_nk, experts_nk, *stored, cfg, chunk=chunk,
-                                            dtype=dt).astype(dt)
-            stats = expert_parallel.single_program_stats(experts_nk.size)
-        elif kernels is not None:
+        if kernels is not None:
             u_nl = experts_assigned(z_nl, weights_nk, experts_nk, w1, w3, w2, cfg, kernels).astype(dt)
             stats = expert_parallel.single_program_stats(experts_nk.size)
         elif ep is None:

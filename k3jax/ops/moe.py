@@ -15,12 +15,12 @@ from k3jax.config import ModelConfig, parse_kernel_tiling
 from k3jax.numerics import upcast, wide
 from k3jax.ops import backend as backend_lib
 from k3jax.ops.glu import grouped_glu
-from k3jax.ops.gmm import DECODE_ROWS_PER_GROUP, DECODE_TILING, expert_weights, gmm, refuse_gradients
+from k3jax.ops.gmm import DECODE_ROWS_PER_GROUP, DECODE_TILING, MXFP4Experts, gmm, refuse_gradients
 from k3jax.ops.linear import unless_single_row
 from pallas_kernels.moe import assigned, select
 
 __all__ = ["RoutePlan", "assigned_backend", "assigned_tilings", "decode_tiling", "experts_assigned",
-           "experts_dropless", "experts_dropless_chunked", "experts_planned", "inverse_permutation",
+           "experts_dropless", "experts_planned", "inverse_permutation",
            "plan_from_experts", "route_selected", "router_logits", "select_backend", "take_rows"]
 
 
@@ -172,22 +172,28 @@ def experts_dropless(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: 
     """Σ_j w_j E_{idx_j}(z): rows sorted by expert, grouped matmuls, then each token gathers its k output rows and
     sums them weighted (f32, in j order): `experts_planned` on `plan_from_experts`. A gather, not a scatter-add: a
     GPU scatter-add adds with atomics in a run-dependent order, which made greedy decoding differ between identical
-    runs (benchmarks/RESULTS.md, 2026-11-30)."""
+    runs (benchmarks/RESULTS.md, 2026-11-30). More tokens than `cfg.runtime.moe_token_chunk` (when set) run in
+    pieces (`_experts_in_pieces`)."""
+    chunk = cfg.runtime.moe_token_chunk
+    if 0 < chunk < z_nl.shape[0]:
+        return _experts_in_pieces(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg, chunk)
     return experts_planned(z_nl, weights_nk, plan_from_experts(experts_nk, cfg.num_experts), w1_elm, w3_elm, w2_eml,
                            cfg, decode_tiling=decode_tiling)
 
 
-def experts_dropless_chunked(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, *,
-                             chunk: int, dtype) -> jax.Array:
-    """`experts_dropless` over pieces of `chunk` tokens, one after another, each rematerialised in the backward:
+def _experts_in_pieces(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_eml, cfg: ModelConfig, chunk: int):
+    """The dropless experts over pieces of `chunk` tokens, one after another, each rematerialised in the backward:
     the expert-sorted rows, GLU activations and their gradients exist for one piece at a time (at T = 131,072 and
     k = 8 one unchunked [N·k, 768] bf16 array is 1.5 GiB, and the backward holds several). Tokens are independent
-    given the routing, so each row's output is the unchunked one; the weights' gradients sum over the pieces in
-    f32 (the weights enter as stored and are cast to `dtype` inside each piece, so their cotangents accumulate in
-    the stored precision). N is padded to whole pieces with zero-weight rows, dropped from the result."""
-    n, k = experts_nk.shape
+    given the routing, so each row's output is the unchunked one. The weights enter the loop in f32 and are cast
+    back inside each piece, so their gradients sum over the pieces in f32. N is padded to whole pieces with
+    zero-weight rows, dropped from the result."""
+    n = z_nl.shape[0]
     pieces = -(-n // chunk)
     pad = pieces * chunk - n
+    stored = (w1_elm, w3_elm, w2_eml)
+    packed = isinstance(w1_elm, MXFP4Experts)  # inference-only bytes: passed through as they are
+    wide_ws = stored if packed else tuple(w.astype(jnp.float32) for w in stored)
 
     def split(a):
         return jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)).reshape(pieces, chunk, *a.shape[1:])
@@ -195,8 +201,8 @@ def experts_dropless_chunked(z_nl, weights_nk, experts_nk, w1_elm, w3_elm, w2_em
     @jax.checkpoint
     def piece(args):
         z, w, e = args
-        ws = (expert_weights(x, dtype) for x in (w1_elm, w3_elm, w2_eml))
-        return experts_dropless(z, w, e, *ws, cfg)
+        ws = wide_ws if packed else tuple(x.astype(orig.dtype) for x, orig in zip(wide_ws, stored))
+        return experts_planned(z, w, plan_from_experts(e, cfg.num_experts), *ws, cfg)
 
     out = jax.lax.map(piece, (split(z_nl), split(weights_nk), split(experts_nk)))
     return out.reshape(pieces * chunk, -1)[:n]
