@@ -31,7 +31,7 @@ from k3jax.training.export import export_checkpoint
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
 from k3jax.training.options import STATE_DTYPES, parse_context_stages
 from k3jax.training.trainer import SetupError, StoppedBySignal, TrainOptions, train, training_config
-from sharding.aot import libtpu_available
+from sharding.aot import aot_available, parse_gpu_target
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
 
@@ -61,9 +61,11 @@ _STAGES = flags.DEFINE_string("context_stages", None,
                                "Context curriculum AFTER_STEP:SEQ_LEN,... e.g. 1000:65536,5000:262144.")
 _INIT = flags.DEFINE_string("init_from", None, "Start from a converted k3jax checkpoint (python -m k3jax.convert).")
 _COMPILE_ONLY = flags.DEFINE_boolean("compile_only", False,
-                                     "Lower and compile one training step for --topology (a TPU pod slice, via libtpu "
-                                     "on this machine) and print per-chip memory; nothing runs.")
-_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "TPU topology for --compile_only, e.g. v5p:8x8x8.")
+                                     "Lower and compile one training step for --topology (a TPU pod slice via libtpu, "
+                                     "or GPUs via jax's CUDA plugin, on this machine) and print per-chip memory; "
+                                     "nothing runs.")
+_TOPOLOGY = flags.DEFINE_string("topology", "v5p:2x2x1", "For --compile_only: a TPU slice (v5p:8x8x8) or GPUs of "
+                                "one host (h200, h100, h200:8).")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 0, "Held-out LM loss every N steps and after the last one (0: no "
                                    "eval); with expert QAT, of the quantized and the unquantized model.")
 _EVAL_BATCHES = flags.DEFINE_integer("eval_batches", 10, "Batches per eval (of batch_size / grad_accum rows each).")
@@ -189,13 +191,25 @@ def join_distributed(timeout: int) -> bool:
 def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
     """Compiles one training step for `topology` (mesh from --mesh or the config's plan over its chips) and prints
     the compiler's per-chip memory next to the estimate."""
-    if not libtpu_available():
-        raise app.UsageError("--compile_only needs libtpu (pip install 'jax[tpu]==<jax version>')")
+    try:
+        gpu = parse_gpu_target(topology)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+    if not aot_available(topology):
+        need = "jax's CUDA plugin (pip install 'jax[cuda12]==<jax version>'; no GPU needed)" if gpu else \
+            "libtpu (pip install 'jax[tpu]==<jax version>')"
+        raise app.UsageError(f"--compile_only --topology={topology} needs {need}")
+    if gpu:  # this process only compiles: no accelerator runtime to start, no XLA warnings about what a deviceless
+        # compile leaves to the device (e.g. the sort's scratch; sharding/aot.py lists them)
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if not jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query
+            jax.config.update("jax_platforms", "cpu")
     dims = topology.partition(":")[2]
     try:
-        chips = math.prod(int(d) for d in dims.split("x"))
+        chips = gpu[1] if gpu else math.prod(int(d) for d in dims.split("x"))
     except ValueError:
-        raise app.UsageError(f"--topology={topology!r} is not GEN:AxBxC (e.g. v5p:8x8x16)") from None
+        raise app.UsageError(f"--topology={topology!r} is neither GEN:AxBxC (e.g. v5p:8x8x16) nor a GPU "
+                             "(h200, h100:8)") from None
     sizes = mesh_sizes_for(opts.mesh, cfg, chips)
     print(f"compile only: {cfg.name} on {topology} ({chips} chips), mesh {sizes} from {opts.mesh or 'auto'}",
           flush=True)
@@ -206,7 +220,7 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
     try:
         out = compile_train_step(cfg, topology, sizes, batch_size=opts.batch_size, seq_len=opts.seq_len,
                                  options=opts)
-    except jax.errors.JaxRuntimeError as e:  # the TPU compiler refuses a program far over the chip's HBM
+    except jax.errors.JaxRuntimeError as e:  # the compiler refuses a program far over the chip's memory
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
         hints = knob_hints(cfg, est)
@@ -217,8 +231,10 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
                estimate_total_gib=round(est["total"] / 2**30, 2))
     print(json.dumps(out, indent=1))
     verdict = "fits" if out["fits"] else "does not fit"
+    extra = (f", with {out['cudnn_workspace_gib']:.2f} GiB of cuDNN attention workspace added (a compile without a "
+             f"GPU leaves it out)" if out.get("cudnn_workspace_gib") else "")
     print(f"compiled step: {out['per_chip_total_gib']:.2f} GiB per chip of {out['chip_gib']:.2f} GiB "
-          f"({out['chip_gib_source']}): {verdict}", flush=True)
+          f"({out['chip_gib_source']}{extra}): {verdict}", flush=True)
     return 0 if out["fits"] else 2
 
 

@@ -120,7 +120,9 @@ class RuntimeConfig:
     # or "auto" (`training_attention_impl`: cudnn on a GPU with 16-bit compute, flash on a TPU, else xla).
     mla_attention_impl: Literal["auto", "xla", "cudnn", "flash"] = "auto"
     mla_flash_block: int = 512  # query and key block (tokens) of mla_attention_impl="flash"
-    mla_cudnn_max_segments: int = 64  # documents per row cuDNN's packed layout takes; rows with more: "flash"
+    # documents per row cuDNN's packed layout takes (rows with more: "flash"); 0 = by the backward's workspace
+    # (k3jax/ops/attention.py::cudnn_max_segments: 64 at 4,096 x 1, 4 at 131,072 x 1)
+    mla_cudnn_max_segments: int = 0
     # --- Block Attention Residuals
     # Each layer's input read + RMSNorm (k3jax/layers/attn_res.py): "auto" = one Pallas kernel each way
     # (pallas_kernels/attn_res.py) on a GPU where the read's bank row count is static, else XLA; "pallas" also runs
@@ -181,9 +183,12 @@ class RuntimeConfig:
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in _DTYPES:
                 raise ConfigError(f"{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
-        for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block", "mla_cudnn_max_segments"):
+        for name in ("kda_chunk_size", "routing_histogram_bins", "mla_flash_block"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.mla_cudnn_max_segments < 0:
+            raise ConfigError(f"mla_cudnn_max_segments must be >= 0 (0 = by workspace), got "
+                              f"{self.mla_cudnn_max_segments}")
         if self.loss_vocab_chunks < 0:
             raise ConfigError(f"loss_vocab_chunks must be >= 0, got {self.loss_vocab_chunks}")
         if self.mla_decode_splits < 0:

@@ -9,7 +9,10 @@ differentiate (a [B, 1, T, T] bias gradient per layer: 197 TFLOP/s at 32K; packe
 2026-12-04). jax's packed path strides the value rows by the key's head dim, so the 128-wide values are zero-padded
 to 192 (`_cudnn_packed`; the extra columns of the output are sliced off; RESULTS.md 2026-12-03 recorded the wrong
 outputs without the padding). A row with more than `max_segments` documents takes the blockwise core instead
-(`lax.cond`, same result).
+(`lax.cond`, same result). cuDNN runs the packed layout as B x max_segments sequences of the full row length, and
+its backward's workspace (an f32 dQ accumulator and row sums, sized on the device) grows with that product: 72 GiB
+at one 131,072-token row with 64 slots (RESULTS.md 2026-12-05), so `max_segments=0` picks the count from
+`CUDNN_WORKSPACE_BUDGET` (`cudnn_max_segments`).
 `impl="flash"` (`k3jax/ops/flash_attention.py`) is blockwise attention in plain JAX with segment ids, f32
 statistics and output, and a recomputing backward: no T x T array, on any backend (slower than cuDNN on a GPU:
 RESULTS.md 2026-12-04).
@@ -27,9 +30,12 @@ from k3jax.ops.flash_attention import DEFAULT_BLOCK, flash_causal_attention
 from pallas_kernels.mla import DecodeConfig, gpu_compatible, paged_latent_attention
 
 DEFAULT_MAX_SEGMENTS = 64  # documents per packed row the cuDNN path takes (more: the blockwise core)
+CUDNN_WORKSPACE_BUDGET = 8 * 2**30  # bytes of cuDNN's packed backward workspace that max_segments=0 allows
+CUDNN_MIN_SEGMENTS = 4  # max_segments=0 never picks fewer slots than this (a row of 4 documents stays on cuDNN)
 
-__all__ = ["causal_attention", "document_runs", "segment_attention", "segment_attention_impl", "mla_decode_backend",
-           "paged_latent_decode", "training_attention_impl"]
+__all__ = ["causal_attention", "cudnn_max_segments", "cudnn_packed_bwd_workspace_bytes", "document_runs",
+           "segment_attention", "segment_attention_impl", "mla_decode_backend", "paged_latent_decode",
+           "training_attention_impl"]
 
 
 def training_attention_impl(impl: str, compute_dtype) -> str:
@@ -44,6 +50,28 @@ def training_attention_impl(impl: str, compute_dtype) -> str:
     return "flash" if platform == "tpu" else "xla"
 
 
+def cudnn_packed_bwd_workspace_bytes(batch: int, max_segments: int, heads: int, seq_len: int, head_dim: int) -> int:
+    """Bytes of the workspace cuDNN's packed-layout attention backward asks for: an f32 [B·M, H, T, Dk + 1]
+    (dQ accumulator and softmax row sums) over B rows x M document slots of the full length T. Read from the
+    compiled GPU program (RESULTS.md 2026-12-05: u8[77712090112] at B=1, M=64, H=12, T=131072, Dk=192, this formula
+    plus 25,600 bytes); a compile without a GPU leaves it at 0, as cuDNN sizes it on the device."""
+    return 4 * batch * max_segments * heads * seq_len * (head_dim + 1)
+
+
+def cudnn_max_segments(requested: int, batch: int, heads: int, seq_len: int, head_dim: int) -> int:
+    """Document slots per row for cuDNN's packed layout: `requested` when > 0; 0 = the largest power of two <= 64
+    whose backward workspace (`cudnn_packed_bwd_workspace_bytes`) fits `CUDNN_WORKSPACE_BUDGET`, at least
+    `CUDNN_MIN_SEGMENTS` (4,096-token rows: 64 at B = 1, 32 at B = 4; 131,072: 4). Rows with more documents take the
+    blockwise core (same result, slower)."""
+    if requested > 0:
+        return requested
+    per_slot = cudnn_packed_bwd_workspace_bytes(batch, 1, heads, seq_len, head_dim)
+    m = DEFAULT_MAX_SEGMENTS
+    while m > CUDNN_MIN_SEGMENTS and m * per_slot > CUDNN_WORKSPACE_BUDGET:
+        m //= 2
+    return m
+
+
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,
                      impl: str = "xla", segment_ids_bt: jax.Array | None = None,
                      block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
@@ -54,7 +82,7 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     equal ids must be contiguous (as the KDA resets assume). Every query still sees itself: no empty row.
     impl "xla": f32 logits materialised. impl "cudnn": bf16/f16 operands on a GPU (wider ones rounded to bf16),
     flash attention (output rounded to the operands' dtype, then widened), documents in cuDNN's packed layout (up
-    to `max_segments` per row; rows with more take impl "flash").
+    to `max_segments` per row, 0 = `cudnn_max_segments`'s choice; rows with more take impl "flash").
     impl "flash": blockwise (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the
     operands' dtype before the value matmul.
     """
@@ -65,6 +93,8 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
             return flash_causal_attention(q, k, v, scale=scale, segment_ids_bt=segment_ids_bt, block_q=block_q,
                                           block_k=block_k)
 
+        b, t, h, dk = q_bthk.shape
+        max_segments = cudnn_max_segments(max_segments, b, h, t, dk)
         return _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, True, blockwise)
     if impl == "flash":
         return flash_causal_attention(q_bthk, k_bthk, v_bthv, scale=scale, segment_ids_bt=segment_ids_bt,

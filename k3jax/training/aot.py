@@ -1,12 +1,14 @@
-"""Compile-only proof of the training step for TPU topologies on a machine without TPUs (needs `libtpu`; not a
-default dependency; the devices come from `sharding.aot.tpu_topology`).
+"""Compile-only proof of the training step for TPU slices or NVIDIA GPUs on a machine without them (needs `libtpu`
+or jax's CUDA plugin; not default dependencies; the devices come from `sharding.aot.aot_topology`).
 
 `python -m k3jax.training.aot --config=tiny --topology=v5p:2x2x1 --mesh=2,1,1,2` (or `python train.py --compile_only
---topology=...`) lowers one sharded training step (train.py's own step: Muon, Quantile Balancing, MTP) for the
-topology's devices via
-`jax.experimental.topologies.get_topology_desc`, compiles it with the real TPU compiler, and prints one JSON line
-with the mesh and the per-chip `memory_analysis()` figures. Nothing is allocated: model and optimizer are abstract
-(`nnx.eval_shape`).
+--topology=...`; `--topology=h200` for one H200) lowers one sharded training step (train.py's own step: Muon,
+Quantile Balancing, MTP) for the topology's devices via
+`jax.experimental.topologies.get_topology_desc`, compiles it with the real TPU or GPU compiler, and prints one JSON
+line with the mesh and the per-chip `memory_analysis()` figures. Nothing is allocated: model and optimizer are
+abstract (`nnx.eval_shape`). A GPU compile without a GPU leaves cuDNN's workspaces at 0 bytes (cuDNN sizes them
+on the device); the packed attention backward's, the one that matters (72 GiB at one 131,072-token row with 64
+document slots), is added from its formula (`cudnn_workspace_bytes`).
 
 With the compiled step's cost analysis it also prints a roofline estimate of the step time per chip
 (`roofline`): a model from the compiler's FLOP and HBM byte counts, the collective bytes in the HLO and the chip's
@@ -28,11 +30,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 import configs
+from k3jax.ops.attention import cudnn_packed_bwd_workspace_bytes
 from k3jax.param_count import count_params
 from k3jax.training.memory import compiled_memory, device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
-from sharding.aot import libtpu_available, tpu_topology
+from sharding.aot import aot_available, aot_topology
 from sharding.mesh import describe, make_mesh, parse_mesh
 
 # Published per-chip peaks: dense bf16 FLOP/s, HBM bytes/s, ICI bytes/s (all links, one direction).
@@ -41,6 +44,8 @@ CHIP_PEAKS = {
     "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 200e9},
     "v6e": {"flops": 918e12, "hbm": 1.64e12, "ici": 448e9},
     "v4": {"flops": 275e12, "hbm": 1.2e12, "ici": 300e9},
+    "h100": {"flops": 989e12, "hbm": 3.35e12, "ici": 450e9},  # GPUs: NVLink in place of ICI
+    "h200": {"flops": 989e12, "hbm": 4.8e12, "ici": 450e9},
 }
 _COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                          r"(?:-start)?\(")
@@ -57,13 +62,34 @@ def collective_bytes(hlo_text: str) -> int:
     return total
 
 
+_CUDNN_BWD = re.compile(r'custom_call_target="__cudnn\$fmhaSoftmaxBackward", operand_layout_constraints=\{'
+                        r'\w+\[([0-9,]+)\].*?f32\[(\d+),(\d+),(\d+)\]')
+
+
+def cudnn_workspace_bytes(hlo_text: str) -> int:
+    """The largest workspace the compiled program's cuDNN packed attention backward calls will ask for on the
+    device, for a program compiled without one (their workspace operands are u8[0] there): one call runs at a
+    time, so the largest is what the device program adds. 0 for a program compiled on the device."""
+    best = 0
+    for line in hlo_text.splitlines():
+        if "u8[0]" not in line.split("custom-call(")[0]:
+            continue
+        m = _CUDNN_BWD.search(line)
+        if m:
+            head_dim = int(m.group(1).split(",")[-1])
+            rows, heads, seq_len = (int(m.group(i)) for i in (2, 3, 4))
+            best = max(best, cudnn_packed_bwd_workspace_bytes(rows, 1, heads, seq_len, head_dim))
+    return best
+
+
 def roofline(cost: dict, model_flops_per_chip: float, generation: str) -> dict | None:
     """Step-time model per chip: max(compute, HBM) + collectives, where compute uses the larger of the compiler's
     FLOPs and the model's training FLOPs x 4/3 (remat recomputes the forward; the compiler counts a scanned
     layer's body once), HBM the compiler's bytes accessed, collectives their bytes over the chip's ICI bandwidth
-    (no overlap assumed). Returns seconds and the predicted MFU, or None for an unknown chip."""
+    (no overlap assumed). Returns seconds and the predicted MFU, or None for an unknown chip or a compile without
+    counts (XLA gives none for a GPU compiled without one)."""
     peaks = CHIP_PEAKS.get(generation)
-    if peaks is None:
+    if peaks is None or not cost.get("bytes_accessed"):  # an unknown chip, or no counts (a GPU compile without one)
         return None
     compute_s = max(cost.get("flops", 0.0), model_flops_per_chip * 4 / 3) / peaks["flops"]
     hbm_s = cost.get("bytes_accessed", 0.0) / peaks["hbm"]
@@ -78,7 +104,7 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
                        options=None) -> dict:
     """Lowers and compiles one step of train.py's training (per-head Muon, Quantile Balancing, MTP, packed
     batches; `options`: a `k3jax.training.trainer.TrainOptions`) for `topology`; returns mesh and memory figures."""
-    topo = tpu_topology(topology)
+    topo = aot_topology(topology)
     mesh = make_mesh(**mesh_sizes, devices=topo.devices)
     opts = dataclasses.replace(options or TrainOptions(), batch_size=batch_size, seq_len=seq_len)
     trainable, optimizer, step, _ = build(cfg, opts, mesh, abstract=True)
@@ -91,12 +117,15 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
     compiled = lowered.compile()
     raw_cost = compiled.cost_analysis()
     raw_cost = (raw_cost[0] if isinstance(raw_cost, (list, tuple)) else raw_cost) or {}
+    hlo_text = compiled.as_text()
     cost = {"flops": float(raw_cost.get("flops", 0.0)), "bytes_accessed": float(raw_cost.get("bytes accessed", 0.0)),
-            "collective_bytes": collective_bytes(compiled.as_text())}
+            "collective_bytes": collective_bytes(hlo_text)}
     active = count_params(cfg)["active_params"]
     chips = len(topo.devices)
     model_flops = model_flops_per_token(cfg, seq_len, active_params=active, mtp=opts.mtp) * batch_size * seq_len
     per_chip, total = compiled_memory(compiled)
+    workspace = cudnn_workspace_bytes(hlo_text) if topo.devices[0].platform == "gpu" else 0
+    total += workspace
     chip_bytes, chip_source = device_memory_bytes(topo.devices[0])
     n_params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(trainable, nnx.Param)))
     return {
@@ -113,7 +142,8 @@ def compile_train_step(cfg, topology: str, mesh_sizes: dict[str, int], *, batch_
         "seq_len": seq_len,
         "pallas_kernels": kernels,  # the Pallas (Mosaic) kernels in the compiled step, by name
         "per_chip_bytes": per_chip,
-        "per_chip_total_gib": round(total / 2**30, 2),
+        "per_chip_total_gib": round(total / 2**30, 2),  # the compiler's figure + cuDNN's workspace (GPU)
+        "cudnn_workspace_gib": round(workspace / 2**30, 2),
         "chip_gib": round(chip_bytes / 2**30, 2),
         "chip_gib_source": chip_source,
         "fits": total <= chip_bytes,
@@ -129,13 +159,14 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default="tiny")
     p.add_argument("--set", action="append", default=[], help="config override key=value (repeatable)")
-    p.add_argument("--topology", default="v5p:2x2x1")
+    p.add_argument("--topology", default="v5p:2x2x1", help="TPU slice (v5p:2x2x1) or GPUs of one host (h200, h100:8)")
     p.add_argument("--mesh", default="2,1,1,2", help="data,expert,context,model (product = number of chips)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=64)
     args = p.parse_args(argv)
-    if not libtpu_available():
-        raise SystemExit("libtpu is not installed (pip install 'jax[tpu]==<jax version>'); nothing to compile with")
+    if not aot_available(args.topology):
+        raise SystemExit(f"no compiler for {args.topology} is installed (TPU: pip install 'jax[tpu]==<jax version>'; "
+                         "GPU: pip install 'jax[cuda12]==<jax version>')")
     cfg = configs.get_config(args.config, args.set)
     print(json.dumps(compile_train_step(cfg, args.topology, parse_mesh(args.mesh), batch_size=args.batch_size,
                                         seq_len=args.seq_len)))

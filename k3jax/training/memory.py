@@ -77,7 +77,7 @@ V5P_CHIP_BYTES = 95 * GIB
 # Device memory when the runtime reports none (`memory_stats()` is preferred): device_kind substring -> GiB.
 # Checked in order (the "lite" kinds before the plain "v5").
 DEVICE_MEMORY_GIB = (("v5 lite", 16), ("v5e", 16), ("v6 lite", 32), ("v6e", 32), ("v5p", 95), ("v5", 95),
-                     ("v4", 32), ("h200", 141), ("h100", 80))
+                     ("v4", 32), ("h200", 140.4), ("h100", 79.6))  # GPUs: what the runtime reports
 COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "gathered", "activations", "batch")
 # The components counted from shapes alone (no model of what the compiler keeps live): exact up to padding.
 STATE_COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "batch")
@@ -298,6 +298,14 @@ def host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def gpu_memory_fraction() -> float:
+    """The share of a GPU's memory jax's allocator takes: XLA_PYTHON_CLIENT_MEM_FRACTION (default 0.75), or all of
+    it (1.0) with XLA_PYTHON_CLIENT_PREALLOCATE=false."""
+    if os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() in ("false", "0"):
+        return 1.0
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+
+
 def device_memory_bytes(device: Any = None) -> tuple[int, str]:
     """(bytes one device can hold, where the figure came from): the runtime's `memory_stats()['bytes_limit']` when
     it reports one (GPU, TPU), else `DEVICE_MEMORY_GIB` by device kind, else (CPU) the host's memory shared by its
@@ -313,6 +321,10 @@ def device_memory_bytes(device: Any = None) -> tuple[int, str]:
     if device.platform != "cpu":
         for key, gib in DEVICE_MEMORY_GIB:
             if key in kind:
+                if device.platform == "gpu":  # a compile-only GPU: what jax's allocator would take of it
+                    frac = gpu_memory_fraction()
+                    share = f"{gib} GiB x {frac:g}, the allocator's share"
+                    return int(gib * GIB * frac), f"{device.device_kind} table ({share})"
                 return gib * GIB, f"{device.device_kind} table ({gib} GiB)"
     local = max(1, sum(1 for d in jax.local_devices() if d.platform == device.platform))
     return host_memory_bytes() // local, f"host RAM / {local} local {device.platform} devices"
