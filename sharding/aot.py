@@ -20,6 +20,8 @@ import math
 import os
 import re
 
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
 # Without TPU hardware libtpu must not query the GCE metadata server; set before libtpu is loaded.
 # ALLOW_MULTIPLE_LIBTPU_LOAD: several compile-only processes may run at once (no chip is opened).
 _TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_WORKER_HOSTNAMES": "localhost", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
@@ -102,16 +104,15 @@ def gpu_topology(name: str):
     # every installed plugin, so an installed libtpu gets its no-hardware environment too
     for k, v in {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", **_TPU_ENV}.items():
         os.environ.setdefault(k, v)
-    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
-    from jax.experimental import topologies
+    from jax.experimental import topologies  # after the environment above: it loads the plugins
 
     topo = topologies.get_topology_desc(platform="cuda", topology_name=name, target_config=gpu_target_config(model),
                                         topology=f"1x1x{count}")
-    _cudnn_checks_for(cudnn_attention, GPU_TARGETS[model]["cc"])
+    _cudnn_checks_for(GPU_TARGETS[model]["cc"])
     return topo
 
 
-def _cudnn_checks_for(cudnn_attention, cc: tuple[int, int]) -> None:
+def _cudnn_checks_for(cc: tuple[int, int]) -> None:
     """jax's cuDNN attention checks the compute capability of the default backend's first GPU at trace time; in a
     deviceless compile there is none (the default backend is the CPU), so the checks are answered for the target.
     Private jax functions: this process only compiles."""
