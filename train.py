@@ -204,9 +204,8 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         if not jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query
             jax.config.update("jax_platforms", "cpu")
-    dims = topology.partition(":")[2]
     try:
-        chips = gpu[1] if gpu else math.prod(int(d) for d in dims.split("x"))
+        chips = gpu[1] if gpu else math.prod(int(d) for d in topology.partition(":")[2].split("x"))
     except ValueError:
         raise app.UsageError(f"--topology={topology!r} is neither GEN:AxBxC (e.g. v5p:8x8x16) nor a GPU "
                              "(h200, h100:8)") from None

@@ -44,8 +44,6 @@ CHIP_PEAKS = {
     "v5e": {"flops": 197e12, "hbm": 819e9, "ici": 200e9},
     "v6e": {"flops": 918e12, "hbm": 1.64e12, "ici": 448e9},
     "v4": {"flops": 275e12, "hbm": 1.2e12, "ici": 300e9},
-    "h100": {"flops": 989e12, "hbm": 3.35e12, "ici": 450e9},  # GPUs: NVLink in place of ICI
-    "h200": {"flops": 989e12, "hbm": 4.8e12, "ici": 450e9},
 }
 _COLLECTIVE = re.compile(r"=\s*(\S+)\s+(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)"
                          r"(?:-start)?\(")

@@ -65,6 +65,7 @@ from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.mtp import MTPLayer
 from k3jax.training.optimizer import MUON, label_table
+from sharding.aot import GPU_TARGETS
 from sharding.expert_parallel import parse_mode
 from sharding.plan import MeshPlan, auto_mesh, plan_for, plan_text
 from sharding.rules import LOGICAL_AXIS_RULES, MESH_AXES
@@ -77,7 +78,7 @@ V5P_CHIP_BYTES = 95 * GIB
 # Device memory when the runtime reports none (`memory_stats()` is preferred): device_kind substring -> GiB.
 # Checked in order (the "lite" kinds before the plain "v5").
 DEVICE_MEMORY_GIB = (("v5 lite", 16), ("v5e", 16), ("v6 lite", 32), ("v6e", 32), ("v5p", 95), ("v5", 95),
-                     ("v4", 32), ("h200", 140.4), ("h100", 79.6))  # GPUs: what the runtime reports
+                     ("v4", 32), *((k, round(t["device_memory_size"] / GIB, 2)) for k, t in GPU_TARGETS.items()))
 COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "gathered", "activations", "batch")
 # The components counted from shapes alone (no model of what the compiler keeps live): exact up to padding.
 STATE_COMPONENTS = ("params", "master", "gradients", "optimizer", "other_state", "batch")
