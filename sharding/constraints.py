@@ -19,6 +19,7 @@ from sharding.shard import resolve_spec
 ACT_BTD = ("batch", "seq", "act_embed")  # residual stream / layer outputs
 ACT_NBTD = (None, "batch", "seq", "act_embed")  # the AttnRes snapshot bank
 ACT_BTV = ("batch", "seq", "act_vocab")  # logits
+ACT_BTHK = ("batch", "seq", "heads", "head_dim")  # per-head attention operands (cuDNN's partitioner wants one layout)
 
 
 def constrain(x: jax.Array, logical: Sequence[str | None]) -> jax.Array:

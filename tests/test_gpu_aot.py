@@ -59,7 +59,7 @@ def test_cudnn_attention_takes_the_auto_slot_count(monkeypatch):
     call's own shapes when asked for 0 (the `mla_cudnn_max_segments` default)."""
     seen = {}
 
-    def fake_packed_or(q, k, v, seg, scale, max_segments, causal, fallback):
+    def fake_packed_or(q, k, v, seg, scale, max_segments, causal, fallback, layout=None):
         seen["m"] = max_segments
         return jnp.zeros(q.shape[:3] + v.shape[-1:], jnp.float32)
 
@@ -71,6 +71,34 @@ def test_cudnn_attention_takes_the_auto_slot_count(monkeypatch):
     jax.eval_shape(lambda q, k, v, s: attention.causal_attention(q, k, v, scale=0.1, impl="cudnn", segment_ids_bt=s,
                                                                  max_segments=0), q, q, v, seg)
     assert seen["m"] == attention.cudnn_max_segments(0, b, h, t, 192) == 4
+
+
+def test_cudnn_operands_all_take_the_callers_layout(monkeypatch):
+    """Under a GSPMD mesh cuDNN's partitioner needs q, k and v in one layout: the caller's `operand_layout` reaches
+    all three as cuDNN receives them, the zero-padded values included (they came out replicated otherwise in a
+    data-parallel step compiled for two GPUs)."""
+    laid, got = [], {}
+
+    def layout(a):
+        laid.append(a.shape)
+        return a
+
+    def fake_dpa(q, k, v, **kw):
+        got["shapes"] = (q.shape, k.shape, v.shape)
+        return jnp.zeros(q.shape, q.dtype)
+
+    monkeypatch.setattr(attention.cudnn_attention, "dot_product_attention", fake_dpa)
+    b, t, h = 1, 64, 2
+    q = jnp.zeros((b, t, h, 192), jnp.bfloat16)
+    v = jnp.zeros((b, t, h, 128), jnp.bfloat16)
+    seg = jnp.zeros((b, t), jnp.int32)
+    out = attention.causal_attention(q, q, v, scale=0.1, impl="cudnn", segment_ids_bt=seg, max_segments=4,
+                                      operand_layout=layout)
+    assert out.shape == (b, t, h, 128)
+    assert got["shapes"] == ((b, t, h, 192),) * 3 and laid.count((b, t, h, 192)) >= 3
+    laid.clear()
+    attention.causal_attention(q, q, v, scale=0.1, impl="cudnn", operand_layout=layout)  # unpacked rows
+    assert laid == [(b, t, h, 192), (b, t, h, 192), (b, t, h, 128)]
 
 
 _BWD_LINE = ('  %dot_product_attention_bwd.8 = (bf16[1,12,8192,192]{{3,1,2,0}}, bf16[1,12,8192,192]{{3,1,2,0}}, '
@@ -118,6 +146,21 @@ def test_compile_only_for_a_gpu_without_the_plugin_names_the_install(monkeypatch
                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                          timeout=300)
     assert run.returncode != 0 and "needs jax's CUDA plugin (pip install 'jax[cuda12]" in run.stderr, run.stderr
+
+
+@pytest.mark.gpu_compile
+@pytest.mark.skipif(not cuda_plugin_available(), reason="jax's CUDA plugin not installed (pip install "
+                    "'jax[cuda12]==<jax version>')")
+def test_data_parallel_bf16_step_with_cudnn_attention_compiles_for_two_h200s():
+    """The data-parallel step on two GPUs with bf16 compute (cuDNN attention under GSPMD): its partitioner refused
+    the step when the padded values' layout differed from the queries' (`operand_layout`)."""
+    env = {**os.environ, "XLA_FLAGS": ""}
+    env.pop("JAX_PLATFORMS", None)
+    cmd = [sys.executable, "train.py", "--config=tiny", "--compile_only", "--topology=h200:2", "--mesh=2,1,1,1",
+           "--batch_size=4", "--seq_len=256", "--set=dtype=bfloat16"]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "compiled step:" in run.stdout and "fits" in run.stdout
 
 
 @pytest.mark.gpu_compile

@@ -18,6 +18,13 @@ from k3jax.ops.attention import causal_attention, mla_decode_backend, paged_late
 from k3jax.ops.linear import project as dense
 from k3jax.ops.linear import unless_single_row
 from sharding import context_parallel
+from sharding.constraints import ACT_BTHK, constrain
+
+
+def _attention_operand_layout(a_bthk: jax.Array) -> jax.Array:
+    """One layout for cuDNN's q, k and v under a GSPMD mesh: its partitioner refuses operands whose shardings differ
+    (the padded values came out replicated in a data-parallel step compiled for two GPUs, RESULTS.md 2026-12-05)."""
+    return constrain(a_bthk, ACT_BTHK)
 
 
 class MLA(nnx.Module):
@@ -92,7 +99,8 @@ class MLA(nnx.Module):
                                   impl=training_attention_impl(cfg.runtime.mla_attention_impl, dt),
                                   segment_ids_bt=segment_ids_bt,
                                   block_q=cfg.runtime.mla_flash_block, block_k=cfg.runtime.mla_flash_block,
-                                  max_segments=cfg.runtime.mla_cudnn_max_segments)  # f32
+                                  max_segments=cfg.runtime.mla_cudnn_max_segments,
+                                  operand_layout=_attention_operand_layout)  # f32
         return self._output(proj, o_bthv)
 
     def _output(self, proj: dict[str, jax.Array], o_bthv: jax.Array) -> jax.Array:

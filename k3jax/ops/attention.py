@@ -20,6 +20,8 @@ RESULTS.md 2026-12-04).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
@@ -75,7 +77,8 @@ def cudnn_max_segments(requested: int, batch: int, heads: int, seq_len: int, hea
 def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *, scale: float,
                      impl: str = "xla", segment_ids_bt: jax.Array | None = None,
                      block_q: int = DEFAULT_BLOCK, block_k: int = DEFAULT_BLOCK,
-                     max_segments: int = DEFAULT_MAX_SEGMENTS) -> jax.Array:
+                     max_segments: int = DEFAULT_MAX_SEGMENTS,
+                     operand_layout: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
     """softmax(q kᵀ · scale + causal mask) v with f32 softmax; returns f32 [B, T, H, V].
 
     `segment_ids_bt` int [B, T] (optional, packed documents): a query also only sees keys with its own id, so
@@ -85,17 +88,20 @@ def causal_attention(q_bthk: jax.Array, k_bthk: jax.Array, v_bthv: jax.Array, *,
     to `max_segments` per row, 0 = `cudnn_max_segments`'s choice; rows with more take impl "flash").
     impl "flash": blockwise (`block_q` x `block_k` tiles), f32 statistics and output, probabilities rounded to the
     operands' dtype before the value matmul.
+    `operand_layout` (impl "cudnn"): applied to q, k and v as cuDNN receives them (the values padded): the caller's
+    sharding constraint, since cuDNN's partitioner under a GSPMD mesh refuses operands of different layouts.
     """
     if impl == "cudnn":
         if segment_ids_bt is None:
-            return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale)
+            return _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, operand_layout)
         def blockwise(q, k, v):
             return flash_causal_attention(q, k, v, scale=scale, segment_ids_bt=segment_ids_bt, block_q=block_q,
                                           block_k=block_k)
 
         b, t, h, dk = q_bthk.shape
         max_segments = cudnn_max_segments(max_segments, b, h, t, dk)
-        return _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, True, blockwise)
+        return _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, True, blockwise,
+                                operand_layout)
     if impl == "flash":
         return flash_causal_attention(q_bthk, k_bthk, v_bthv, scale=scale, segment_ids_bt=segment_ids_bt,
                                       block_q=block_q, block_k=block_k)
@@ -143,15 +149,19 @@ def _cudnn_dtype(x):
     return x.dtype if x.dtype in (jnp.bfloat16, jnp.float16) else jnp.bfloat16
 
 
-def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale):
+def _laid_out(layout, *arrays):
+    return arrays if layout is None else tuple(layout(a) for a in arrays)
+
+
+def _cudnn_causal(q_bthk, k_bthk, v_bthv, scale, layout=None):
     dt = _cudnn_dtype(q_bthk)
-    out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v_bthv.astype(dt),
-                                                scale=scale, qkv_layout="BTNH",
+    q, k, v = _laid_out(layout, q_bthk.astype(dt), k_bthk.astype(dt), v_bthv.astype(dt))
+    out = cudnn_attention.dot_product_attention(q, k, v, scale=scale, qkv_layout="BTNH",
                                                 mask_type=cudnn_attention.MaskType.CAUSAL)
     return out.astype(wide(dt))
 
 
-def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm, causal: bool = True):
+def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm, causal: bool = True, layout=None):
     """Attention within each run of `offsets_bm` / `lengths_bm` (`document_runs`), causal or bidirectional. The
     values are zero-padded to the key's head dim: jax strides every packed operand by the query's row width."""
     dt = _cudnn_dtype(q_bthk)
@@ -162,21 +172,22 @@ def _cudnn_packed(q_bthk, k_bthk, v_bthv, scale, offsets_bm, lengths_bm, causal:
     elif dv > dk:
         raise ValueError(f"cuDNN packed attention: value head dim {dv} wider than the key's {dk}")
     mask = cudnn_attention.MaskType.CAUSAL if causal else cudnn_attention.MaskType.NO_MASK
-    out = cudnn_attention.dot_product_attention(q_bthk.astype(dt), k_bthk.astype(dt), v,
+    q, k, v = _laid_out(layout, q_bthk.astype(dt), k_bthk.astype(dt), v)
+    out = cudnn_attention.dot_product_attention(q, k, v,
                                                 q_seqlen=lengths_bm, kv_seqlen=lengths_bm,
                                                 q_offsets=offsets_bm, kv_offsets=offsets_bm,
                                                 scale=scale, qkv_layout="BTNH", mask_type=mask)
     return out[..., :dv].astype(wide(dt))
 
 
-def _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, causal, fallback):
+def _cudnn_packed_or(q_bthk, k_bthk, v_bthv, segment_ids_bt, scale, max_segments, causal, fallback, layout=None):
     """cuDNN's packed layout over the rows' document runs, or `fallback(q, k, v)` (f32) when a row has more than
     `max_segments` runs (`lax.cond`: both compiled, one runs)."""
     _check_segments(segment_ids_bt, q_bthk.shape[:2])
     offsets_bm, lengths_bm, runs_b = document_runs(segment_ids_bt, max_segments)
 
     def packed(q, k, v):
-        return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm, causal=causal)
+        return _cudnn_packed(q, k, v, scale, offsets_bm, lengths_bm, causal=causal, layout=layout)
 
     return jax.lax.cond(jnp.all(runs_b <= max_segments), packed, fallback, q_bthk, k_bthk, v_bthv)
 
