@@ -31,7 +31,7 @@ from k3jax.training.export import export_checkpoint
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
 from k3jax.training.options import STATE_DTYPES, parse_context_stages
 from k3jax.training.trainer import SetupError, StoppedBySignal, TrainOptions, train, training_config
-from sharding.aot import aot_available, parse_gpu_target
+from sharding.aot import aot_available, parse_gpu_target, quiet_compile_only_process
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
 
@@ -199,11 +199,7 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
         need = "jax's CUDA plugin (pip install 'jax[cuda12]==<jax version>'; no GPU needed)" if gpu else \
             "libtpu (pip install 'jax[tpu]==<jax version>')"
         raise app.UsageError(f"--compile_only --topology={topology} needs {need}")
-    if gpu:  # this process only compiles: no accelerator runtime to start, no XLA warnings about what a deviceless
-        # compile leaves to the device (e.g. the sort's scratch; sharding/aot.py lists them)
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        if not jax._src.xla_bridge.backends_are_initialized():  # noqa: SLF001 - no public query
-            jax.config.update("jax_platforms", "cpu")
+    quiet_compile_only_process(topology)
     try:
         chips = gpu[1] if gpu else math.prod(int(d) for d in topology.partition(":")[2].split("x"))
     except ValueError:

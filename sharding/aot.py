@@ -20,6 +20,8 @@ import math
 import os
 import re
 
+import jax
+from jax._src import xla_bridge
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
 # Without TPU hardware libtpu must not query the GCE metadata server; set before libtpu is loaded.
@@ -128,3 +130,14 @@ def aot_topology(name: str):
 def aot_available(name: str) -> bool:
     """Whether the compiler for `name` (GPU: the CUDA plugin; TPU: libtpu) is installed."""
     return cuda_plugin_available() if parse_gpu_target(name) else libtpu_available()
+
+
+def quiet_compile_only_process(name: str) -> None:
+    """For a process that only compiles for `name`: with a GPU target no accelerator runtime is started (jax's
+    default backend stays the CPU) and XLA's warnings about what a compile without the device leaves to it (e.g.
+    the sort's scratch) are not printed. Call before anything initialises jax's backends."""
+    if parse_gpu_target(name):
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        if not xla_bridge.backends_are_initialized():  # no public query
+            jax.config.update("jax_platforms", "cpu")
+

@@ -35,7 +35,7 @@ from k3jax.param_count import count_params
 from k3jax.training.memory import compiled_memory, device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
-from sharding.aot import aot_available, aot_topology
+from sharding.aot import aot_available, aot_topology, quiet_compile_only_process
 from sharding.mesh import describe, make_mesh, parse_mesh
 
 # Published per-chip peaks: dense bf16 FLOP/s, HBM bytes/s, ICI bytes/s (all links, one direction).
@@ -162,6 +162,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--seq_len", type=int, default=64)
     args = p.parse_args(argv)
+    quiet_compile_only_process(args.topology)
     if not aot_available(args.topology):
         raise SystemExit(f"no compiler for {args.topology} is installed (TPU: pip install 'jax[tpu]==<jax version>'; "
                          "GPU: pip install 'jax[cuda12]==<jax version>')")
