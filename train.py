@@ -31,7 +31,7 @@ from k3jax.training.export import export_checkpoint
 from k3jax.training.memory import DoesNotFitError, estimate_memory, format_breakdown, knob_hints
 from k3jax.training.options import STATE_DTYPES, parse_context_stages
 from k3jax.training.trainer import SetupError, StoppedBySignal, TrainOptions, train, training_config
-from sharding.aot import aot_available, parse_gpu_target, quiet_compile_only_process
+from sharding.aot import missing_compiler, parse_gpu_target, quiet_compile_only_process
 from sharding.mesh import initialize_distributed, is_multi_host_launch
 from sharding.plan import mesh_sizes_for
 
@@ -195,9 +195,8 @@ def compile_only(cfg, opts: TrainOptions, topology: str) -> int:
         gpu = parse_gpu_target(topology)
     except ValueError as e:
         raise app.UsageError(str(e)) from None
-    if not aot_available(topology):
-        need = "jax's CUDA plugin (pip install 'jax[cuda12]==<jax version>'; no GPU needed)" if gpu else \
-            "libtpu (pip install 'jax[tpu]==<jax version>')"
+    need = missing_compiler(topology)
+    if need:
         raise app.UsageError(f"--compile_only --topology={topology} needs {need}")
     quiet_compile_only_process(topology)
     try:

@@ -99,9 +99,9 @@ def gpu_topology(name: str):
     if parsed is None:
         raise ValueError(f"unknown GPU topology {name!r}; known: {', '.join(sorted(GPU_TARGETS))} (optionally :N)")
     model, count = parsed
-    if not cuda_plugin_available():
-        raise RuntimeError(f"compiling for {name} needs the CUDA plugin: pip install 'jax[cuda12]==<jax version>' "
-                           "(no GPU needed)")
+    need = missing_compiler(name)
+    if need:
+        raise RuntimeError(f"compiling for {name} needs {need}")
     # the plugin's import-time check wants a working driver, which a deviceless compile does not need; jax loads
     # every installed plugin, so an installed libtpu gets its no-hardware environment too
     for k, v in {"JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1", **_TPU_ENV}.items():
@@ -127,9 +127,12 @@ def aot_topology(name: str):
     return gpu_topology(name) if parse_gpu_target(name) else tpu_topology(name)
 
 
-def aot_available(name: str) -> bool:
-    """Whether the compiler for `name` (GPU: the CUDA plugin; TPU: libtpu) is installed."""
-    return cuda_plugin_available() if parse_gpu_target(name) else libtpu_available()
+def missing_compiler(name: str) -> str | None:
+    """What to install to compile for `name` (GPU: jax's CUDA plugin; TPU: libtpu), or None when it is there."""
+    if parse_gpu_target(name):
+        return None if cuda_plugin_available() else \
+            "jax's CUDA plugin (pip install 'jax[cuda12]==<jax version>'; no GPU needed)"
+    return None if libtpu_available() else "libtpu (pip install 'jax[tpu]==<jax version>')"
 
 
 def quiet_compile_only_process(name: str) -> None:

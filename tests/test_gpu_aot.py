@@ -18,7 +18,7 @@ import pytest
 from k3jax.ops import attention
 from k3jax.training import memory
 from k3jax.training.aot import cudnn_workspace_bytes, roofline
-from sharding.aot import GPU_TARGETS, aot_available, cuda_plugin_available, gpu_target_config, parse_gpu_target
+from sharding.aot import GPU_TARGETS, cuda_plugin_available, gpu_target_config, missing_compiler, parse_gpu_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -141,7 +141,7 @@ def test_roofline_is_withheld_without_compiler_counts():
 def test_compile_only_for_a_gpu_without_the_plugin_names_the_install(monkeypatch):
     if cuda_plugin_available():
         pytest.skip("the CUDA plugin is installed here: the message is for machines without it")
-    assert not aot_available("h200")
+    assert missing_compiler("h200")
     run = subprocess.run([sys.executable, "train.py", "--config=tiny", "--compile_only", "--topology=h200"],
                          cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
                          timeout=300)

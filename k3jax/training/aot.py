@@ -35,7 +35,7 @@ from k3jax.param_count import count_params
 from k3jax.training.memory import compiled_memory, device_memory_bytes
 from k3jax.training.metrics import model_flops_per_token
 from k3jax.training.trainer import TrainOptions, build
-from sharding.aot import aot_available, aot_topology, quiet_compile_only_process
+from sharding.aot import aot_topology, missing_compiler, quiet_compile_only_process
 from sharding.mesh import describe, make_mesh, parse_mesh
 
 # Published per-chip peaks: dense bf16 FLOP/s, HBM bytes/s, ICI bytes/s (all links, one direction).
@@ -163,9 +163,9 @@ def main(argv=None) -> None:
     p.add_argument("--seq_len", type=int, default=64)
     args = p.parse_args(argv)
     quiet_compile_only_process(args.topology)
-    if not aot_available(args.topology):
-        raise SystemExit(f"no compiler for {args.topology} is installed (TPU: pip install 'jax[tpu]==<jax version>'; "
-                         "GPU: pip install 'jax[cuda12]==<jax version>')")
+    need = missing_compiler(args.topology)
+    if need:
+        raise SystemExit(f"compiling for {args.topology} needs {need}")
     cfg = configs.get_config(args.config, args.set)
     print(json.dumps(compile_train_step(cfg, args.topology, parse_mesh(args.mesh), batch_size=args.batch_size,
                                         seq_len=args.seq_len)))
