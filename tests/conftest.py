@@ -9,6 +9,11 @@ import sys
 _DEVICES_FLAG = "--xla_force_host_platform_device_count=8"
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _DEVICES_FLAG).strip()
+# The tiny programs the tests run take longer to compile than to run: LLVM's cheap pipeline for the generated code
+# (XLA's HLO passes and buffer assignment are unchanged) takes about a third off the suite's time on 2 cores.
+_FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ["XLA_FLAGS"] + " " + _FAST_COMPILE_FLAGS).strip()
 
 # The suite is written for CPU devices. With libtpu installed (for the tpu_compile tests) every worker would
 # otherwise try to start a TPU backend (and query a metadata server) before falling back to the CPU.
