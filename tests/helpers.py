@@ -41,7 +41,7 @@ def make_train_step():
 
 
 def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable = next_token_loss_fn, *,
-                               wrt=nnx.Param, batch_ndim: int = 2, compiler_options: dict | None = None):
+                               wrt=nnx.Param, batch_ndim: int = 2):
     """`fn(model, batch) -> (loss, grads)`, jitted with explicit shardings: the model's Variables as
     `plan_shardings` places them, the batch over ('data', 'expert') on its leading axis, the loss replicated and
     the gradients (an `nnx.State` of the `wrt` Variables) in their parameters' shardings.
@@ -60,8 +60,7 @@ def make_sharded_loss_and_grad(model: nnx.Module, mesh: Mesh, loss_fn: Callable 
         return nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(model, batch_bt)
 
     jitted = TracedUnderMesh(jax.jit(pure, in_shardings=(param_plan.shardings, rest_plan.shardings, batch),
-                                     out_shardings=(replicated, param_plan.shardings),
-                                     compiler_options=compiler_options), mesh)
+                                     out_shardings=(replicated, param_plan.shardings)), mesh)
 
     def loss_and_grad(model: nnx.Module, batch_bt: jax.Array):
         _, params, rest = nnx.split(model, wrt, ...)

@@ -33,8 +33,6 @@ from k3jax.ops.kda import kda_recurrent
 from sharding import context_parallel
 from sharding.mesh import make_mesh
 
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
 
 def _set_mesh(mesh):
     """The context mesh for tracing (what the sharded train step does)."""
@@ -233,7 +231,7 @@ def test_kcp_with_pallas_kernel_matches_single_device():
             o, s = core(*a)
             return jnp.sum(o * w_o) + jnp.sum(s * w_s), (o, s)
         fn = jax.jit(jax.value_and_grad(f, argnums=range(6), has_aux=True))
-        return fn.lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+        return fn(*args)
 
     (_, (o_ref, s_ref)), g_ref = run(lambda q, k, v, g, beta, s0: kda_recurrent(
         q, k, v, g, beta, scale=kv ** -0.5, initial_state_bhkv=s0, segment_ids_bt=ids))
@@ -411,7 +409,7 @@ def _loss_and_grads(mesh, batch, kda_impl="recurrent"):
 
     model = _build_tiny(kda_impl)
     shard_model(model, mesh)
-    fn = make_sharded_loss_and_grad(model, mesh, _packed_loss, batch_ndim=3, compiler_options=FAST_COMPILE)
+    fn = make_sharded_loss_and_grad(model, mesh, _packed_loss, batch_ndim=3)
     loss, grads = fn(model, shard_batch(batch, mesh))
     return float(loss), {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
 

@@ -254,7 +254,6 @@ def test_active_mode_follows_the_context_mesh():
 
 
 # ------------------------------------------------------------------------------------------------- whole model
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 MODEL_BATCH, MODEL_SEQ = 8, 16
 # Whole-model EP loss + gradients: the default suite has them through test_sharding_equivalence.py's (2, 4, 1, 1)
 # mesh (EP 'auto' = dropless); capacity mode is checked at the layer level above. These compile two tiny models
@@ -279,7 +278,7 @@ def _build_tiny(expert_parallel="auto"):
 def _loss_and_grads(model, mesh, ids):
     """One compile of the sharded loss+grad program; returns (loss, grads, its StableHLO text)."""
     shard_model(model, mesh)
-    fn = make_sharded_loss_and_grad(model, mesh, compiler_options=FAST_COMPILE)
+    fn = make_sharded_loss_and_grad(model, mesh)
     _, params, rest = nnx.split(model, nnx.Param, ...)
     lowered = fn.jitted.lower(params, rest, shard_batch(ids, mesh))  # traced under the mesh (EP visible)
     loss, grads = lowered.compile()(params, rest, shard_batch(ids, mesh))

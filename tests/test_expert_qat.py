@@ -231,7 +231,7 @@ def test_moe_layer_with_the_weight_qat_kernel_equals_the_xla_qat_path():
     out = {}
     for impl in ("xla", "kernel"):
         with mx_quant.weight_qat_impl(impl):
-            out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile(FAST_COMPILE)(
+            out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile()(
                 state, x)
     leaves = [jax.tree.leaves(out[impl]) for impl in ("xla", "kernel")]
     assert len(leaves[0]) > 5
@@ -254,7 +254,6 @@ def test_knobs_reach_the_runtime_config_and_bad_values_are_refused():
 # tiny with expert widths of 64: two 32-wide scale groups along both expert matmuls' reduction axes
 WIDTHS = ["routed_expert_hidden_size=64", "moe_intermediate_size=64"]
 EXPERTS = ("w1", "w3", "w2")
-FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -270,7 +269,7 @@ def logits(model, ids) -> np.ndarray:
     graphdef, state = nnx.split(model)
     key = (graphdef, ids.shape)
     if key not in _COMPILED:
-        _COMPILED[key] = _logits.lower(state, graphdef, ids).compile(FAST_COMPILE)
+        _COMPILED[key] = _logits.lower(state, graphdef, ids).compile()
     return np.asarray(_COMPILED[key](state, ids))
 
 
@@ -438,7 +437,7 @@ def _moe_loss_and_grads(cfg, mesh, x_btd, cotangent_btd):
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     with mesh_context(mesh) if mesh is not None else contextlib.nullcontext():
         lowered = fn.lower(params, x_btd)
-        value, (grads, grad_x) = lowered.compile(FAST_COMPILE)(params, x_btd)
+        value, (grads, grad_x) = lowered.compile()(params, x_btd)
     flat = {".".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(grads)}
     return float(value), {**flat, "x": np.asarray(grad_x)}, "all_to_all" in lowered.as_text()
 
@@ -487,7 +486,7 @@ def _fit_moe_layer(cfg, x, y, steps: int):
         return optax.apply_updates(params, updates), opt
 
     opt = tx.init(params)
-    compiled = jax.jit(step).lower(params, opt).compile(FAST_COMPILE)
+    compiled = jax.jit(step).lower(params, opt).compile()
     for _ in range(steps):
         params, opt = compiled(params, opt)
     return params, rest
@@ -541,7 +540,7 @@ def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_si
         biases = nnx.state(model, RouterBias)
         nnx.update(model, jax.tree.map(lambda b: jnp.broadcast_to(jnp.arange(b.shape[-1]) * 10.0, b.shape), biases))
         shard_model(model, mesh)
-        fn = make_sharded_loss_and_grad(model, mesh, compiler_options=FAST_COMPILE)
+        fn = make_sharded_loss_and_grad(model, mesh)
         _, params, rest = nnx.split(model, nnx.Param, ...)
         lowered = fn.jitted.lower(params, rest, shard_batch(ids, mesh))
         loss, grads = lowered.compile()(params, rest, shard_batch(ids, mesh))
