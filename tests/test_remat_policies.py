@@ -29,4 +29,7 @@ def test_remat_policy_keeps_loss_and_gradients(policy):
     loss1, g1 = _loss_and_grads(cfg.replace(remat_policy=policy), batch)
     np.testing.assert_allclose(loss1, loss0, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-6)
+        # f32 rounding of a differently fused recompute, measured against the leaf's own scale (a wrong recompute
+        # moves gradients by O(1) of that scale; the last-bit differences seen are ~1e-5 of it).
+        scale = float(np.max(np.abs(np.asarray(b)))) or 1.0
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=3e-5 * scale)
