@@ -1,9 +1,10 @@
-"""Test-only helpers: a plain jitted train step, the default next-token objective, a sharded loss-and-gradient
-function (the trainer itself uses `k3jax.training.step.make_sharded_train_step`), placing a model on a mesh, routing
-load statistics and the embedded-corpus dataset."""
+"""Test-only helpers: a plain jitted train step, the default next-token objective, jitted logits, a sharded
+loss-and-gradient function (the trainer itself uses `k3jax.training.step.make_sharded_train_step`), placing a model
+on a mesh, routing load statistics and the embedded-corpus dataset."""
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -22,6 +23,17 @@ from sharding.shard import ShardingPlan, TracedUnderMesh, batch_spec, plan_shard
 def next_token_loss_fn(model: nnx.Module, batch_bt: jax.Array) -> jax.Array:
     """Next-token cross-entropy on `batch[:, :-1] -> batch[:, 1:]`."""
     return next_token_loss(model(batch_bt[:, :-1]), batch_bt[:, 1:])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _logits(state, graphdef, ids):
+    return nnx.merge(graphdef, state)(ids)
+
+
+def logits(model: nnx.Module, ids: jax.Array) -> np.ndarray:
+    """`model(ids)` as a NumPy array, jitted once per model structure and input shape."""
+    graphdef, state = nnx.split(model)
+    return np.asarray(_logits(state, graphdef, ids))
 
 
 def make_train_step():

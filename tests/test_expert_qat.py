@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from k3jax.layers.moe import LatentMoE
 from k3jax.model import K3Model
 from k3jax.ops import mx_quant
 from sharding.shard import mesh_context
+from tests.helpers import logits, make_sharded_loss_and_grad, shard_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -231,8 +231,7 @@ def test_moe_layer_with_the_weight_qat_kernel_equals_the_xla_qat_path():
     out = {}
     for impl in ("xla", "kernel"):
         with mx_quant.weight_qat_impl(impl):
-            out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(state, x).compile()(
-                state, x)
+            out[impl] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(state, x)
     leaves = [jax.tree.leaves(out[impl]) for impl in ("xla", "kernel")]
     assert len(leaves[0]) > 5
     for a, b in zip(*leaves):
@@ -254,23 +253,6 @@ def test_knobs_reach_the_runtime_config_and_bad_values_are_refused():
 # tiny with expert widths of 64: two 32-wide scale groups along both expert matmuls' reduction axes
 WIDTHS = ["routed_expert_hidden_size=64", "moe_intermediate_size=64"]
 EXPERTS = ("w1", "w3", "w2")
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _logits(state, graphdef, ids):
-    return nnx.merge(graphdef, state)(ids)
-
-
-_COMPILED: dict = {}
-
-
-def logits(model, ids) -> np.ndarray:
-    """model(ids), compiled once per model structure without XLA's expensive passes."""
-    graphdef, state = nnx.split(model)
-    key = (graphdef, ids.shape)
-    if key not in _COMPILED:
-        _COMPILED[key] = _logits.lower(state, graphdef, ids).compile()
-    return np.asarray(_COMPILED[key](state, ids))
 
 
 def _routed(model) -> dict:
@@ -486,9 +468,9 @@ def _fit_moe_layer(cfg, x, y, steps: int):
         return optax.apply_updates(params, updates), opt
 
     opt = tx.init(params)
-    compiled = jax.jit(step).lower(params, opt).compile()
+    step = jax.jit(step)
     for _ in range(steps):
-        params, opt = compiled(params, opt)
+        params, opt = step(params, opt)
     return params, rest
 
 
@@ -529,7 +511,6 @@ def test_two_layer_tiny_qat_loss_and_gradients_under_expert_parallelism_match_si
     from k3jax.layers.params import RouterBias
     from sharding.mesh import make_mesh
     from sharding.shard import shard_batch
-    from tests.helpers import make_sharded_loss_and_grad, shard_model
 
     cfg = configs.get_config("tiny", WIDTHS + ["num_hidden_layers=2", "full_attn_layers=(2,)", "kda_impl=recurrent",
                                                "expert_qat=mxfp4", f"expert_act_qat={act_qat}"])

@@ -13,7 +13,6 @@ the MXFP4 grouped matmul through `k3jax.ops.gmm`.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -30,6 +29,7 @@ import k3jax
 from k3jax.config import ConfigError
 from k3jax.model import K3Model
 from k3jax.ops.gmm import InferenceOnlyError, MXFP4Experts, gmm
+from tests.helpers import logits
 from tests.test_convert_fixtures import write_hf_dir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,17 +72,6 @@ def dequantized_twin(model_q):
         assert value.shape == var.get_value().shape, key
         var.set_value(jnp.asarray(value, var.get_value().dtype))
     return ref
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _logits(state, graphdef, ids):
-    return nnx.merge(graphdef, state)(ids)
-
-
-def logits(model, ids) -> np.ndarray:
-    """model(ids), jitted."""
-    graphdef, state = nnx.split(model)
-    return np.asarray(_logits(state, graphdef, ids))
 
 
 @pytest.fixture(scope="module")

@@ -87,8 +87,7 @@ def test_loss_and_grads_match_single_device(shape, ids, reference):
         n_split += arr.sharding.shard_shape(arr.shape) != arr.shape
     assert n_split > 0, "no parameter is split on this mesh"
 
-    loss, grads = make_sharded_loss_and_grad(model, mesh)(model,
-                                                                                          shard_batch(ids, mesh))
+    loss, grads = make_sharded_loss_and_grad(model, mesh)(model, shard_batch(ids, mesh))
     assert abs(float(loss) - ref_loss) <= 1e-5 * abs(ref_loss), (float(loss), ref_loss)
     flat = dict(nnx.to_flat_state(grads))
     assert flat.keys() == ref_grads.keys()

@@ -70,8 +70,7 @@ def _hand_mean(cfg, state, data_dir, split, rows, seq_len, batches) -> float:
     """Token-weighted mean next-token cross-entropy of `cfg`'s model holding `state` over the first `batches`
     unshuffled batches of `split`: logits through the model's call, softmax cross-entropy by optax, in float64."""
     graphdef = nnx.graphdef(nnx.eval_shape(lambda: K3Model(cfg, rngs=nnx.Rngs(0))))
-    ids = jnp.zeros((rows, seq_len), jnp.int32)
-    fwd = jax.jit(lambda st, ids, seg: nnx.merge(graphdef, st)(ids, seg)).lower(state, ids, ids).compile()
+    fwd = jax.jit(lambda st, ids, seg: nnx.merge(graphdef, st)(ids, seg))
     it = pipeline.make_dataset(data_dir, batch_size=rows, seq_len=seq_len, shuffle=False, shard_index=0,
                                shard_count=1, split=split)
     total = count = 0.0
